@@ -1,0 +1,42 @@
+"""Typed errors. Every message names the bad value and says how to fix it; the CLI maps each class to
+one line and an exit code (see ``ckptq.cli``)."""
+
+
+class CkptqError(Exception):
+    """Base class of every error ckptq raises on purpose."""
+
+    exit_code = 1
+
+
+class UsageError(CkptqError):
+    """A bad option value or a combination that cannot work."""
+
+    exit_code = 2
+
+
+class InputError(CkptqError):
+    """The input is missing, unreadable, not a checkpoint, or needs unsafe unpickling."""
+
+    exit_code = 3
+
+
+class OutputExistsError(CkptqError):
+    """The output path exists and ``force`` was not given."""
+
+    exit_code = 4
+
+
+class FormatError(CkptqError):
+    """A converted file is truncated, corrupt, or of a version/codec this ckptq cannot decode."""
+
+    exit_code = 5
+
+
+class ChecksumError(FormatError):
+    """A tensor's bytes do not match the checksum recorded when it was written."""
+
+
+class StateMismatchError(CkptqError):
+    """An optimizer state dict does not fit the optimizer's parameters."""
+
+    exit_code = 6
