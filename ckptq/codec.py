@@ -18,8 +18,6 @@ The functions here are the CPU path and the reference; ``backend="triton"`` runs
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .errors import UsageError
@@ -29,28 +27,6 @@ DEFAULT_BLOCK_SIZE = 256
 TRANSFORMS = ("none", "sqrt")
 BACKENDS = ("auto", "torch", "triton")
 _CHUNK_BLOCKS = 1 << 14  # blocks per chunk on the CPU path: bounds temporaries to a few MB
-
-
-@functools.lru_cache(maxsize=None)
-def _dynamic_map_cached(signed: bool) -> torch.Tensor:
-    # Decade i (i = 0..6) covers [10^(i-7), 10^(i-6)] x (0.1..1] and holds the midpoints of an even
-    # linspace(0.1, 1): 2^i of them when signed (mirrored), 2^(i+1) when unsigned; then 0 and 1.
-    # Same construction as bitsandbytes' create_dynamic_map (computed in fp32 there, as here).
-    values = [0.0, 1.0]
-    for i in range(7):
-        n = 2**i if signed else 2 ** (i + 1)
-        edges = torch.linspace(0.1, 1, n + 1, dtype=torch.float32)
-        means = ((edges[:-1] + edges[1:]) / 2.0 * (10 ** (i - 6))).tolist()
-        values += means
-        if signed:
-            values += [-v for v in means]
-    assert len(values) == 256
-    return torch.tensor(sorted(values), dtype=torch.float32)
-
-
-def dynamic_map(signed: bool) -> torch.Tensor:
-    """The 256-entry dynamic-tree codebook, sorted ascending, fp32 (a fresh copy)."""
-    return _dynamic_map_cached(bool(signed)).clone()
 
 
 def midpoints(qmap: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import codec
+from . import codebooks, codec
 from .errors import FormatError
 
 CODEC = "blockwise"
@@ -58,7 +58,7 @@ def quantize_state(
 ) -> dict:
     """Quantize one optimizer state tensor under the policy for its state key."""
     pol = policy_for(key)
-    qmap = codec.dynamic_map(pol.signed).to(t.device)
+    qmap = codebooks.dynamic_map(pol.signed).to(t.device)
     codes, absmax = codec.quantize_blockwise(t, qmap, block_size, pol.transform, backend)
     return {
         "ckptq": CODEC,
