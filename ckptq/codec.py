@@ -18,6 +18,11 @@ The functions here are the CPU path and the reference; ``backend="triton"`` runs
 
 from __future__ import annotations
 
+import functools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from .errors import UsageError
@@ -26,7 +31,11 @@ BLOCK_SIZES = tuple(2**k for k in range(6, 13))  # 64 ... 4096
 DEFAULT_BLOCK_SIZE = 256
 TRANSFORMS = ("none", "sqrt")
 BACKENDS = ("auto", "torch", "triton")
-_CHUNK_BLOCKS = 1 << 14  # blocks per chunk on the CPU path: bounds temporaries to a few MB
+# CPU chunks: 128K elements (512 KB fp32) keep each thread's temporaries inside its core's L2 cache,
+# and 2^17 is a multiple of every block size. Other devices take big chunks: they only bound memory.
+_CPU_CHUNK = 1 << 17
+_DEVICE_CHUNK = 1 << 24
+_SIGN_FLIP = 1 << 15  # (int32 bits >> 16) is in [-2^15, 2^15); adding this makes it a table index
 
 
 def midpoints(qmap: torch.Tensor) -> torch.Tensor:
@@ -67,19 +76,162 @@ def _check_transform(transform: str) -> None:
         raise UsageError(f"transform {transform!r} is not one of {', '.join(TRANSFORMS)}")
 
 
-def _quantize_chunk(x: torch.Tensor, thresholds: torch.Tensor, block_size: int, transform: str):
-    """x: fp32 [n] with n a multiple of block_size, except possibly the tensor's last chunk."""
+def _reference_codes(x: torch.Tensor, thresholds: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rounding contract written out plainly. x: fp32 [n] (transform already applied).
+
+    Returns codes uint8 [n] and absmax fp32 [ceil(n / block_size)]. The fast path uses it for a
+    tensor's last, short block and for codebooks the lookup table cannot serve.
+    """
     n = x.numel()
     nb = num_blocks(n, block_size)
-    pad = nb * block_size - n
-    if transform == "sqrt":
-        x = torch.sqrt(x)
-    blocks = torch.nn.functional.pad(x, (0, pad)).view(nb, block_size)  # [nb, B]; zero padding never wins absmax
+    blocks = torch.nn.functional.pad(x, (0, nb * block_size - n)).view(nb, block_size)  # zeros never win absmax
     absmax = blocks.abs().amax(dim=1)  # [nb]
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     y = blocks / safe[:, None]  # IEEE division, as the kernels do
     codes = torch.searchsorted(thresholds, y, right=False, out_int32=True)  # #{t < y}
     return codes.view(-1)[:n].to(torch.uint8), absmax
+
+
+# Code lookup table. Every fp32 y falls in one of 2^16 buckets: the floats that share y's top 16 bits
+# (sign, exponent, 7 mantissa bits), a closed interval [lo_b, hi_b]. With base_b = #{t < lo_b}, and
+# thresholds t sorted, #{t < y} = base_b + #{j >= base_b : t[j] < y}. When t[base_b + 1] > hi_b (at most
+# one threshold inside the bucket) only j = base_b can count, so code = base_b + (t[base_b] < y): one
+# table lookup and one exact fp32 compare, the same answer as searchsorted for every y. Codebooks that put
+# two thresholds in one bucket get no table and take searchsorted. Buckets of NaNs map to 255, as
+# searchsorted does; y is never a signalling NaN (it comes out of a division). bitsandbytes' CPU path
+# also uses a 65,536-bin table, but without the exact fix-up compare.
+class _CodeTable:
+    def __init__(self, base: torch.Tensor, thr: torch.Tensor):
+        self.base = base  # uint8 [65536], indexed by (bits of y >> 16) + 2^15
+        self.thr = thr  # fp32 [65536]: t[base], +inf when base is 255
+
+
+def _bucket_bounds() -> tuple[torch.Tensor, torch.Tensor]:
+    """lo, hi: fp32 [65536], the smallest and largest value of each bucket, in table order."""
+    top = torch.arange(-_SIGN_FLIP, _SIGN_FLIP, dtype=torch.int64)  # signed top 16 bits
+    zero_low = (top << 16).to(torch.int32).view(torch.float32)
+    ones_low = ((top << 16) | 0xFFFF).to(torch.int32).view(torch.float32)
+    negative = top < 0  # larger low bits mean more negative
+    lo = torch.where(negative, ones_low, zero_low)
+    hi = torch.where(negative, zero_low, ones_low)
+    special = ((top >> 7) & 0xFF) == 0xFF  # exponent 255: +-inf (mantissa 0, in lo) or NaN
+    nan = special & ((top & 0x7F) != 0)
+    lo = torch.where(special, zero_low, lo).masked_fill(nan, float("nan"))
+    hi = torch.where(special, zero_low, hi).masked_fill(nan, float("nan"))
+    return lo, hi
+
+
+@functools.lru_cache(maxsize=16)
+def _code_table_cpu(threshold_bytes: bytes) -> _CodeTable | None:
+    t = torch.frombuffer(bytearray(threshold_bytes), dtype=torch.float32)  # [255]
+    lo, hi = _bucket_bounds()
+    base = torch.searchsorted(t, lo)  # #{t < lo}; NaN -> 255
+    t_ext = torch.cat([t, torch.full((2,), float("inf"))])  # [257]: t[255] = t[256] = +inf
+    one_inside = (t_ext[base + 1] > hi) | hi.isnan()
+    if not bool(one_inside.all()):
+        return None
+    return _CodeTable(base.to(torch.uint8), t_ext[base])
+
+
+def _code_table(thresholds: torch.Tensor) -> _CodeTable | None:
+    table = _code_table_cpu(thresholds.cpu().numpy().tobytes())
+    if table is None or thresholds.device.type == "cpu":
+        return table
+    return _CodeTable(table.base.to(thresholds.device), table.thr.to(thresholds.device))
+
+
+class _Workspace:
+    """Scratch buffers for one chunk; one per CPU thread, reused across calls."""
+
+    def __init__(self, chunk: int, device: torch.device):
+        self.x = torch.empty(chunk, dtype=torch.float32, device=device)  # converted input, later thresholds
+        self.y = torch.empty(chunk, dtype=torch.float32, device=device)  # x / absmax
+        self.idx = torch.empty(chunk, dtype=torch.int32, device=device)  # table index / codes as int32
+        self.gt = torch.empty(chunk, dtype=torch.bool, device=device)
+
+
+_local = threading.local()
+
+
+def _workspace(device: torch.device, chunk: int) -> _Workspace:
+    if device.type != "cpu":
+        return _Workspace(chunk, device)
+    ws = getattr(_local, "workspace", None)
+    if ws is None:
+        ws = _local.workspace = _Workspace(_CPU_CHUNK, device)
+    return ws
+
+
+_pool_state: dict = {}
+
+
+def _worker_init() -> None:
+    torch.set_num_threads(1)  # per-thread under OpenMP: the chunks are the parallelism, no nested teams
+
+
+def _pool() -> ThreadPoolExecutor | None:
+    """A small thread pool for CPU chunks (torch ops release the GIL), rebuilt after a fork."""
+    workers = min(os.cpu_count() or 1, torch.get_num_threads())
+    if workers < 2:
+        return None
+    key = (os.getpid(), workers)
+    if _pool_state.get("key") != key:
+        _pool_state["pool"] = ThreadPoolExecutor(workers, "ckptq-codec", initializer=_worker_init)
+        _pool_state["key"] = key
+    return _pool_state["pool"]
+
+
+def _for_each_chunk(fn, n: int, device: torch.device) -> None:
+    """Call fn(start, stop, workspace) over [0, n) in chunks, on the CPU pool when there are several."""
+    chunk = _CPU_CHUNK if device.type == "cpu" else _DEVICE_CHUNK
+    spans = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+    pool = _pool() if device.type == "cpu" and len(spans) > 1 else None
+    if pool is None:
+        for start, stop in spans:
+            fn(start, stop, _workspace(device, min(chunk, n)))
+        return
+    list(pool.map(lambda span: fn(*span, _workspace(device, chunk)), spans))
+
+
+def _as_fp32(src: torch.Tensor, buf: torch.Tensor, transform: str) -> torch.Tensor:
+    """src: [n] any float dtype -> fp32 [n], sqrt applied; uses buf [n] unless src can be used as is."""
+    if src.dtype != torch.float32:
+        src = buf.copy_(src)
+    if transform == "sqrt":
+        return torch.sqrt(src, out=buf)
+    return src
+
+
+def _absmax_rows(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """out[i] = max |blocks[i, :]| for blocks [nb, B]. Two reductions beat abs() + amax (no full temp);
+    abs_ turns a -0.0 from an all-zero block into the +0.0 that abs().amax gives."""
+    torch.amax(blocks, dim=1, out=out)
+    torch.maximum(out, torch.amin(blocks, dim=1).neg_(), out=out).abs_()
+
+
+def _lookup_codes(y: torch.Tensor, table: _CodeTable, codes: torch.Tensor, ws: _Workspace) -> None:
+    """codes [n] uint8 = #{t < y} for y fp32 [n], via the table (see _CodeTable)."""
+    n = y.numel()
+    idx = torch.bitwise_right_shift(y.view(torch.int32), 16, out=ws.idx[:n]).add_(_SIGN_FLIP)
+    torch.index_select(table.base, 0, idx, out=codes)
+    thr = torch.index_select(table.thr, 0, idx, out=ws.x[:n])
+    codes.add_(torch.gt(y, thr, out=ws.gt[:n]))
+
+
+def _quantize_span(src, codes, absmax, thresholds, table, block_size, transform, ws) -> None:
+    """Quantize src [n] into codes [n] and absmax [ceil(n / B)] (views of the outputs); n <= chunk."""
+    n = src.numel()
+    x = _as_fp32(src, ws.x[:n], transform)
+    full = n - n % block_size
+    nb = full // block_size
+    if nb:
+        blocks = x[:full].view(nb, block_size)
+        _absmax_rows(blocks, absmax[:nb])
+        safe = torch.where(absmax[:nb] > 0, absmax[:nb], 1.0)
+        y = torch.div(blocks, safe[:, None], out=ws.y[:full].view(nb, block_size)).view(-1)
+        _lookup_codes(y, table, codes[:full], ws)
+    if full < n:  # the tensor's last, short block
+        codes[full:], absmax[nb:] = _reference_codes(x[full:], thresholds, block_size)
 
 
 def quantize_blockwise(
@@ -101,16 +253,36 @@ def quantize_blockwise(
         from .kernels import quant
 
         return quant.quantize_blockwise(x, qmap, block_size, transform)
-    flat = x.detach().reshape(-1).to(torch.float32)
+    flat = x.detach().reshape(-1)  # converted to fp32 chunk by chunk: no full-size copy
     thresholds = midpoints(qmap.to(flat.device))
-    chunk = _CHUNK_BLOCKS * block_size
-    codes = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
-    absmax = torch.empty(num_blocks(flat.numel(), block_size), dtype=torch.float32, device=flat.device)
-    for start in range(0, flat.numel(), chunk):
-        c, a = _quantize_chunk(flat[start : start + chunk], thresholds, block_size, transform)
-        codes[start : start + c.numel()] = c
-        absmax[start // block_size : start // block_size + a.numel()] = a
+    table = _code_table(thresholds)
+    n = flat.numel()
+    codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
+    absmax = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=flat.device)
+
+    def span(start: int, stop: int, ws: _Workspace) -> None:
+        c, a = codes[start:stop], absmax[start // block_size : num_blocks(stop, block_size)]
+        if table is None:
+            c[:], a[:] = _reference_codes(_as_fp32(flat[start:stop], ws.x[: stop - start], transform), thresholds, block_size)
+        else:
+            _quantize_span(flat[start:stop], c, a, thresholds, table, block_size, transform, ws)
+
+    _for_each_chunk(span, n, flat.device)
     return codes, absmax
+
+
+def _dequantize_span(codes, absmax, qmap, out, block_size, transform, ws) -> None:
+    """out [n] = qmap[codes] * absmax[block] (then squared for "sqrt"); codes uint8 [n], n <= chunk."""
+    n = codes.numel()
+    idx = ws.idx[:n].copy_(codes)  # index_select takes int32 indices: no int64 temporary
+    torch.index_select(qmap, 0, idx, out=out)
+    full = n - n % block_size
+    nb = full // block_size
+    out[:full].view(nb, block_size).mul_(absmax[:nb, None])
+    if full < n:
+        out[full:].mul_(absmax[nb])
+    if transform == "sqrt":
+        out.mul_(out)  # v * v in fp32, as the kernels do
 
 
 def dequantize_blockwise(
@@ -131,17 +303,14 @@ def dequantize_blockwise(
         from .kernels import quant
 
         return quant.dequantize_blockwise(codes, absmax, qmap, block_size, transform)
-    n = codes.numel()
-    qmap = qmap.to(device=codes.device, dtype=torch.float32)
-    out = torch.empty(n, dtype=torch.float32, device=codes.device)
-    chunk = _CHUNK_BLOCKS * block_size
-    for start in range(0, n, chunk):
-        c = codes.reshape(-1)[start : start + chunk]
-        vals = qmap[c.to(torch.int64)]
-        nb = num_blocks(c.numel(), block_size)
-        scale = absmax[start // block_size : start // block_size + nb].repeat_interleave(block_size)[: c.numel()]
-        vals = vals * scale
-        if transform == "sqrt":
-            vals = vals * vals
-        out[start : start + c.numel()] = vals
+    flat = codes.reshape(-1)
+    qmap = qmap.to(device=flat.device, dtype=torch.float32).contiguous()
+    absmax = absmax.to(device=flat.device, dtype=torch.float32).reshape(-1)
+    out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
+
+    def span(start: int, stop: int, ws: _Workspace) -> None:
+        a = absmax[start // block_size : num_blocks(stop, block_size)]
+        _dequantize_span(flat[start:stop], a, qmap, out[start:stop], block_size, transform, ws)
+
+    _for_each_chunk(span, flat.numel(), flat.device)
     return out

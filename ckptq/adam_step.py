@@ -1,0 +1,143 @@
+"""The Adam step in PyTorch: the update math (once, in fp32) and the chunked 8-bit CPU path.
+
+``adam8bit_step`` is the CPU path and the reference for the fused Triton kernel
+(``ckptq.kernels.adam8bit.adam8bit_step``, same signature, same codes). Per block of ``block_size``
+elements it dequantizes both moments (``qmap[code] * absmax``, squared under the ``"sqrt"``
+transform), runs the Adam update in fp32, and requantizes the new moments with new block scales
+under exactly the rounding contract of ``ckptq.codec``. Large tensors are processed in chunks of
+whole blocks, so temporaries stay a few MB whatever the tensor size.
+
+Update math follows ``torch.optim.AdamW`` / ``torch.optim.Adam`` (single-tensor path) and
+torchao's ``single_param_adam``; the state is blockwise 8-bit as in Dettmers et al., "8-bit
+Optimizers via Block-wise Quantization" (ICLR 2022).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .codec import midpoints
+
+# Scalars of one step, host-computed in float64 and rounded once to fp32 so that every backend sees
+# the same values: fp32 [8] in this order.
+HYPER_FIELDS = ("decay", "l2", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "neg_step_size", "bc2_sqrt")
+CHUNK_ELEMENTS = 1 << 16  # elements per chunk on the CPU path (whole blocks for every block size <= 4096)
+
+
+def hyper_tensor(lr, beta1, beta2, eps, weight_decay, step, decoupled: bool, device=None) -> torch.Tensor:
+    """The fp32 [8] scalar vector of one step (``step`` counts from 1)."""
+    lr, step = float(lr), float(step)
+    decay = 1.0 - lr * weight_decay if decoupled else 1.0
+    l2 = 0.0 if decoupled else float(weight_decay)
+    bc1 = 1.0 - beta1**step
+    bc2_sqrt = (1.0 - beta2**step) ** 0.5
+    values = (decay, l2, 1.0 - beta1, beta2, 1.0 - beta2, eps, -lr / bc1, bc2_sqrt)
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def adam_math(p, g, m, v, vmax, h, maximize: bool):
+    """One Adam(W) update on fp32 tensors of one shape; ``h`` is ``hyper_tensor``'s fp32 [8].
+
+    Returns ``(p, m, v, vmax)``; ``vmax`` is None without amsgrad. Decoupled decay (AdamW) is
+    ``h[0] = 1 - lr*wd``, L2 decay (Adam) is ``h[1] = wd``; the unused one is the identity (x*1, x+0*p).
+    """
+    if maximize:
+        g = -g
+    g = g + h[1] * p
+    m = m + h[2] * (g - m)  # torch's lerp(m, g, 1 - beta1) for weights < 0.5
+    v = v * h[3] + h[4] * (g * g)
+    if vmax is not None:
+        vmax = torch.maximum(vmax, v)
+    denom = torch.sqrt(v if vmax is None else vmax) / h[7] + h[5]
+    p = p * h[0] + h[6] * (m / denom)
+    return p, m, v, vmax
+
+
+def dequantize_rows(codes, absmax, qmap, transform: str) -> torch.Tensor:
+    """codes uint8 [nb, B], absmax fp32 [nb] -> fp32 [nb, B] (``ckptq.codec`` decoding)."""
+    x = qmap[codes.to(torch.int64)] * absmax[:, None]
+    return x * x if transform == "sqrt" else x
+
+
+def quantize_rows(x, thresholds, transform: str):
+    """fp32 [nb, B] -> (codes uint8 [nb, B], absmax fp32 [nb]), the ``ckptq.codec`` rounding contract."""
+    if transform == "sqrt":
+        x = torch.sqrt(x)
+    absmax = x.abs().amax(dim=1)
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    codes = torch.searchsorted(thresholds, x / safe[:, None], right=False, out_int32=True)  # #{t < y}
+    return codes.to(torch.uint8), absmax
+
+
+def step_rows(p, g, h, states, maximize: bool):
+    """The fused step on whole blocks: p, g [nb, B] (any float dtype), h fp32 [8].
+
+    ``states``: tuple of (codes u8 [nb, B], absmax fp32 [nb], qmap fp32 [256], thresholds fp32 [255],
+    transform) for exp_avg, exp_avg_sq and optionally max_exp_avg_sq. Returns (p fp32 [nb, B],
+    ((codes, absmax), ...)) with the new values; this is the function the compiled path traces.
+    """
+    dense = [dequantize_rows(c, a, q, tr) for c, a, q, _, tr in states]
+    vmax = dense[2] if len(dense) == 3 else None
+    p32, m, v, vmax = adam_math(p.float(), g.float(), dense[0], dense[1], vmax, h, maximize)
+    new = (m, v) if vmax is None else (m, v, vmax)
+    return p32, tuple(quantize_rows(x, s[3], s[4]) for x, s in zip(new, states))
+
+
+def _padded_rows(x: torch.Tensor, rows: int, block: int, fill) -> torch.Tensor:
+    pad = rows * block - x.numel()
+    return torch.nn.functional.pad(x, (0, pad), value=fill).view(rows, block) if pad else x.view(rows, block)
+
+
+def _run_chunk(fn, p, g, h, qstates, tables, start: int, end: int, maximize: bool) -> None:
+    """Step elements [start, end) of flat p/g/codes in place; pads a short last block with zeros."""
+    block = qstates[0]["block_size"]
+    rows = -(-(end - start) // block)
+    b0 = start // block
+    states = tuple(
+        (_padded_rows(q["codes"][start:end], rows, block, zero), q["absmax"][b0 : b0 + rows], q["qmap"], thr, q["transform"])
+        for q, (thr, zero) in zip(qstates, tables)
+    )
+    p_rows = _padded_rows(p[start:end], rows, block, 0.0)
+    g_rows = _padded_rows(g[start:end], rows, block, 0.0)
+    p_new, new = fn(p_rows, g_rows, h, states, maximize)
+    p[start:end] = p_new.view(-1)[: end - start]
+    for q, (codes, absmax) in zip(qstates, new):
+        q["codes"][start:end] = codes.view(-1)[: end - start]
+        q["absmax"][b0 : b0 + rows] = absmax
+
+
+def _tables(q: dict):
+    """(thresholds fp32 [255], index of the code that decodes to 0) for one qstate."""
+    qmap = q["qmap"]
+    return midpoints(qmap), int(torch.nonzero(qmap == 0)[0, 0])
+
+
+def adam8bit_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper, *, maximize=False, chunk_fn=None) -> None:
+    """One 8-bit Adam(W) step on one parameter, in place (param, and each qstate's codes/absmax).
+
+    ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq`` (None without amsgrad) are qstate dicts with one
+    block size and flat ``codes``; ``hyper`` is ``hyper_tensor``'s fp32 [8]. ``chunk_fn`` replaces
+    ``step_rows`` on full chunks of ``CHUNK_ELEMENTS`` (the compiled CPU path); the last, shorter
+    chunk always runs eagerly.
+    """
+    qstates = [q for q in (exp_avg, exp_avg_sq, max_exp_avg_sq) if q is not None]
+    assert len({q["block_size"] for q in qstates}) == 1, "states of one parameter share a block size"
+    tables = [_tables(q) for q in qstates]
+    p = param.data.view(-1)
+    g = grad.reshape(-1)
+    n = p.numel()
+    for start in range(0, n, CHUNK_ELEMENTS):
+        end = min(n, start + CHUNK_ELEMENTS)
+        fn = chunk_fn if (chunk_fn is not None and end - start == CHUNK_ELEMENTS) else step_rows
+        _run_chunk(fn, p, g, hyper, qstates, tables, start, end, maximize)
+
+
+def adam_dense_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper, *, maximize=False) -> None:
+    """The same step for small parameters whose states are plain fp32 tensors (in place)."""
+    vmax = None if max_exp_avg_sq is None else max_exp_avg_sq
+    p32, m, v, vmax = adam_math(param.detach().float(), grad.float(), exp_avg, exp_avg_sq, vmax, hyper, maximize)
+    param.data.copy_(p32)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    if max_exp_avg_sq is not None:
+        max_exp_avg_sq.copy_(vmax)

@@ -1,0 +1,169 @@
+"""8-bit Adam and AdamW that keep PyTorch's state keys and resume from ``ckptq`` checkpoints.
+
+State per parameter: ``step`` (0-dim fp32 tensor, as torch), ``exp_avg``, ``exp_avg_sq`` and, with
+amsgrad, ``max_exp_avg_sq``: each a qstate dict (``ckptq.qstate``: uint8 codes + fp32 absmax per
+block + codebook) for parameters with at least ``min_size`` elements, a plain fp32 tensor below.
+The update math lives once in ``ckptq.adam_step``; CUDA parameters run the fused Triton kernel in
+``ckptq.kernels.adam8bit``. Design after torchao's low-bit optimizers (``torchao/optim``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from . import adam_step, qstate
+from .errors import StateMismatchError, UsageError
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _default_compile() -> bool:
+    # CKPTQ_COMPILE=0 selects the eager CPU path everywhere (test suites, machines without a compiler).
+    return os.environ.get("CKPTQ_COMPILE", "1") != "0"
+
+
+class _CompiledChunk:
+    """``torch.compile``d ``step_rows`` for the CPU path, built on first use; eager if compiling fails."""
+
+    def __init__(self):
+        self._fn = None
+        self.failed = False
+
+    def __call__(self, *args):
+        if self.failed:
+            return adam_step.step_rows(*args)
+        try:
+            if self._fn is None:
+                self._fn = torch.compile(adam_step.step_rows, dynamic=False, fullgraph=True)
+            return self._fn(*args)
+        except Exception as exc:  # no C++ compiler, unsupported platform, inductor bug: same math, eager
+            self.failed = True
+            warnings.warn(f"ckptq: compiling the CPU Adam step failed ({type(exc).__name__}); using eager", RuntimeWarning)
+            return adam_step.step_rows(*args)
+
+
+class _Adam8bitBase(torch.optim.Optimizer):
+    decoupled = True
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        amsgrad=False,
+        *,
+        maximize=False,
+        block_size=256,
+        min_size=4096,
+        backend="auto",
+        compile=None,
+    ):
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise UsageError(f"a tensor lr must have one element, got shape {tuple(lr.shape)}")
+        if not 0.0 <= float(lr) or not 0.0 <= eps or not 0.0 <= weight_decay:
+            raise UsageError(f"lr, eps and weight_decay must be >= 0, got {float(lr)}, {eps}, {weight_decay}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise UsageError(f"betas must lie in [0, 1), got {betas}")
+        if backend not in BACKENDS:
+            raise UsageError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        qstate.codec.check_block_size(block_size)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+        super().__init__(params, defaults)
+        self.block_size, self.min_size, self.backend = block_size, min_size, backend
+        self._compiled = _CompiledChunk() if (_default_compile() if compile is None else compile) else None
+
+    def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
+        state = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        for key in MOMENT_KEYS[: 3 if amsgrad else 2]:
+            zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            state[key] = self._quantize(zeros, key) if p.numel() >= self.min_size else zeros
+        return state
+
+    def _quantize(self, t: torch.Tensor, key: str) -> dict:
+        q = qstate.quantize_state(t.float(), key, self.block_size, backend="torch" if t.device.type == "cpu" else "auto")
+        q["dtype"] = "float32"  # the state is fp32 whatever the checkpoint stored
+        return q
+
+    def _backend_for(self, p: torch.Tensor) -> str:
+        if self.backend == "auto":
+            return "triton" if p.device.type == "cuda" else "torch"
+        return self.backend
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._step_param(p, group)
+        return loss
+
+    def _step_param(self, p: torch.Tensor, group: dict) -> None:
+        if p.grad.is_sparse:
+            raise UsageError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
+        state = self.state[p]
+        if not state:
+            state.update(self._init_state(p, group["amsgrad"]))
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = self._like(state["exp_avg_sq"], p)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        hyper = adam_step.hyper_tensor(
+            group["lr"], beta1, beta2, group["eps"], group["weight_decay"], float(state["step"]), self.decoupled, p.device
+        )
+        moments = [state.get(k) if group["amsgrad"] else None for k in MOMENT_KEYS]
+        moments[:2] = state["exp_avg"], state["exp_avg_sq"]
+        if not qstate.is_qstate(moments[0]):
+            adam_step.adam_dense_step(p, p.grad, *moments, hyper, maximize=group["maximize"])
+        elif self._backend_for(p) == "triton":
+            from .kernels import adam8bit
+
+            adam8bit.adam8bit_step(p, p.grad, *moments, hyper, maximize=group["maximize"])
+        else:
+            adam_step.adam8bit_step(p, p.grad, *moments, hyper, maximize=group["maximize"], chunk_fn=self._compiled)
+
+    def _like(self, template, p: torch.Tensor):
+        """A zero max_exp_avg_sq in the same representation as ``template`` (amsgrad turned on later)."""
+        zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        return self._quantize(zeros, "max_exp_avg_sq") if qstate.is_qstate(template) else zeros
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load this optimizer's own state dict, a torch Adam/AdamW one (fp32 moments, quantized here
+        under ``qstate.quantize_state``), or ``ckptq.load(path)["optimizer"]`` (qstates used as stored).
+
+        Raises ``StateMismatchError`` before changing anything if groups, counts or shapes differ.
+        """
+        from .optim_io import import_state_dict
+
+        state, groups = import_state_dict(self, state_dict)
+        self.state.clear()
+        self.state.update(state)
+        self.param_groups = groups
+
+
+class AdamW8bit(_Adam8bitBase):
+    """``torch.optim.AdamW`` with blockwise 8-bit moments (decoupled weight decay; default 1e-2)."""
+
+    decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, **kwargs):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+class Adam8bit(_Adam8bitBase):
+    """``torch.optim.Adam`` with blockwise 8-bit moments (L2 weight decay added to the gradient)."""
+
+    decoupled = False
+
+
+__all__ = ["AdamW8bit", "Adam8bit", "StateMismatchError"]

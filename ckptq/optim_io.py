@@ -1,0 +1,91 @@
+"""Import an optimizer state dict into ``ckptq.optim``'s 8-bit Adam: validate everything first, then
+build the new state (qstates copied as stored, fp32 moments quantized under ``qstate``'s policy).
+
+``torch.optim.Optimizer.load_state_dict`` cannot be reused: it casts every floating tensor to the
+parameter's dtype (uint8 codes would become floats) and turns strings nested in state dicts into
+generator reprs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import qstate
+from .errors import StateMismatchError
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def import_state_dict(opt, state_dict: dict):
+    """Return ``(state {param: dict}, param_groups)`` for ``opt``; raises before ``opt`` changes."""
+    saved_groups = state_dict.get("param_groups")
+    if not isinstance(saved_groups, list) or "state" not in state_dict:
+        raise StateMismatchError("not an optimizer state dict: expected keys 'state' and 'param_groups'")
+    if len(saved_groups) != len(opt.param_groups):
+        raise StateMismatchError(
+            f"state dict has {len(saved_groups)} param groups but the optimizer has {len(opt.param_groups)}; "
+            "build the optimizer with the same groups as the one that was saved"
+        )
+    id_map = {}
+    for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        if len(group["params"]) != len(saved["params"]):
+            raise StateMismatchError(
+                f"param group {i} has {len(group['params'])} parameters but the state dict's has "
+                f"{len(saved['params'])}; pass the same parameters in the same order"
+            )
+        id_map.update(zip(saved["params"], group["params"]))
+    state = {}
+    for pid, saved_state in state_dict["state"].items():
+        if pid not in id_map:
+            raise StateMismatchError(f"state dict has state for parameter id {pid!r}, which no param group lists")
+        state[id_map[pid]] = _import_param_state(opt, id_map[pid], pid, saved_state)
+    groups = [{**saved, "params": group["params"]} for group, saved in zip(opt.param_groups, saved_groups)]
+    return state, groups
+
+
+def _import_param_state(opt, p: torch.Tensor, pid, saved: dict) -> dict:
+    unknown = set(saved) - {"step", *MOMENT_KEYS}
+    if unknown or "exp_avg" not in saved or "exp_avg_sq" not in saved:
+        raise StateMismatchError(
+            f"state of parameter {pid} has keys {sorted(saved)}, expected step/exp_avg/exp_avg_sq"
+            "[/max_exp_avg_sq] as torch.optim.Adam(W) writes them; convert other optimizers' state first"
+        )
+    for key in MOMENT_KEYS:
+        if key in saved:
+            _check_shape(p, pid, key, saved[key])
+    moments = {k: saved[k] for k in MOMENT_KEYS if k in saved}
+    quantized = p.numel() >= opt.min_size or any(qstate.is_qstate(v) for v in moments.values())
+    block_sizes = {v["block_size"] for v in moments.values() if qstate.is_qstate(v)}
+    requantize = len(block_sizes) > 1  # one fused step needs one block size per parameter
+    out = {"step": torch.tensor(float(saved.get("step", 0)), dtype=torch.float32)}
+    for key, value in moments.items():
+        out[key] = _import_moment(opt, p, key, value, quantized, requantize)
+    return out
+
+
+def _check_shape(p: torch.Tensor, pid, key: str, value) -> None:
+    if qstate.is_qstate(value):
+        qstate.check_qstate(value)
+        shape, n_codes = tuple(value["shape"]), value["codes"].numel()
+    elif isinstance(value, torch.Tensor):
+        shape, n_codes = tuple(value.shape), value.numel()
+    else:
+        raise StateMismatchError(f"state {key!r} of parameter {pid} is a {type(value).__name__}, not a tensor")
+    if shape != tuple(p.shape) or n_codes != p.numel():
+        raise StateMismatchError(
+            f"state {key!r} of parameter {pid} has shape {shape} but the parameter has shape {tuple(p.shape)}; "
+            "pass the parameters in the order the optimizer was saved with"
+        )
+
+
+def _import_moment(opt, p: torch.Tensor, key: str, value, quantized: bool, requantize: bool):
+    if qstate.is_qstate(value) and not requantize:
+        q = dict(value)
+        for name in ("codes", "absmax", "qmap"):
+            q[name] = value[name].to(p.device).clone()  # our steps write codes in place: never share them
+        q["codes"] = q["codes"].reshape(-1)
+        q["shape"] = tuple(value["shape"])
+        return q
+    dense = qstate.dequantize_state(value) if qstate.is_qstate(value) else value
+    dense = dense.to(device=p.device, dtype=torch.float32)
+    return opt._quantize(dense, key) if quantized else dense.clone()

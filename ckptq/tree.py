@@ -1,0 +1,272 @@
+"""Checkpoint trees <-> a JSON skeleton plus a flat list of stored tensors.
+
+``flatten(obj)`` turns any object that ``torch.load(weights_only=True)`` can return into a JSON-able
+*skeleton* and a list of :class:`Stored` tensors (what goes into the safetensors file);
+``unflatten(skeleton, fetch)`` rebuilds the object. Node encodings are specified in docs/FORMAT.md.
+
+Tensors that share storage (tied weights, views of one buffer) are stored once, as the storage span,
+and every tensor that uses it becomes a view (offset, shape, stride) of it, so sharing survives.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import qstate
+from .errors import FormatError, UsageError
+
+DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise FormatError(f"unknown dtype {name!r} in file; upgrade ckptq or check the file")
+    return dtype
+
+
+@dataclass
+class Stored:
+    """One tensor of the output file. ``produce()`` returns it (contiguous, CPU, ``dtype``, ``shape``);
+    it is called once, when the writer reaches it, so large inputs are touched one at a time."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple
+    produce: Callable[[], torch.Tensor]
+    role: str = "exact"  # "exact" | "codes" | "absmax" | "codebook"
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class PendingQuant:
+    """A state tensor to be quantized when the writer reaches it (lazy: bounded memory)."""
+
+    tensor: torch.Tensor
+    key: str
+    block_size: int
+    backend: str = "auto"
+    _result: dict | None = field(default=None, repr=False)
+
+    def result(self) -> dict:
+        if self._result is None:
+            self._result = qstate.quantize_state(self.tensor, self.key, self.block_size, self.backend)
+        return self._result
+
+    def take(self, part: str) -> torch.Tensor:
+        out = self.result()[part]
+        if part == "absmax":  # absmax is written after codes: free the memo
+            self._result = None
+        return out.cpu()
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}/{key}" if path else str(key)
+
+
+def _codebook_for(key: str) -> torch.Tensor:
+    # The codebook quantize_state would use for this state key, without quantizing the tensor yet.
+    return qstate.quantize_state(torch.zeros(1), key)["qmap"]
+
+
+class _Flattener:
+    def __init__(self):
+        self.stored: list[Stored] = []
+        self.names: set[str] = set()
+        self.storages: dict[tuple, list] = {}  # storage key -> [data name, stored dtype]
+        self.codebooks: dict[tuple, str] = {}
+
+    def unique(self, name: str) -> str:
+        base, n = name or "root", 1
+        while name in self.names or not name:
+            name, n = f"{base}~{n}", n + 1
+        self.names.add(name)
+        return name
+
+    def add(self, name, dtype, shape, produce, role="exact") -> str:
+        name = self.unique(name)
+        self.stored.append(Stored(name, dtype, tuple(shape), produce, role))
+        return name
+
+    def node(self, obj: Any, path: str) -> Any:
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, int):
+            return obj
+        if isinstance(obj, float):
+            return {"float": repr(obj)}
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, path)
+        if isinstance(obj, PendingQuant):
+            return self.quantized(obj, path)
+        if qstate.is_qstate(obj):
+            return self.quantized(obj, path)
+        if isinstance(obj, dict):
+            return self.mapping(obj, path)
+        if isinstance(obj, torch.Size):
+            return {"size": list(obj)}
+        if isinstance(obj, (list, tuple)):
+            kind = "list" if isinstance(obj, list) else "tuple"
+            return {kind: [self.node(v, _join(path, i)) for i, v in enumerate(obj)]}
+        if isinstance(obj, torch.dtype):
+            return {"dtype": dtype_name(obj)}
+        if isinstance(obj, torch.device):
+            return {"device": str(obj)}
+        raise UsageError(f"cannot store {type(obj).__name__} at {path or '/'}: ckptq stores what "
+                         "torch.load(weights_only=True) returns (tensors, dicts, lists, numbers, strings)")
+
+    def mapping(self, obj: dict, path: str) -> dict:
+        items = [[self.node(k, _join(path, "<key>")), self.node(v, _join(path, k))] for k, v in obj.items()]
+        if type(obj) is dict:
+            return {"dict": items}
+        if isinstance(obj, collections.OrderedDict):
+            node = {"odict": items}
+            meta = getattr(obj, "_metadata", None)  # nn.Module.state_dict() version info
+            if meta is not None:
+                node["_metadata"] = self.node(meta, _join(path, "_metadata"))
+            return node
+        raise UsageError(f"cannot store {type(obj).__name__} at {path}: only dict and OrderedDict mappings")
+
+    def tensor(self, t: torch.Tensor, path: str) -> dict:
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        key = (t.device.type, storage.data_ptr(), nbytes) if nbytes else ("empty", id(t))
+        node = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+        if isinstance(t, torch.nn.Parameter):
+            node["parameter"] = True
+        whole = t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size() == nbytes
+        if key not in self.storages:
+            if whole or t.dtype not in DTYPES:
+                stored_dtype, shape = (t.dtype, t.shape) if t.dtype in DTYPES else (torch.uint8, (nbytes,))
+                src = t if t.dtype in DTYPES else t.detach().reshape(-1).view(torch.uint8)
+            else:
+                stored_dtype, shape = t.dtype, (nbytes // t.element_size(),)
+                src = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, shape)
+            name = self.add(path, stored_dtype, shape, lambda s=src: s.detach().contiguous().cpu())
+            self.storages[key] = [name, stored_dtype]
+        name, stored_dtype = self.storages[key]
+        node["data"] = name
+        if not (whole and stored_dtype == t.dtype):
+            node["offset"] = t.storage_offset()
+            node["stride"] = list(t.stride())
+        return {"tensor": node}
+
+    def quantized(self, q, path: str) -> dict:
+        lazy = isinstance(q, PendingQuant)
+        if lazy:
+            pol, numel = qstate.policy_for(q.key), q.tensor.numel()
+            qmap = _codebook_for(q.key)
+            meta = {"block_size": q.block_size, "transform": pol.transform,
+                    "shape": list(q.tensor.shape), "dtype": dtype_name(q.tensor.dtype)}
+        else:
+            qstate.check_qstate(q)
+            numel, qmap = q["codes"].numel(), q["qmap"]
+            meta = {k: q[k] for k in ("block_size", "transform", "dtype")} | {"shape": list(q["shape"])}
+        nb = -(-numel // meta["block_size"])
+        get = (lambda part: q.take(part)) if lazy else (lambda part: q[part].detach().contiguous().cpu())
+        codes = self.add(_join(path, "codes"), torch.uint8, (numel,), lambda: get("codes"), "codes")
+        absmax = self.add(_join(path, "absmax"), torch.float32, (nb,), lambda: get("absmax"), "absmax")
+        return {"quantized": {"codec": qstate.CODEC, "bits": 8, "codes": codes, "absmax": absmax,
+                              "qmap": self.codebook(qmap), **meta}}
+
+    def codebook(self, qmap: torch.Tensor) -> str:
+        qmap = qmap.detach().to("cpu", torch.float32).contiguous()
+        key = tuple(qmap.tolist())
+        if key not in self.codebooks:
+            self.codebooks[key] = self.add(f"codebooks/{len(self.codebooks)}", torch.float32, (256,),
+                                           lambda: qmap, "codebook")
+        return self.codebooks[key]
+
+
+def flatten(obj: Any) -> tuple[Any, list[Stored]]:
+    """Skeleton (JSON-able) and the tensors to store, in write order."""
+    f = _Flattener()
+    skeleton = f.node(obj, "")
+    return skeleton, f.stored
+
+
+def unflatten(skeleton: Any, fetch: Callable[[str], torch.Tensor], dequantize: bool = False) -> Any:
+    """Rebuild the object. ``fetch(name)`` returns a stored tensor; each name is fetched once, so
+    views of one stored storage share it again. Quantized states come back as qstate dicts, or as
+    dense tensors with ``dequantize=True``."""
+    cache: dict[str, torch.Tensor] = {}
+
+    def get(name: str) -> torch.Tensor:
+        if name not in cache:
+            cache[name] = fetch(name)
+        return cache[name]
+
+    def node(n: Any) -> Any:
+        if n is None or isinstance(n, (bool, int, str)):
+            return n
+        if isinstance(n, dict) and len(n) >= 1:
+            kind = next(iter(n))
+            build = _BUILDERS.get(kind)
+            if build is not None:
+                return build(n, node, get, dequantize)
+        raise FormatError(f"unknown skeleton node {str(n)[:80]!r}; the file is corrupt or newer than this ckptq")
+
+    return node(skeleton)
+
+
+def _build_tensor(n, node, get, dequantize):
+    spec = n["tensor"]
+    base = get(spec["data"])
+    dtype, shape = dtype_from_name(spec["dtype"]), tuple(spec["shape"])
+    if base.dtype != dtype:
+        base = base.reshape(-1).view(dtype)
+    if "stride" in spec:
+        t = base.reshape(-1).as_strided(shape, tuple(spec["stride"]), spec["offset"])
+    else:
+        t = base.reshape(shape)
+    return torch.nn.Parameter(t, requires_grad=t.is_floating_point()) if spec.get("parameter") else t
+
+
+def _build_quantized(n, node, get, dequantize):
+    spec = n["quantized"]
+    q = {"ckptq": spec.get("codec"), "bits": spec.get("bits"), "codes": get(spec["codes"]),
+         "absmax": get(spec["absmax"]), "qmap": get(spec["qmap"]), "block_size": spec["block_size"],
+         "transform": spec["transform"], "shape": tuple(spec["shape"]), "dtype": spec["dtype"]}
+    qstate.check_qstate(q)
+    return qstate.dequantize_state(q) if dequantize else q
+
+
+def _build_mapping(n, node, get, dequantize):
+    kind = next(iter(n))
+    out = {} if kind == "dict" else collections.OrderedDict()
+    for k, v in n[kind]:
+        out[node(k)] = node(v)
+    if "_metadata" in n:
+        out._metadata = node(n["_metadata"])
+    return out
+
+
+_BUILDERS = {
+    "float": lambda n, *_: float(n["float"]),
+    "tensor": _build_tensor,
+    "quantized": _build_quantized,
+    "dict": _build_mapping,
+    "odict": _build_mapping,
+    "list": lambda n, node, *_: [node(v) for v in n["list"]],
+    "tuple": lambda n, node, *_: tuple(node(v) for v in n["tuple"]),
+    "size": lambda n, *_: torch.Size(n["size"]),
+    "dtype": lambda n, *_: dtype_from_name(n["dtype"]),
+    "device": lambda n, *_: torch.device(n["device"]),
+}

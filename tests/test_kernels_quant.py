@@ -1,0 +1,120 @@
+"""The Triton quantize/dequantize kernels against the PyTorch reference, bit for bit.
+
+Runs on the CPU through the Triton interpreter; sizes stay small because it executes every program
+in numpy. Irregular sizes exercise the masking of the last (short) block and of the last program.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ckptq import codebooks, codec  # noqa: E402
+from ckptq.errors import UsageError  # noqa: E402
+from ckptq.kernels import quant  # noqa: E402
+
+BLOCK_SIZES = (64, 256, 4096)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _sample(shape, dtype, non_negative: bool, seed: int) -> torch.Tensor:
+    """Values spanning six decades, so that small codes near zero are hit as well as large ones."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * 10.0 ** torch.empty(shape).uniform_(-6, 0, generator=gen)
+    return (x.abs() if non_negative else x).to(dtype)
+
+
+def _assert_matches_reference(x, qmap, block_size, transform):
+    codes, absmax = codec.quantize_blockwise(x, qmap, block_size, transform, backend="triton")
+    ref_codes, ref_absmax = codec.quantize_blockwise(x, qmap, block_size, transform, backend="torch")
+    assert codes.dtype == torch.uint8 and absmax.dtype == torch.float32
+    assert torch.equal(codes, ref_codes), f"{int((codes != ref_codes).sum())} codes differ"
+    assert torch.equal(absmax, ref_absmax), f"{int((absmax != ref_absmax).sum())} scales differ"
+    out = codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform, backend="triton")
+    ref_out = codec.dequantize_blockwise(ref_codes, ref_absmax, qmap, block_size, transform, backend="torch")
+    assert torch.equal(out, ref_out), f"{int((out != ref_out).sum())} decoded values differ"
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("shape_kind", ["one", "block-1", "block+1", "odd", "2d"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+@pytest.mark.parametrize("transform", ["none", "sqrt"])
+def test_matches_reference(block_size, shape_kind, dtype, signed, transform):
+    shape = {"one": (1,), "block-1": (block_size - 1,), "block+1": (block_size + 1,), "odd": (4999,), "2d": (37, 91)}
+    non_negative = transform == "sqrt" or not signed
+    x = _sample(shape[shape_kind], dtype, non_negative, seed=block_size + len(shape_kind))
+    _assert_matches_reference(x, codebooks.dynamic_map(signed), block_size, transform)
+
+
+@pytest.mark.parametrize("transform", ["none", "sqrt"])
+def test_all_zero_blocks_get_scale_zero_and_the_code_of_zero(transform):
+    x = _sample((5 * 256 + 17,), torch.float32, non_negative=True, seed=1)
+    x[256:512] = 0.0
+    x[768:1024] = -0.0
+    x[1280:] = 0.0  # the short last block
+    qmap = codebooks.dynamic_map(False)
+    codes, absmax = quant.quantize_blockwise(x, qmap, 256, transform)
+    assert torch.equal(absmax[[1, 3, 5]], torch.zeros(3))
+    zero_code = int((qmap == 0).nonzero())
+    assert bool((codes[256:512] == zero_code).all()) and bool((codes[1280:] == zero_code).all())
+    _assert_matches_reference(x, qmap, 256, transform)
+    _assert_matches_reference(torch.zeros(100), qmap, 64, transform)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+@pytest.mark.parametrize("scale", [1.0, 2.0**-10, 4.0])
+def test_ties_on_midpoints_go_to_the_lower_code(signed, scale):
+    # One block per probe set: [absmax, t[j]*absmax, just below, just above]; power-of-two scales keep
+    # y = x / absmax exactly on (or one ulp beside) the midpoint.
+    qmap = codebooks.dynamic_map(signed)
+    t = codec.midpoints(qmap)  # [255]
+    probes = torch.cat([t, torch.nextafter(t, torch.tensor(-2.0)), torch.nextafter(t, torch.tensor(2.0))])
+    block = torch.cat([torch.ones(1), probes, torch.zeros(1024 - 1 - probes.numel())])
+    x = block * scale
+    codes, _ = quant.quantize_blockwise(x, qmap, 1024, "none")
+    expected = (t[None, :] < block[:, None]).sum(dim=1)  # brute-force #{t < y}
+    assert torch.equal(codes.long(), expected)
+    _assert_matches_reference(x, qmap, 1024, "none")
+
+
+@pytest.mark.parametrize("transform", ["none", "sqrt"])
+def test_non_finite_values_match_reference(transform):
+    x = _sample((4 * 64,), torch.float32, non_negative=transform == "sqrt", seed=2)
+    x[3], x[70], x[140], x[141], x[200] = float("nan"), float("inf"), float("-inf"), 0.5, float("inf")
+    _assert_matches_reference(x, codebooks.dynamic_map(True), 64, transform)
+
+
+def test_non_contiguous_input_is_read_and_not_modified():
+    x = _sample((91, 37), torch.bfloat16, non_negative=False, seed=3).t()  # [37, 91], not contiguous
+    before = x.clone()
+    _assert_matches_reference(x, codebooks.dynamic_map(True), 64, "none")
+    assert torch.equal(x, before)
+
+
+def test_empty_input():
+    qmap = codebooks.dynamic_map(True)
+    codes, absmax = quant.quantize_blockwise(torch.empty(0), qmap, 256, "none")
+    assert codes.shape == (0,) and absmax.shape == (0,)
+    assert quant.dequantize_blockwise(codes, absmax, qmap, 256, "none").shape == (0,)
+
+
+def test_bad_arguments_raise_usage_errors():
+    qmap, x = codebooks.dynamic_map(True), torch.ones(300)
+    with pytest.raises(UsageError, match="int32"):
+        quant.quantize_blockwise(x.int(), qmap, 256, "none")
+    with pytest.raises(UsageError, match="block size"):
+        quant.quantize_blockwise(x, qmap, 100, "none")
+    with pytest.raises(UsageError, match="codebook"):
+        quant.quantize_blockwise(x, qmap[:255], 256, "none")
+    with pytest.raises(UsageError, match="transform"):
+        quant.quantize_blockwise(x, qmap, 256, "log")
+    codes, absmax = quant.quantize_blockwise(x, qmap, 256, "none")
+    with pytest.raises(UsageError, match="absmax"):
+        quant.dequantize_blockwise(codes, absmax[:1], qmap, 256, "none")
+    with pytest.raises(UsageError, match="uint8"):
+        quant.dequantize_blockwise(codes.int(), absmax, qmap, 256, "none")
