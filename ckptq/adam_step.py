@@ -123,13 +123,15 @@ def adam8bit_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper, *, ma
     qstates = [q for q in (exp_avg, exp_avg_sq, max_exp_avg_sq) if q is not None]
     assert len({q["block_size"] for q in qstates}) == 1, "states of one parameter share a block size"
     tables = [_tables(q) for q in qstates]
-    p = param.data.view(-1)
-    g = grad.reshape(-1)
+    flat = param.data if param.is_contiguous() else param.data.contiguous()
+    p, g = flat.view(-1), grad.reshape(-1)
     n = p.numel()
     for start in range(0, n, CHUNK_ELEMENTS):
         end = min(n, start + CHUNK_ELEMENTS)
         fn = chunk_fn if (chunk_fn is not None and end - start == CHUNK_ELEMENTS) else step_rows
         _run_chunk(fn, p, g, hyper, qstates, tables, start, end, maximize)
+    if flat is not param.data:
+        param.data.copy_(flat)
 
 
 def adam_dense_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper, *, maximize=False) -> None:

@@ -26,7 +26,7 @@ def load_torch(path: str, trust: bool = False, device: str = "cpu") -> Any:
     except pickle.UnpicklingError as e:
         raise InputError(_unsafe_message(path, e)) from None
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError, AttributeError, ImportError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
         raise InputError(f"{path} is not a readable torch checkpoint (truncated or not made by torch.save): {first}") from None
 
 

@@ -94,8 +94,8 @@ def _reference_codes(x: torch.Tensor, thresholds: torch.Tensor, block_size: int)
 
 # Code lookup table. Every fp32 y falls in one of 2^16 buckets: the floats that share y's top 16 bits
 # (sign, exponent, 7 mantissa bits), a closed interval [lo_b, hi_b]. With base_b = #{t < lo_b}, and
-# thresholds t sorted, #{t < y} = base_b + #{j >= base_b : t[j] < y}. When t[base_b + 1] > hi_b (at most
-# one threshold inside the bucket) only j = base_b can count, so code = base_b + (t[base_b] < y): one
+# thresholds t sorted, #{t < y} = base_b + #{j : lo_b <= t[j] < y}. When at most one threshold lies in
+# [lo_b, hi_b] it can only be t[base_b] (the first one >= lo_b; if it lies above hi_b it is above y too), so code = base_b + (t[base_b] < y): one
 # table lookup and one exact fp32 compare, the same answer as searchsorted for every y. Codebooks that put
 # two thresholds in one bucket get no table and take searchsorted. Buckets of NaNs map to 255, as
 # searchsorted does; y is never a signalling NaN (it comes out of a division). bitsandbytes' CPU path
@@ -126,10 +126,10 @@ def _code_table_cpu(threshold_bytes: bytes) -> _CodeTable | None:
     t = torch.frombuffer(bytearray(threshold_bytes), dtype=torch.float32)  # [255]
     lo, hi = _bucket_bounds()
     base = torch.searchsorted(t, lo)  # #{t < lo}; NaN -> 255
-    t_ext = torch.cat([t, torch.full((2,), float("inf"))])  # [257]: t[255] = t[256] = +inf
-    one_inside = (t_ext[base + 1] > hi) | hi.isnan()
-    if not bool(one_inside.all()):
+    inside = torch.searchsorted(t, hi, right=True) - base  # #{t in [lo, hi]}; 0 for NaN buckets
+    if bool((inside > 1).any()):
         return None
+    t_ext = torch.cat([t, torch.full((1,), float("inf"))])  # [256]: t[255] = +inf never compares below y
     return _CodeTable(base.to(torch.uint8), t_ext[base])
 
 

@@ -50,6 +50,7 @@ def atomic_outputs(finals: list[str], force: bool) -> Iterator[list[str]]:
                 raise InputError(f"output folder {folder} does not exist")
             fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(p) + ".", suffix=".tmp")
             os.close(fd)
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
             tmps.append(tmp)
         yield tmps
         for tmp, p in zip(tmps, finals):
@@ -60,6 +61,12 @@ def atomic_outputs(finals: list[str], force: bool) -> Iterator[list[str]]:
                 if os.path.exists(leftover):
                     os.unlink(leftover)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _encoder(compression: Compression | None):

@@ -1,0 +1,163 @@
+"""The ``ckptq`` command: parse, call one library function, print. Errors map to one line here."""
+
+from __future__ import annotations
+
+import errno
+import json
+import sys
+from contextlib import contextmanager
+
+import click
+
+from . import __version__, codec
+from .errors import CkptqError
+from .format import Compression, parse_size
+
+
+@contextmanager
+def _progress(quiet: bool, desc: str):
+    if quiet:
+        yield None
+        return
+    from tqdm import tqdm
+
+    bars = []  # created on the first update, so that an early error prints only its own line
+
+    def update(done: int, total: int) -> None:
+        if not bars:
+            bars.append(tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False,
+                             dynamic_ncols=True))
+        bars[0].total = total
+        bars[0].update(done - bars[0].n)
+
+    try:
+        yield update
+    finally:
+        for bar in bars:
+            bar.close()
+
+
+def _fail(message: str, code: int):
+    click.echo(f"ckptq: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _run(fn, *args, **kwargs):
+    """Call a library function; every failure becomes one line on stderr and a non-zero exit."""
+    try:
+        return fn(*args, **kwargs)
+    except CkptqError as e:
+        _fail(str(e), e.exit_code)
+    except KeyboardInterrupt:
+        _fail("interrupted; no output was written", 130)
+    except OSError as e:
+        hint = " (disk full?)" if e.errno == errno.ENOSPC else ""
+        _fail(f"{e.strerror or e}{hint}: {e.filename or ''}; no output was written", 7)
+    except MemoryError:
+        _fail("out of memory; no output was written", 8)
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:,.1f} MB"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ckptq")
+def main():
+    """Shrink the Adam state in PyTorch checkpoints to blockwise 8-bit safetensors, and back.
+
+    \b
+      ckptq convert ckpt.pt                      # -> ckpt.q8.safetensors
+      ckptq info ckpt.q8.safetensors             # what is inside, sizes, savings
+      ckptq expand ckpt.q8.safetensors -o ckpt_fp32.pt
+    """
+
+
+@main.command()
+@click.argument("src", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", help="Output path (default: SRC with .q8.safetensors beside it).")
+@click.option("--block-size", default=codec.DEFAULT_BLOCK_SIZE, show_default=True, type=int,
+              help="Values per absmax scale: a power of two, 64..4096.")
+@click.option("--min-size", default=4096, show_default=True, type=int,
+              help="States with fewer elements stay exact fp32.")
+@click.option("--key", help="'/'-separated key path of the optimizer state dict (default: found by shape).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where quantization runs (cuda uses the Triton kernels).")
+@click.option("--compress/--no-compress", default=False, show_default=True,
+              help="Lossless zstd stage on top (byte-grouped floats, codes as they are).")
+@click.option("--level", default=3, show_default=True, type=int, help="zstd level with --compress.")
+@click.option("--threads", default=0, show_default=True, type=int, help="zstd threads (0: all cores).")
+@click.option("--max-shard-size", help="Split output into HF-style shards above this size, e.g. 5GB.")
+@click.option("--trust", is_flag=True, help="Allow full unpickling (only for files you trust).")
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar, no summary.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def convert(src, output, block_size, min_size, key, device, compress, level, threads, max_shard_size, trust,
+            force, quiet, as_json):
+    """Convert the fp32 optimizer states in SRC (a torch.save file) to 8-bit safetensors."""
+    from .pipeline import convert as run
+
+    shard = _run(parse_size, max_shard_size) if max_shard_size else None
+    comp = Compression(level, threads) if compress else None
+    with _progress(quiet or as_json, "convert") as progress:
+        r = _run(run, src, output, block_size=block_size, min_size=min_size, key=key, device=device,
+                 compression=comp, max_shard_size=shard, force=force, trust=trust, progress=progress)
+    if as_json:
+        click.echo(json.dumps(r.as_dict(), indent=1))
+    elif not quiet:
+        click.echo(f"wrote {', '.join(r.outputs)}: {_mb(r.output_bytes)} from {_mb(r.source_bytes)} "
+                   f"({r.ratio:.2f}x smaller) in {r.seconds:.1f} s; {r.quantized} states 8-bit, "
+                   f"{r.kept_small} small kept exact")
+        if r.kept_nonfinite:
+            click.echo(f"warning: kept exact (NaN/Inf inside): {', '.join(r.nonfinite_names[:5])}", err=True)
+
+
+@main.command()
+@click.argument("src", type=click.Path())
+@click.option("-o", "--output", help="Output .pt path (default: SRC with .fp32.pt).")
+@click.option("--no-verify", is_flag=True, help="Skip checksum verification (faster, unsafe).")
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar, no summary.")
+def expand(src, output, no_verify, force, quiet):
+    """Turn a converted file (or shard index/folder) back into an ordinary fp32 torch.save checkpoint."""
+    from .pipeline import expand as run
+
+    with _progress(quiet, "expand") as progress:
+        r = _run(run, src, output, force=force, verify=not no_verify, progress=progress)
+    if not quiet:
+        click.echo(f"wrote {r.output}: {_mb(r.output_bytes)} in {r.seconds:.1f} s")
+
+
+@main.command()
+@click.argument("path", type=click.Path())
+@click.option("--min-size", default=4096, show_default=True, type=int, help="For .pt input: as in convert.")
+@click.option("--block-size", default=codec.DEFAULT_BLOCK_SIZE, show_default=True, type=int,
+              help="For .pt input: as in convert.")
+@click.option("--trust", is_flag=True, help="Allow full unpickling of a .pt (only for files you trust).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def info(path, min_size, block_size, trust, as_json):
+    """Show what is inside a torch checkpoint or a converted file: roles, sizes, savings, options."""
+    from .info import info as run
+
+    r = _run(run, path, min_size=min_size, block_size=block_size, trust=trust)
+    click.echo(json.dumps(r, indent=1) if as_json else _format_info(r))
+
+
+def _format_info(r: dict) -> str:
+    lines = [f"{r['path']}  ({'converted by ' + r['options'].get('created_by', 'ckptq') if r['kind'] == 'converted' else 'torch checkpoint'})",
+             f"  size: {_mb(r['bytes'])}"]
+    if r["kind"] == "torch":
+        lines.append(f"  optimizers: {r['optimizers']}")
+        lines.append(f"  convert would write ~{_mb(r['estimated_bytes'])} ({r['estimated_ratio']:.2f}x smaller)")
+    else:
+        opts = r["options"]
+        lines.append(f"  format version {r['format_version']}, block size {opts.get('block_size')}, "
+                     f"min size {opts.get('min_size')}, codecs: {', '.join(r['codecs'])}")
+        if r.get("ratio"):
+            lines.append(f"  source: {opts.get('source')} {_mb(r['source_bytes'])} -> {r['ratio']:.2f}x smaller")
+    lines.append(f"  {'role':<18}{'tensors':>8}{'elements':>14}{'fp32':>14}{'stored':>14}")
+    for role, row in r["quantized"].items():
+        lines.append(f"  {role:<18}{row['tensors']:>8}{row['elements']:>14,}{_mb(row['fp32_bytes']):>14}{_mb(row['stored_bytes']):>14}")
+    ex = r["exact"]
+    lines.append(f"  {'exact (kept)':<18}{ex['tensors']:>8}{'':>14}{'':>14}{_mb(ex['stored_bytes']):>14}")
+    return "\n".join(lines)
