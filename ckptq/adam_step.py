@@ -35,6 +35,12 @@ def hyper_tensor(lr, beta1, beta2, eps, weight_decay, step, decoupled: bool, dev
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 sqrt (IEEE, as Triton's ``sqrt_rn``): torch.sqrt on AVX512 CPUs is not,
+    and rounding a float64 sqrt of an fp32 value to fp32 is exact (53 >= 2*24 + 2 bits)."""
+    return torch.sqrt(x.double()).float()
+
+
 def adam_math(p, g, m, v, vmax, h, maximize: bool):
     """One Adam(W) update on fp32 tensors of one shape; ``h`` is ``hyper_tensor``'s fp32 [8].
 
@@ -48,7 +54,7 @@ def adam_math(p, g, m, v, vmax, h, maximize: bool):
     v = v * h[3] + h[4] * (g * g)
     if vmax is not None:
         vmax = torch.maximum(vmax, v)
-    denom = torch.sqrt(v if vmax is None else vmax) / h[7] + h[5]
+    denom = sqrt_rn(v if vmax is None else vmax) / h[7] + h[5]
     p = p * h[0] + h[6] * (m / denom)
     return p, m, v, vmax
 
@@ -62,7 +68,7 @@ def dequantize_rows(codes, absmax, qmap, transform: str) -> torch.Tensor:
 def quantize_rows(x, thresholds, transform: str):
     """fp32 [nb, B] -> (codes uint8 [nb, B], absmax fp32 [nb]), the ``ckptq.codec`` rounding contract."""
     if transform == "sqrt":
-        x = torch.sqrt(x)
+        x = sqrt_rn(x)
     absmax = x.abs().amax(dim=1)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     codes = torch.searchsorted(thresholds, x / safe[:, None], right=False, out_int32=True)  # #{t < y}

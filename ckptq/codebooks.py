@@ -31,3 +31,33 @@ def _dynamic_map_cached(signed: bool) -> torch.Tensor:
 def dynamic_map(signed: bool) -> torch.Tensor:
     """The 256-entry dynamic-tree codebook, sorted ascending, fp32 (a fresh copy)."""
     return _dynamic_map_cached(bool(signed)).clone()
+
+
+@functools.lru_cache(maxsize=None)
+def _power_map_cached(signed: bool, exponent: float) -> torch.Tensor:
+    # Power-law companding: code k stands for (k / K) ** exponent, so relative spacing is
+    # exponent / k, fine near the block's absmax and still reaching (1 / K) ** exponent near zero.
+    # This is the "x ** (3/4)" nonuniform quantizer of MP3/AAC (ISO/IEC 11172-3, 13818-7) turned
+    # around; Gersho & Gray, "Vector Quantization and Signal Compression" (1992), ch. 5 (companding).
+    # Computed in fp64, rounded once to fp32.
+    if signed:
+        # 127 magnitudes on each side reach exactly -1 and +1; the 256th entry is half the smallest
+        # positive magnitude, so the map stays strictly increasing and contains 0.
+        mags = (torch.arange(1, 128, dtype=torch.float64) / 127) ** exponent
+        values = torch.cat([-mags.flip(0), torch.zeros(1, dtype=torch.float64), mags[:1] / 2, mags])
+    else:
+        values = (torch.arange(0, 256, dtype=torch.float64) / 255) ** exponent
+    out = values.to(torch.float32)
+    assert out.numel() == 256 and bool((out[1:] > out[:-1]).all())
+    return out
+
+
+def power_map(signed: bool, exponent: float) -> torch.Tensor:
+    """256-entry power-law codebook, sorted ascending, fp32 (a fresh copy).
+
+    Unsigned: ``(k / 255) ** exponent`` for k = 0..255. Signed: ``±(k / 127) ** exponent`` for
+    k = 0..127 plus ``(1 / 127) ** exponent / 2``. Both contain 0, -1 (signed) and 1 exactly.
+    """
+    if not exponent > 0:
+        raise ValueError(f"power_map exponent must be positive, got {exponent}")
+    return _power_map_cached(bool(signed), float(exponent)).clone()

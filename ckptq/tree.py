@@ -77,6 +77,14 @@ class PendingQuant:
         return out.cpu()
 
 
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
 def _join(path: str, key: Any) -> str:
     return f"{path}/{key}" if path else str(key)
 
@@ -151,7 +159,8 @@ class _Flattener:
         node = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
         if isinstance(t, torch.nn.Parameter):
             node["parameter"] = True
-        whole = t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size() == nbytes
+        whole = (t.stride() == _contiguous_strides(t.shape) and t.storage_offset() == 0
+                 and t.numel() * t.element_size() == nbytes)
         if key not in self.storages:
             if whole or t.dtype not in DTYPES:
                 stored_dtype, shape = (t.dtype, t.shape) if t.dtype in DTYPES else (torch.uint8, (nbytes,))

@@ -1,0 +1,232 @@
+"""Round trips of arbitrary checkpoint structures through the ckptq format, and the reader's defences."""
+
+import collections
+import json
+import math
+import os
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+
+import ckptq
+from ckptq import format, qstate
+from ckptq.errors import ChecksumError, FormatError, InputError, OutputExistsError
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
+          torch.uint8, torch.bool, torch.complex64]
+
+
+def assert_same(a, b, path="root"):
+    """Same types, keys, values; tensors bit-identical with the same dtype, shape and strides."""
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), path
+        assert torch.equal(a.reshape(-1).view(torch.uint8) if a.numel() and a.is_contiguous() else a.cpu(),
+                           b.reshape(-1).view(torch.uint8) if b.numel() and b.is_contiguous() else b.cpu()), path
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        assert all(type(k1) is type(k2) for k1, k2 in zip(a, b)), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), path
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}/{i}")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    else:
+        assert a == b, path
+        if isinstance(a, float):
+            assert math.copysign(1, a) == math.copysign(1, b), path
+
+
+@st.composite
+def tensors(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = draw(st.lists(st.integers(0, 5), min_size=0, max_size=3))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    t = (torch.randn(shape, generator=g, dtype=torch.float64) * 100).to(dtype)
+    if draw(st.booleans()) and t.dim() == 2:
+        t = t.t()  # non-contiguous
+    return t
+
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.text(max_size=8),
+                    st.floats(allow_nan=True, allow_infinity=True))
+keys = st.one_of(st.text(max_size=6), st.integers(-5, 5))
+trees = st.recursive(
+    st.one_of(scalars, tensors()),
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=4),
+        st.lists(kids, max_size=3).map(tuple),
+        st.dictionaries(keys, kids, max_size=4),
+        st.dictionaries(st.text(max_size=6), kids, max_size=3).map(collections.OrderedDict),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(obj=trees)
+def test_any_structure_round_trips_exactly(obj, tmp_path):
+    path = str(tmp_path / "x.safetensors")
+    ckptq.save(obj, path, force=True)
+    assert_same(obj, ckptq.load(path))
+
+
+def test_shared_storage_and_views_are_restored_shared(tmp_path):
+    base = torch.arange(24, dtype=torch.float32)
+    emb = torch.randn(10, 4)
+    obj = {"wte": emb, "head": emb, "view": base[3:9].view(2, 3), "t": base.view(4, 6).t(), "whole": base,
+           "param": torch.nn.Parameter(torch.ones(3)), "size": torch.Size([2, 3]), "dt": torch.bfloat16,
+           "dev": torch.device("cpu")}
+    path = str(tmp_path / "s.safetensors")
+    ckptq.save(obj, path)
+    back = ckptq.load(path)
+    assert_same({k: v for k, v in obj.items() if k != "param"}, {k: v for k, v in back.items() if k != "param"})
+    assert isinstance(back["param"], torch.nn.Parameter) and torch.equal(back["param"], obj["param"])
+    assert back["wte"].data_ptr() == back["head"].data_ptr()
+    s = back["whole"].untyped_storage().data_ptr()
+    assert back["view"].untyped_storage().data_ptr() == s == back["t"].untyped_storage().data_ptr()
+    back["whole"][3] = -1.0  # a write through one view is seen by the others, as in the original
+    assert back["view"][0, 0] == -1.0
+    with safe_open(path, "pt") as f:  # stored once
+        assert sum(1 for k in f.keys() if f.get_slice(k).get_shape() == [24]) == 1
+
+
+def _qstate_obj():
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(5000, generator=g) * 1e-3
+    v = torch.rand(70, 70, generator=g) ** 6 * 1e-4
+    return {"optimizer": {"state": {0: {"step": torch.tensor(10.0), "exp_avg": qstate.quantize_state(m, "exp_avg"),
+                                        "exp_avg_sq": qstate.quantize_state(v, "exp_avg_sq")}},
+                          "param_groups": [{"lr": 1e-3, "params": [0]}]}}, m, v
+
+
+def test_quantized_states_load_quantized_or_dequantized(tmp_path):
+    obj, m, v = _qstate_obj()
+    path = str(tmp_path / "q.safetensors")
+    ckptq.save(obj, path)
+    q = ckptq.load(path)["optimizer"]["state"][0]
+    assert_same(obj["optimizer"]["state"][0]["exp_avg"], q["exp_avg"])
+    dense = ckptq.load(path, dequantize=True)["optimizer"]["state"][0]
+    assert torch.equal(dense["exp_avg_sq"], qstate.dequantize_state(q["exp_avg_sq"]))
+    assert dense["exp_avg_sq"].shape == (70, 70)
+
+
+def test_stock_safe_open_reads_it_and_metadata_is_tagged(tmp_path):
+    obj, _, _ = _qstate_obj()
+    path = str(tmp_path / "q.safetensors")
+    ckptq.save(obj, path)
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+        assert meta["format"] == "pt" and meta["ckptq.format"] == "ckptq" and meta["ckptq.version"] == "1"
+        codes = f.get_tensor("optimizer/state/0/exp_avg/codes")
+    assert codes.dtype == torch.uint8 and codes.shape == (5000,)
+    assert torch.equal(codes, obj["optimizer"]["state"][0]["exp_avg"]["codes"])
+
+
+def _flip_byte(path, offset_from_end):
+    with open(path, "r+b") as f:
+        f.seek(-offset_from_end, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-offset_from_end, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_flipped_byte_names_the_tensor(tmp_path):
+    obj, _, _ = _qstate_obj()
+    path = str(tmp_path / "q.safetensors")
+    ckptq.save(obj, path)
+    _flip_byte(path, 100)
+    with pytest.raises(ChecksumError, match="fails its checksum"):
+        ckptq.load(path)
+    ckptq.load(path, verify=False)  # the flag skips verification
+
+
+def test_truncated_and_foreign_files_are_refused(tmp_path):
+    obj, _, _ = _qstate_obj()
+    path = str(tmp_path / "q.safetensors")
+    ckptq.save(obj, path)
+    data = open(path, "rb").read()
+    (tmp_path / "t.safetensors").write_bytes(data[:-10])
+    with pytest.raises(FormatError, match="truncated"):
+        ckptq.load(str(tmp_path / "t.safetensors"))
+    (tmp_path / "h.safetensors").write_bytes(data[:200])
+    with pytest.raises(FormatError):
+        ckptq.load(str(tmp_path / "h.safetensors"))
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(3)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(FormatError, match="not one written by ckptq"):
+        ckptq.load(str(tmp_path / "plain.safetensors"))
+    with pytest.raises(InputError, match="no such file"):
+        ckptq.load(str(tmp_path / "missing.safetensors"))
+
+
+def _rewrite_metadata(path, edit):
+    data = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    edit(header["__metadata__"])
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    open(path, "wb").write(struct.pack("<Q", len(head)) + head + data[8 + n :])
+
+
+def test_newer_version_and_unknown_bit_width_are_refused_clearly(tmp_path):
+    obj, _, _ = _qstate_obj()
+    path = str(tmp_path / "q.safetensors")
+    ckptq.save(obj, path)
+    _rewrite_metadata(path, lambda m: m.update({"ckptq.version": "2"}))
+    with pytest.raises(FormatError, match="version '2'.*upgrade"):
+        ckptq.load(path)
+    ckptq.save(obj, path, force=True)
+
+    def four_bit(m):
+        m["ckptq.skeleton"] = m["ckptq.skeleton"].replace('"bits":8', '"bits":4')
+
+    _rewrite_metadata(path, four_bit)
+    with pytest.raises(FormatError, match="4 bits.*cannot decode"):
+        ckptq.load(path)
+
+
+def test_existing_output_needs_force_and_failed_write_leaves_nothing(tmp_path):
+    path = str(tmp_path / "x.safetensors")
+    ckptq.save({"a": torch.ones(3)}, path)
+    with pytest.raises(OutputExistsError):
+        ckptq.save({"a": torch.zeros(3)}, path)
+    assert torch.equal(ckptq.load(path)["a"], torch.ones(3))
+
+    class Boom(torch.Tensor):
+        pass
+
+    from ckptq import tree
+
+    skeleton, stored = tree.flatten({"a": torch.ones(3), "b": torch.ones(4)})
+
+    def fail():
+        raise KeyboardInterrupt
+
+    stored[1].produce = fail
+    with pytest.raises(KeyboardInterrupt):
+        format.write(str(tmp_path / "y.safetensors"), skeleton, stored, {})
+    assert sorted(os.listdir(tmp_path)) == ["x.safetensors"]
+
+
+def test_sharded_output_reads_from_index_folder_or_file(tmp_path):
+    obj = {f"w{i}": torch.randn(1000) for i in range(6)}
+    out = tmp_path / "shards"
+    out.mkdir()
+    paths = ckptq.save(obj, str(out / "m.q8.safetensors"), max_shard_size=9000)
+    index = json.loads(open(paths[0]).read())
+    assert paths[0].endswith(".safetensors.index.json") and len(paths) == 4
+    assert set(index["weight_map"].values()) == {os.path.basename(p) for p in paths[1:]}
+    assert index["metadata"]["total_size"] == 6 * 4000
+    for src in (paths[0], str(out)):
+        assert_same(obj, ckptq.load(src))

@@ -1,0 +1,88 @@
+"""Benchmark ckptq's PyTorch blockwise codec against bitsandbytes' on the CPU, side by side.
+
+One run, interleaved rounds (ckptq and bitsandbytes alternate on the same tensors, so load from other
+processes hits both alike); prints medians and ratios as a markdown table.
+
+    PYTHONPATH=. python tools/bench_codec.py --numel 16777216 --rounds 7
+
+Tensors: an Adam first moment (randn * 1e-3; ckptq: signed map) and a second moment spread over six
+decades (randn^2 * 10^U(-8, -2); ckptq: sqrt transform + unsigned map, as ``ckptq.qstate`` stores it).
+bitsandbytes uses its default dynamic map on both, at the same block size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from ckptq import codebooks, codec
+
+
+def make_tensors(numel: int, seed: int) -> dict[str, tuple[torch.Tensor, bool, str]]:
+    """name -> (fp32 [numel], ckptq signed map?, ckptq transform)."""
+    g = torch.Generator().manual_seed(seed)
+    first = torch.randn(numel, generator=g) * 1e-3
+    decades = torch.empty(numel).uniform_(-8, -2, generator=g)
+    second = torch.randn(numel, generator=g) ** 2 * torch.pow(10.0, decades)
+    return {"exp_avg": (first, True, "none"), "exp_avg_sq": (second, False, "sqrt")}
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def run_round(tensors, block_size: int, times: dict[str, list[float]]) -> None:
+    """Time each operation once for ckptq and once for bitsandbytes, alternating which goes first."""
+    import bitsandbytes.functional as bnbf
+
+    for name, (x, signed, transform) in tensors.items():
+        qmap = codebooks.dynamic_map(signed)
+        t_q, (codes, absmax) = timed(lambda: codec.quantize_blockwise(x, qmap, block_size, transform, "torch"))
+        t_bq, (bcodes, state) = timed(lambda: bnbf.quantize_blockwise(x, blocksize=block_size))
+        t_d, _ = timed(lambda: codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform, "torch"))
+        t_bd, _ = timed(lambda: bnbf.dequantize_blockwise(bcodes, state))
+        for op, t_ours, t_bnb in (("quantize", t_q, t_bq), ("dequantize", t_d, t_bd)):
+            times.setdefault(f"{op} {name}|ckptq", []).append(t_ours)
+            times.setdefault(f"{op} {name}|bnb", []).append(t_bnb)
+
+
+def table(times: dict[str, list[float]], numel: int) -> str:
+    rows = ["| operation | ckptq M elem/s | bitsandbytes M elem/s | ratio |", "|---|---:|---:|---:|"]
+    for op in dict.fromkeys(k.split("|")[0] for k in times):
+        ours = numel / statistics.median(times[f"{op}|ckptq"]) / 1e6
+        bnb = numel / statistics.median(times[f"{op}|bnb"]) / 1e6
+        rows.append(f"| {op} | {ours:,.0f} | {bnb:,.0f} | {ours / bnb:.2f}x |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=1 << 24, help="elements per tensor (default 16M)")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds, interleaved (default 7)")
+    parser.add_argument("--block-size", type=int, default=codec.DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    import bitsandbytes
+
+    tensors = make_tensors(args.numel, args.seed)
+    times: dict[str, list[float]] = {}
+    run_round(tensors, args.block_size, {})  # warm-up: thread pool, lookup tables, allocator
+    for _ in range(args.rounds):
+        run_round(tensors, args.block_size, times)
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__} with {torch.get_num_threads()} threads, bitsandbytes {bitsandbytes.__version__}; "
+        f"{args.numel:,} fp32 elements, block {args.block_size}, median of {args.rounds} interleaved rounds"
+    )
+    print(table(times, args.numel))
+
+
+if __name__ == "__main__":
+    main()
