@@ -157,8 +157,8 @@ def _workspace(device: torch.device, chunk: int) -> _Workspace:
     if device.type != "cpu":
         return _Workspace(chunk, device)
     ws = getattr(_local, "workspace", None)
-    if ws is None:
-        ws = _local.workspace = _Workspace(_CPU_CHUNK, device)
+    if ws is None or ws.y.numel() < chunk:
+        ws = _local.workspace = _Workspace(chunk, device)
     return ws
 
 

@@ -1,0 +1,56 @@
+"""ckptq's 8-bit state must preserve the Adam update at least as well as bitsandbytes, tensor by tensor.
+
+Trains a tiny GPT for a few steps (tools/make_checkpoint.py), then measures with tools/fidelity.py.
+"""
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+pytest.importorskip("bitsandbytes")
+
+TOOLS = pathlib.Path(__file__).resolve().parent.parent / "tools"
+
+
+def _load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"_ckptq_tool_{name}", TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def rows():
+    make_checkpoint, fidelity = _load_tool("make_checkpoint"), _load_tool("fidelity")
+    ckpt = make_checkpoint.train(steps=60, size="tiny", seed=1)
+    opt = fidelity.find_optimizer_state(ckpt)
+    return fidelity, fidelity.measure(opt)
+
+
+def test_update_error_never_worse_than_bitsandbytes(rows):
+    fidelity, measured = rows
+    assert len(measured) >= 5
+    worse = [(r.param, r.u_ckptq, r.u_bnb) for r in measured if r.u_ckptq > r.u_bnb]
+    assert not worse, f"ckptq's update error exceeds bitsandbytes' on (param, ckptq, bnb): {worse}"
+
+
+def test_bytes_per_param_within_budget(rows):
+    fidelity, measured = rows
+    summary = fidelity.summarize(measured)
+    assert summary["bytes_per_param_ckptq"] <= 2.04
+    assert summary["bytes_per_param_ckptq"] == pytest.approx(summary["bytes_per_param_bnb"], rel=1e-9)
+
+
+def test_adam_update_matches_torch_adamw():
+    fidelity = _load_tool("fidelity")
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = torch.optim.AdamW([p], lr=1.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    for _ in range(3):
+        p.grad = torch.randn(300)
+        before = p.detach().clone()
+        opt.step()
+    st = opt.state[p]
+    u = fidelity.adam_update(st["exp_avg"], st["exp_avg_sq"], float(st["step"]), (0.9, 0.95), 1e-8)
+    torch.testing.assert_close((before - p.detach()).double(), u, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,86 @@
+"""The format is a public contract: a checked-in version-1 file must keep decoding to the same object,
+writing that object must give the same bytes, and a decoder written from docs/FORMAT.md alone (json,
+numpy, safetensors.numpy) must agree with ckptq's.
+
+Regenerate (only when the format deliberately changes, with a version bump): CKPTQ_REGEN_GOLDEN=1 pytest tests/test_golden.py
+"""
+
+import collections
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+import ckptq
+from ckptq import codebooks, codec
+from test_format import assert_same
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v1.safetensors")
+INFO = {"created_by": "golden"}
+
+
+def _q(x, signed, transform, block_size):
+    qmap = codebooks.dynamic_map(signed)
+    codes, absmax = codec.quantize_blockwise(x, qmap, block_size, transform)
+    return {"ckptq": "blockwise", "bits": 8, "codes": codes, "absmax": absmax, "qmap": qmap,
+            "block_size": block_size, "transform": transform, "shape": tuple(x.shape), "dtype": "float32"}
+
+
+def golden_object():
+    g = torch.Generator().manual_seed(1234)
+    emb = torch.randn(16, 8, generator=g)
+    model = collections.OrderedDict([("wte.weight", emb), ("head.weight", emb),
+                                     ("ln.bias", torch.zeros(8, dtype=torch.bfloat16)),
+                                     ("pos", torch.arange(6, dtype=torch.int64).view(2, 3).t())])
+    model._metadata = collections.OrderedDict([("", {"version": 1})])
+    m = torch.randn(300, generator=g) * 1e-3
+    v = (torch.randn(20, 15, generator=g) * 1e-2) ** 2
+    state = {0: {"step": torch.tensor(7.0), "exp_avg": _q(m, True, "none", 64), "exp_avg_sq": _q(v, False, "sqrt", 64)},
+             1: {"step": torch.tensor(7.0), "exp_avg": torch.ones(3), "exp_avg_sq": torch.full((3,), 0.5)}}
+    groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
+               "foreach": None, "params": [0]},
+              {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
+               "foreach": None, "params": [1]}]
+    return {"model": model, "optimizer": {"state": state, "param_groups": groups}, "iter_num": 7,
+            "best_val_loss": torch.tensor(2.5), "config": {"name": "golden", "dropout": 0.0, "nan": float("nan")}}
+
+
+def test_golden_file_is_pinned(tmp_path):
+    if os.environ.get("CKPTQ_REGEN_GOLDEN"):
+        ckptq.save(golden_object(), GOLDEN, info=INFO, force=True)
+    out = str(tmp_path / "again.safetensors")
+    ckptq.save(golden_object(), out, info=INFO)
+    assert open(out, "rb").read() == open(GOLDEN, "rb").read(), "the writer's bytes changed: that is a format change"
+    assert_same(golden_object(), ckptq.load(GOLDEN))
+
+
+def _numpy_decode(path, node):
+    """Decode a quantized node using only the spec (docs/FORMAT.md section 5)."""
+    q = node["quantized"]
+    assert q["codec"] == "blockwise" and q["bits"] == 8
+    with safe_open(path, "np") as f:
+        codes, absmax, qmap = (f.get_tensor(q[k]) for k in ("codes", "absmax", "qmap"))
+    n = int(np.prod(q["shape"]))
+    y = qmap[codes].astype(np.float32) * np.repeat(absmax, q["block_size"])[:n]
+    if q["transform"] == "sqrt":
+        y = y * y
+    return y.reshape(q["shape"])
+
+
+def _find(node, key):
+    for k, v in node.get("dict", []) + node.get("odict", []):
+        if k == key:
+            return v
+    raise KeyError(key)
+
+
+@pytest.mark.parametrize("role", ["exp_avg", "exp_avg_sq"])
+def test_third_party_decoder_agrees(role):
+    with safe_open(GOLDEN, "np") as f:
+        skeleton = json.loads(f.metadata()["ckptq.skeleton"])
+    node = _find(_find(_find(_find(skeleton, "optimizer"), "state"), 0), role)
+    ours = ckptq.load(GOLDEN, dequantize=True)["optimizer"]["state"][0][role]
+    assert np.array_equal(_numpy_decode(GOLDEN, node), ours.numpy())
