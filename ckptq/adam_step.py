@@ -71,7 +71,7 @@ def quantize_rows(x, thresholds, transform: str):
         x = sqrt_rn(x)
     absmax = x.abs().amax(dim=1)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    codes = torch.searchsorted(thresholds, x / safe[:, None], right=False, out_int32=True)  # #{t < y}
+    codes = torch.bucketize(x / safe[:, None], thresholds, out_int32=True, right=False)  # #{t < y}
     return codes.to(torch.uint8), absmax
 
 

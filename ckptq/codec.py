@@ -18,8 +18,10 @@ The functions here are the CPU path and the reference; ``backend="triton"`` runs
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,9 +33,9 @@ BLOCK_SIZES = tuple(2**k for k in range(6, 13))  # 64 ... 4096
 DEFAULT_BLOCK_SIZE = 256
 TRANSFORMS = ("none", "sqrt")
 BACKENDS = ("auto", "torch", "triton")
-# CPU chunks: 128K elements (512 KB fp32) keep each thread's temporaries inside its core's L2 cache,
+# CPU chunks: 256K elements (1 MB fp32), the fastest of 2^15..2^20 measured on 2 cores (L2 2 MB each);
 # and 2^17 is a multiple of every block size. Other devices take big chunks: they only bound memory.
-_CPU_CHUNK = 1 << 17
+_CPU_CHUNK = 1 << 18
 _DEVICE_CHUNK = 1 << 24
 _SIGN_FLIP = 1 << 15  # (int32 bits >> 16) is in [-2^15, 2^15); adding this makes it a table index
 
@@ -193,6 +195,37 @@ def _for_each_chunk(fn, n: int, device: torch.device) -> None:
     list(pool.map(lambda span: fn(*span, _workspace(device, chunk)), spans))
 
 
+_HUGE_PAGE = 1 << 21
+_MADV_HUGEPAGE = 14
+
+
+@functools.lru_cache(maxsize=None)
+def _madvise():
+    if sys.platform != "linux":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+def _empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty, asking Linux for transparent huge pages on big CPU outputs: first-touch page faults
+    cost more than the codec itself (measured: 64 MB fill 2.5x faster). This is what PyTorch's own
+    THP_MEM_ALLOC_ENABLE=1 does in c10/core/alloc_cpu.cpp, applied to these outputs only."""
+    out = torch.empty(n, dtype=dtype, device=device)
+    madvise = _madvise() if device.type == "cpu" else None
+    if madvise is not None:
+        ptr = out.data_ptr()
+        start = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE  # 2 MB-aligned interior of the allocation
+        stop = (ptr + out.numel() * out.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+        if stop > start:
+            madvise(start, stop - start, _MADV_HUGEPAGE)  # a hint: failure only costs speed
+    return out
+
+
 def _as_fp32(src: torch.Tensor, buf: torch.Tensor, transform: str) -> torch.Tensor:
     """src: [n] any float dtype -> fp32 [n], sqrt applied; uses buf [n] unless src can be used as is."""
     if src.dtype != torch.float32:
@@ -257,7 +290,7 @@ def quantize_blockwise(
     thresholds = midpoints(qmap.to(flat.device))
     table = _code_table(thresholds)
     n = flat.numel()
-    codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
+    codes = _empty(n, torch.uint8, flat.device)
     absmax = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=flat.device)
 
     def span(start: int, stop: int, ws: _Workspace) -> None:
@@ -306,7 +339,7 @@ def dequantize_blockwise(
     flat = codes.reshape(-1)
     qmap = qmap.to(device=flat.device, dtype=torch.float32).contiguous()
     absmax = absmax.to(device=flat.device, dtype=torch.float32).reshape(-1)
-    out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
+    out = _empty(flat.numel(), torch.float32, flat.device)
 
     def span(start: int, stop: int, ws: _Workspace) -> None:
         a = absmax[start // block_size : num_blocks(stop, block_size)]

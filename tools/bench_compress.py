@@ -135,14 +135,12 @@ def main(steps: int, reps: int, threads: int) -> None:
 def print_overall(rows: dict, sets: dict, methods: dict) -> None:
     """Whole converted file vs the fp32 checkpoint (4 B weight + 8 B Adam moments per param)."""
     n_params = sets["fp32 weights"].numel()
-    codes_share = 2 * n_params / sets["8-bit Adam codes"].numel()  # scale the embedding-free codes ratio up
+    absmax_bytes = 4 * sets["fp32 absmax"].numel() / n_params  # per param, uncompressed
     print("\n| method | converted file (B/param) | fp32 checkpoint / converted |\n|---|---|---|")
     for m in methods:
-        b = rows[m, "fp32 weights"]["size"] / rows[m, "fp32 weights"]["raw"] * 4
-        b += rows[m, "8-bit Adam codes"]["size"] * codes_share / n_params
-        b += rows[m, "fp32 absmax"]["size"] / n_params
+        ratio = {name: rows[m, name]["raw"] / rows[m, name]["size"] for name in sets}
+        b = 4 / ratio["fp32 weights"] + 2 / ratio["8-bit Adam codes"] + absmax_bytes / ratio["fp32 absmax"]
         print(f"| {m} | {b:.3f} | {12 / b:.3f}x |")
-
 
 if __name__ == "__main__":
     main()

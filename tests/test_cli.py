@@ -1,0 +1,120 @@
+"""The command line: happy paths, and every user error is one line, a non-zero exit, no output file."""
+
+import json
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptq.cli import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_convert_info_expand(trained_ckpt, tmp_path):
+    path, _, _ = trained_ckpt
+    r = run("convert", path, "-q")
+    assert r.exit_code == 0 and r.output == ""
+    out = tmp_path / "ckpt.q8.safetensors"
+    info = json.loads(run("info", out, "--json").output)
+    assert info["kind"] == "converted" and info["quantized"]["exp_avg"]["tensors"] >= 2
+    assert info["ratio"] > 1.3 and info["options"]["block_size"] == 256
+    text = run("info", out).output
+    assert "exp_avg_sq" in text and "smaller" in text
+    pt_info = json.loads(run("info", path, "--json").output)
+    assert pt_info["kind"] == "torch" and pt_info["optimizers"] == "optimizer"
+    r = run("expand", out, "-o", tmp_path / "e.pt")
+    assert r.exit_code == 0 and "wrote" in r.output
+    assert torch.load(tmp_path / "e.pt", weights_only=True)["iter_num"] == 20
+
+
+def test_convert_json_report_and_options(trained_ckpt, tmp_path):
+    path, _, _ = trained_ckpt
+    r = run("convert", path, "-o", tmp_path / "b.safetensors", "--block-size", 64, "--min-size", 100000, "--json")
+    rep = json.loads(r.output)
+    assert rep["quantized"] == 0 and rep["kept_small"] > 0  # nothing reaches min size
+    r = run("convert", path, "-o", tmp_path / "k.safetensors", "--key", "optimizer", "--json")
+    assert json.loads(r.output)["quantized"] >= 4
+
+
+def _not_a_checkpoint(tmp_path):
+    p = tmp_path / "junk.pt"
+    p.write_bytes(b"hello, not a checkpoint")
+    return p
+
+
+def _truncated(tmp_path, trained):
+    p = tmp_path / "trunc.pt"
+    p.write_bytes(open(trained, "rb").read()[:3000])
+    return p
+
+
+def _no_optimizer(tmp_path):
+    p = tmp_path / "model_only.pt"
+    torch.save({"model": {"w": torch.ones(2)}}, p)
+    return p
+
+
+class Custom:
+    pass
+
+
+def _unsafe(tmp_path):
+    p = tmp_path / "unsafe.pt"
+    torch.save({"obj": Custom(), "optimizer": {"state": {}, "param_groups": []}}, p)
+    return p
+
+
+@pytest.mark.parametrize("case,args,message", [
+    ("missing", lambda t, c: ["convert", t / "nope.pt"], "no such file"),
+    ("junk", lambda t, c: ["convert", _not_a_checkpoint(t)], "not a readable torch checkpoint"),
+    ("truncated", lambda t, c: ["convert", _truncated(t, c)], "not a readable torch checkpoint"),
+    ("no optimizer", lambda t, c: ["convert", _no_optimizer(t)], "no optimizer state dict"),
+    ("unsafe", lambda t, c: ["convert", _unsafe(t)], "--trust"),
+    ("block size", lambda t, c: ["convert", c, "--block-size", 100], "power of two"),
+    ("bad key", lambda t, c: ["convert", c, "--key", "model/nothing"], "no entry"),
+    ("shard size", lambda t, c: ["convert", c, "--max-shard-size", "lots"], "300MB"),
+    ("expand junk", lambda t, c: ["expand", _not_a_checkpoint(t)], "not a safetensors file"),
+    ("expand pt", lambda t, c: ["expand", c], ""),
+    ("info missing", lambda t, c: ["info", t / "nope.safetensors"], "no such file"),
+])
+def test_user_errors_are_one_line_without_output(case, args, message, trained_ckpt, tmp_path):
+    path, _, _ = trained_ckpt
+    before = set(os.listdir(tmp_path))
+    r = run(*args(tmp_path, path))
+    assert r.exit_code >= 2, (case, r.output)
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptq: error: ") and message in lines[0], r.output
+    assert "Traceback" not in r.output
+    created = set(os.listdir(tmp_path)) - before
+    assert all(not n.endswith((".safetensors", ".tmp")) and n != "ckpt.fp32.pt" for n in created), created
+
+
+def test_existing_output_needs_force(trained_ckpt, tmp_path):
+    path, _, _ = trained_ckpt
+    assert run("convert", path, "-q").exit_code == 0
+    out = tmp_path / "ckpt.q8.safetensors"
+    stamp = out.stat().st_mtime_ns
+    r = run("convert", path, "-q")
+    assert r.exit_code == 4 and "--force" in r.output and out.stat().st_mtime_ns == stamp
+    assert run("convert", path, "-q", "--force").exit_code == 0
+
+
+def test_unsafe_checkpoint_converts_with_trust(tmp_path):
+    p = tmp_path / "u.pt"
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(5000))])
+    opt.param_groups[0]["params"][0].grad = torch.ones(5000)
+    opt.step()
+    torch.save({"obj": Custom(), "optimizer": opt.state_dict()}, p)
+    assert run("convert", p, "-q").exit_code == 3
+    # the custom object cannot be stored in a safetensors skeleton either: a clear error, not a crash
+    r = run("convert", p, "-q", "--trust")
+    assert r.exit_code == 2 and "cannot store Custom at obj" in r.output
+
+
+def test_help_and_version():
+    assert "convert" in run("--help").output and "--max-shard-size" in run("convert", "--help").output
+    assert run("--version").output.startswith("ckptq, version")
