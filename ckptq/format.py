@@ -203,8 +203,8 @@ class Converted:
         flat = compress.decompress(r.raw(name, self.verify), params, dtype, int(torch.Size(shape).numel()))
         return flat.reshape(shape)
 
-    def read(self, dequantize: bool = False) -> Any:
-        return tree.unflatten(self.skeleton, self.fetch, dequantize)
+    def read(self, dequantize: bool = False, lazy: bool = False) -> Any:
+        return tree.unflatten(self.skeleton, self.fetch, dequantize, lazy)
 
     def close(self) -> None:
         for r in self.readers:

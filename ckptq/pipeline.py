@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import __version__, checkpoint, codec, format, qstate, tree
+from . import __version__, checkpoint, codec, format, torch_stream, tree
 from .errors import InputError, UsageError
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -179,9 +179,8 @@ def expand(src: str, dst: str | None = None, *, force: bool = False, verify: boo
     t0 = time.perf_counter()
     dst = dst or default_expanded(src)
     conv = format.Converted(src, verify)
-    obj = conv.read(dequantize=True)
+    obj = conv.read(dequantize=True, lazy=True)  # tensors are produced one at a time while writing
     with format.atomic_outputs([dst], force) as (tmp,):
-        torch.save(obj, tmp)
-    if progress:
-        progress(1, 1)
+        torch_stream.save(obj, tmp, progress)
+    conv.close()
     return ExpandReport(src, dst, os.path.getsize(dst), time.perf_counter() - t0)

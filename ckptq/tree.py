@@ -211,34 +211,51 @@ def flatten(obj: Any) -> tuple[Any, list[Stored]]:
     return skeleton, f.stored
 
 
-def unflatten(skeleton: Any, fetch: Callable[[str], torch.Tensor], dequantize: bool = False) -> Any:
+def unflatten(skeleton: Any, fetch: Callable[[str], torch.Tensor], dequantize: bool = False,
+              lazy: bool = False) -> Any:
     """Rebuild the object. ``fetch(name)`` returns a stored tensor; each name is fetched once, so
     views of one stored storage share it again. Quantized states come back as qstate dicts, or as
-    dense tensors with ``dequantize=True``."""
-    cache: dict[str, torch.Tensor] = {}
+    dense tensors with ``dequantize=True``. With ``lazy=True`` whole tensors and dequantized states
+    become :class:`~ckptq.torch_stream.LazyTensor` placeholders, fetched only when written."""
+    return _Unflattener(fetch, dequantize, lazy).node(skeleton)
 
-    def get(name: str) -> torch.Tensor:
-        if name not in cache:
-            cache[name] = fetch(name)
-        return cache[name]
 
-    def node(n: Any) -> Any:
+class _Unflattener:
+    def __init__(self, fetch, dequantize: bool, lazy: bool):
+        self.fetch, self.dequantize, self.lazy = fetch, dequantize, lazy
+        self.cache: dict[str, torch.Tensor] = {}
+        self.lazy_storages: dict[str, Any] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.cache:
+            self.cache[name] = self.fetch(name)
+        return self.cache[name]
+
+    def node(self, n: Any) -> Any:
         if n is None or isinstance(n, (bool, int, str)):
             return n
         if isinstance(n, dict) and len(n) >= 1:
-            kind = next(iter(n))
-            build = _BUILDERS.get(kind)
+            build = _BUILDERS.get(next(iter(n)))
             if build is not None:
-                return build(n, node, get, dequantize)
+                return build(n, self)
         raise FormatError(f"unknown skeleton node {str(n)[:80]!r}; the file is corrupt or newer than this ckptq")
 
-    return node(skeleton)
+    def lazy_tensor(self, key: str, dtype: torch.dtype, shape: tuple, produce, parameter: bool = False):
+        from .torch_stream import LazyStorage, LazyTensor
+
+        if key not in self.lazy_storages:
+            self.lazy_storages[key] = LazyStorage(dtype, math.prod(shape), produce)
+        return LazyTensor(self.lazy_storages[key], shape, parameter)
 
 
-def _build_tensor(n, node, get, dequantize):
+def _build_tensor(n, u: _Unflattener):
+    from .torch_stream import can_stream
+
     spec = n["tensor"]
-    base = get(spec["data"])
     dtype, shape = dtype_from_name(spec["dtype"]), tuple(spec["shape"])
+    if u.lazy and "stride" not in spec and can_stream(dtype):
+        return u.lazy_tensor(spec["data"], dtype, shape, lambda: u.fetch(spec["data"]), bool(spec.get("parameter")))
+    base = u.get(spec["data"])
     if base.dtype != dtype:
         base = base.reshape(-1).view(dtype)
     if "stride" in spec:
@@ -248,34 +265,42 @@ def _build_tensor(n, node, get, dequantize):
     return torch.nn.Parameter(t, requires_grad=t.is_floating_point()) if spec.get("parameter") else t
 
 
-def _build_quantized(n, node, get, dequantize):
+def _build_quantized(n, u: _Unflattener):
     spec = n["quantized"]
-    q = {"ckptq": spec.get("codec"), "bits": spec.get("bits"), "codes": get(spec["codes"]),
-         "absmax": get(spec["absmax"]), "qmap": get(spec["qmap"]), "block_size": spec["block_size"],
-         "transform": spec["transform"], "shape": tuple(spec["shape"]), "dtype": spec["dtype"]}
-    qstate.check_qstate(q)
-    return qstate.dequantize_state(q) if dequantize else q
+
+    def build() -> dict:
+        q = {"ckptq": spec.get("codec"), "bits": spec.get("bits"), "codes": u.fetch(spec["codes"]),
+             "absmax": u.fetch(spec["absmax"]), "qmap": u.get(spec["qmap"]), "block_size": spec["block_size"],
+             "transform": spec["transform"], "shape": tuple(spec["shape"]), "dtype": spec["dtype"]}
+        qstate.check_qstate(q)
+        return q
+
+    if u.dequantize and u.lazy:
+        qstate.check_qstate({"ckptq": spec.get("codec"), "bits": spec.get("bits"), "transform": spec.get("transform")})
+        return u.lazy_tensor(spec["codes"], dtype_from_name(spec["dtype"]), tuple(spec["shape"]),
+                             lambda: qstate.dequantize_state(build()))
+    return qstate.dequantize_state(build()) if u.dequantize else build()
 
 
-def _build_mapping(n, node, get, dequantize):
+def _build_mapping(n, u: _Unflattener):
     kind = next(iter(n))
     out = {} if kind == "dict" else collections.OrderedDict()
     for k, v in n[kind]:
-        out[node(k)] = node(v)
+        out[u.node(k)] = u.node(v)
     if "_metadata" in n:
-        out._metadata = node(n["_metadata"])
+        out._metadata = u.node(n["_metadata"])
     return out
 
 
 _BUILDERS = {
-    "float": lambda n, *_: float(n["float"]),
+    "float": lambda n, u: float(n["float"]),
     "tensor": _build_tensor,
     "quantized": _build_quantized,
     "dict": _build_mapping,
     "odict": _build_mapping,
-    "list": lambda n, node, *_: [node(v) for v in n["list"]],
-    "tuple": lambda n, node, *_: tuple(node(v) for v in n["tuple"]),
-    "size": lambda n, *_: torch.Size(n["size"]),
-    "dtype": lambda n, *_: dtype_from_name(n["dtype"]),
-    "device": lambda n, *_: torch.device(n["device"]),
+    "list": lambda n, u: [u.node(v) for v in n["list"]],
+    "tuple": lambda n, u: tuple(u.node(v) for v in n["tuple"]),
+    "size": lambda n, u: torch.Size(n["size"]),
+    "dtype": lambda n, u: dtype_from_name(n["dtype"]),
+    "device": lambda n, u: torch.device(n["device"]),
 }

@@ -1,0 +1,100 @@
+"""A streaming ``torch.save``: tensors are produced one at a time while the file is written.
+
+``torch.save`` needs every tensor in memory before it writes. Its file is a zip of ``data.pkl`` (the
+pickled object, where each storage is a persistent id ``("storage", <Type>Storage, key, location,
+numel)``) followed by one ``data/<key>`` record per storage. The pickle never needs the bytes, so here
+it is written from placeholders (:class:`LazyTensor`) and each storage is produced only when its
+record is written: memory stays at the size of the largest tensor. ``torch.load(weights_only=True)``
+reads the result like any torch.save file (the same records, written by torch's own zip writer).
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import sys
+from typing import Any, Callable
+
+import torch
+from torch.serialization import _get_storage_alignment, location_tag
+
+_STORAGE_TYPES = {
+    torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
+    torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
+    torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage", torch.bool: "BoolStorage",
+    torch.complex64: "ComplexFloatStorage", torch.complex128: "ComplexDoubleStorage",
+}
+
+
+def can_stream(dtype: torch.dtype) -> bool:
+    return dtype in _STORAGE_TYPES
+
+
+class LazyStorage:
+    """Stands for a storage of ``numel`` elements of ``dtype``; ``produce()`` returns its tensor."""
+
+    def __init__(self, dtype: torch.dtype, numel: int, produce: Callable[[], torch.Tensor]):
+        self.dtype, self.numel, self.produce = dtype, numel, produce
+
+
+class LazyTensor:
+    """Pickles exactly like a contiguous CPU tensor over ``storage`` (or an ``nn.Parameter``)."""
+
+    def __init__(self, storage: LazyStorage, shape: tuple, parameter: bool = False):
+        self.storage, self.shape, self.parameter = storage, tuple(shape), parameter
+
+    def __reduce_ex__(self, protocol):
+        stride, step = [], 1
+        for d in reversed(self.shape):
+            stride.append(step)
+            step *= max(d, 1)
+        args = (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict())
+        if self.parameter:
+            return (torch._utils._rebuild_parameter, (LazyTensor(self.storage, self.shape), True, collections.OrderedDict()))
+        return (torch._utils._rebuild_tensor_v2, args)
+
+
+def save(obj: Any, path: str, progress: Callable[[int, int], None] | None = None) -> None:
+    """Write ``obj`` (which may hold LazyTensors as well as real tensors) as a torch.save file."""
+    records: dict[str, Any] = {}  # key -> LazyStorage | UntypedStorage, in first-seen order
+    keys: dict[int, str] = {}
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, o):
+            if isinstance(o, LazyStorage):
+                key = keys.setdefault(id(o), str(len(keys)))
+                records[key] = o
+                return ("storage", getattr(torch, _STORAGE_TYPES[o.dtype]), key, "cpu", o.numel)
+            if isinstance(o, torch.storage.TypedStorage):  # what Tensor.__reduce_ex__ hands over
+                untyped = o._untyped_storage
+                key = keys.setdefault(untyped._cdata, str(len(keys)))
+                records[key] = untyped
+                return ("storage", getattr(torch, o._pickle_storage_type()), key, location_tag(untyped), o._size())
+            return None
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump(obj)
+    writer = torch._C.PyTorchFileWriter(path, True, _get_storage_alignment())
+    data = buf.getvalue()
+    writer.write_record("data.pkl", data, len(data))
+    writer.write_record(".format_version", "1", 1)
+    alignment = str(_get_storage_alignment())
+    writer.write_record(".storage_alignment", alignment, len(alignment))
+    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    total = sum(r.numel * r.dtype.itemsize if isinstance(r, LazyStorage) else r.nbytes() for r in records.values())
+    done = 0
+    for key, rec in records.items():
+        if isinstance(rec, LazyStorage):
+            t = rec.produce().detach().to("cpu", rec.dtype).contiguous()
+            assert t.numel() == rec.numel, (key, t.numel(), rec.numel)
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                t = t.clone()  # a view into a larger buffer: write only its own bytes
+            storage = t.untyped_storage()
+        else:
+            storage = rec.cpu()
+        writer.write_record(f"data/{key}", storage, storage.nbytes())
+        done += storage.nbytes()
+        if progress:
+            progress(done, total)
+    writer.write_end_of_file()
