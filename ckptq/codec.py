@@ -18,10 +18,8 @@ The functions here are the CPU path and the reference; ``backend="triton"`` runs
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,8 +31,8 @@ BLOCK_SIZES = tuple(2**k for k in range(6, 13))  # 64 ... 4096
 DEFAULT_BLOCK_SIZE = 256
 TRANSFORMS = ("none", "sqrt")
 BACKENDS = ("auto", "torch", "triton")
-# CPU chunks: 256K elements (1 MB fp32), the fastest of 2^15..2^20 measured on 2 cores (L2 2 MB each);
-# and 2^17 is a multiple of every block size. Other devices take big chunks: they only bound memory.
+# CPU chunks: 256K elements (1 MB fp32), the fastest of 2^15..2^20 measured on 2 cores with 2 MB L2
+# each, and a multiple of every block size. Other devices take big chunks: they only bound memory.
 _CPU_CHUNK = 1 << 18
 _DEVICE_CHUNK = 1 << 24
 _SIGN_FLIP = 1 << 15  # (int32 bits >> 16) is in [-2^15, 2^15); adding this makes it a table index
@@ -97,11 +95,11 @@ def _reference_codes(x: torch.Tensor, thresholds: torch.Tensor, block_size: int)
 # Code lookup table. Every fp32 y falls in one of 2^16 buckets: the floats that share y's top 16 bits
 # (sign, exponent, 7 mantissa bits), a closed interval [lo_b, hi_b]. With base_b = #{t < lo_b}, and
 # thresholds t sorted, #{t < y} = base_b + #{j : lo_b <= t[j] < y}. When at most one threshold lies in
-# [lo_b, hi_b] it can only be t[base_b] (the first one >= lo_b; if it lies above hi_b it is above y too), so code = base_b + (t[base_b] < y): one
-# table lookup and one exact fp32 compare, the same answer as searchsorted for every y. Codebooks that put
-# two thresholds in one bucket get no table and take searchsorted. Buckets of NaNs map to 255, as
-# searchsorted does; y is never a signalling NaN (it comes out of a division). bitsandbytes' CPU path
-# also uses a 65,536-bin table, but without the exact fix-up compare.
+# [lo_b, hi_b] it can only be t[base_b] (the first one >= lo_b; if that lies above hi_b it lies above y
+# too), so code = base_b + (t[base_b] < y): one table lookup and one exact fp32 compare, the answer of
+# searchsorted for every y. Codebooks with two thresholds in one bucket get no table and take
+# searchsorted. NaN buckets map to 255, as searchsorted does (y is never a signalling NaN: it comes out
+# of a division). tests/test_codec.py checks both ends of every bucket and every threshold +-1 ulp.
 class _CodeTable:
     def __init__(self, base: torch.Tensor, thr: torch.Tensor):
         self.base = base  # uint8 [65536], indexed by (bits of y >> 16) + 2^15
@@ -195,37 +193,6 @@ def _for_each_chunk(fn, n: int, device: torch.device) -> None:
     list(pool.map(lambda span: fn(*span, _workspace(device, chunk)), spans))
 
 
-_HUGE_PAGE = 1 << 21
-_MADV_HUGEPAGE = 14
-
-
-@functools.lru_cache(maxsize=None)
-def _madvise():
-    if sys.platform != "linux":
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return fn
-
-
-def _empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.empty, asking Linux for transparent huge pages on big CPU outputs: first-touch page faults
-    cost more than the codec itself (measured: 64 MB fill 2.5x faster). This is what PyTorch's own
-    THP_MEM_ALLOC_ENABLE=1 does in c10/core/alloc_cpu.cpp, applied to these outputs only."""
-    out = torch.empty(n, dtype=dtype, device=device)
-    madvise = _madvise() if device.type == "cpu" else None
-    if madvise is not None:
-        ptr = out.data_ptr()
-        start = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE  # 2 MB-aligned interior of the allocation
-        stop = (ptr + out.numel() * out.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-        if stop > start:
-            madvise(start, stop - start, _MADV_HUGEPAGE)  # a hint: failure only costs speed
-    return out
-
-
 def _as_fp32(src: torch.Tensor, buf: torch.Tensor, transform: str) -> torch.Tensor:
     """src: [n] any float dtype -> fp32 [n], sqrt applied; uses buf [n] unless src can be used as is."""
     if src.dtype != torch.float32:
@@ -290,13 +257,14 @@ def quantize_blockwise(
     thresholds = midpoints(qmap.to(flat.device))
     table = _code_table(thresholds)
     n = flat.numel()
-    codes = _empty(n, torch.uint8, flat.device)
+    codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
     absmax = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=flat.device)
 
     def span(start: int, stop: int, ws: _Workspace) -> None:
         c, a = codes[start:stop], absmax[start // block_size : num_blocks(stop, block_size)]
         if table is None:
-            c[:], a[:] = _reference_codes(_as_fp32(flat[start:stop], ws.x[: stop - start], transform), thresholds, block_size)
+            x32 = _as_fp32(flat[start:stop], ws.x[: stop - start], transform)
+            c[:], a[:] = _reference_codes(x32, thresholds, block_size)
         else:
             _quantize_span(flat[start:stop], c, a, thresholds, table, block_size, transform, ws)
 
@@ -339,7 +307,7 @@ def dequantize_blockwise(
     flat = codes.reshape(-1)
     qmap = qmap.to(device=flat.device, dtype=torch.float32).contiguous()
     absmax = absmax.to(device=flat.device, dtype=torch.float32).reshape(-1)
-    out = _empty(flat.numel(), torch.float32, flat.device)
+    out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
 
     def span(start: int, stop: int, ws: _Workspace) -> None:
         a = absmax[start // block_size : num_blocks(stop, block_size)]

@@ -71,12 +71,18 @@ def _mark_states(obj: Any, key: str | None, block_size: int, min_size: int, back
                     report.kept_small += 1
                 elif checkpoint.storage_key(t) in shared:
                     report.kept_shared += 1
-                elif not bool(torch.isfinite(t).all()):
+                elif not _all_finite(t):
                     report.kept_nonfinite += 1
                     report.nonfinite_names.append(where)
                 else:
                     pstate[name] = tree.PendingQuant(t, name, block_size, backend)
                     report.quantized += 1
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    # min and max propagate NaN and reach +-Inf: one reduction pass, no full-size bool temporary
+    lo, hi = torch.aminmax(t.detach().reshape(-1))
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def convert(
