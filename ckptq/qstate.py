@@ -18,6 +18,7 @@ Which codebook and transform a state gets is decided by its role (the state key)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,20 +30,37 @@ CODEC = "blockwise"
 SUPPORTED_BITS = (8,)
 
 
+# Codebooks by name; files record the values, so a name only decides what new files get.
+CODEBOOKS = {
+    "dynamic-signed": functools.partial(codebooks.dynamic_map, True),
+    "dynamic-unsigned": functools.partial(codebooks.dynamic_map, False),
+    "power-signed-2.5": functools.partial(codebooks.power_map, True, 2.5),
+    "power-unsigned-3": functools.partial(codebooks.power_map, False, 3.0),
+}
+
+
 @dataclass(frozen=True)
 class Policy:
-    signed: bool
-    transform: str
+    codebook: str  # a key of CODEBOOKS
+    transform: str  # one of codec.TRANSFORMS
+
+    def qmap(self) -> torch.Tensor:
+        return CODEBOOKS[self.codebook]()
 
 
-# Second moments are stored as sqrt(v) on the unsigned map: a block whose v spans 2k decades needs only k
-# decades of codebook, so small entries keep their precision and never collapse to 0 (the zero-point
-# problem of Li et al., NeurIPS 2023). First moments and other states use the signed map as they are.
+# Chosen by the Adam *update* error u = m_hat / (sqrt(v_hat) + eps) (tools/fidelity.py, figures in
+# README): an element's share of ||u|| does not shrink with its magnitude, so small entries of a
+# block need relative precision, and large ones most of the codes.
+# Second moments are stored as sqrt(v) on an unsigned power map (sqrt(v)/absmax = (k/255)**3): a
+# block whose v spans 2k decades needs only k decades of codebook, small entries keep their precision
+# and only values below ~1e-15 of the block's absmax v collapse to 0 (the zero-point problem of Li et
+# al., NeurIPS 2023). First moments and other states use a signed power map ((k/127)**2.5).
 POLICIES = {
-    "exp_avg_sq": Policy(signed=False, transform="sqrt"),
-    "max_exp_avg_sq": Policy(signed=False, transform="sqrt"),
+    "exp_avg": Policy("power-signed-2.5", "none"),
+    "exp_avg_sq": Policy("power-unsigned-3", "sqrt"),
+    "max_exp_avg_sq": Policy("power-unsigned-3", "sqrt"),
 }
-DEFAULT_POLICY = Policy(signed=True, transform="none")
+DEFAULT_POLICY = Policy("power-signed-2.5", "none")
 
 
 def policy_for(key: str) -> Policy:
@@ -58,7 +76,7 @@ def quantize_state(
 ) -> dict:
     """Quantize one optimizer state tensor under the policy for its state key."""
     pol = policy_for(key)
-    qmap = codebooks.dynamic_map(pol.signed).to(t.device)
+    qmap = pol.qmap().to(t.device)
     codes, absmax = codec.quantize_blockwise(t, qmap, block_size, pol.transform, backend)
     return {
         "ckptq": CODEC,

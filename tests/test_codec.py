@@ -5,6 +5,7 @@ plain ``torch.searchsorted`` over the midpoints, and that must be a nearest-entr
 """
 
 import pytest
+import numpy as np
 import torch
 
 from ckptq import codebooks, codec
@@ -17,8 +18,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def searchsorted_quantize(x, qmap, block_size, transform):
     """The contract written plainly: fp32 [n] -> (codes int64 [n], absmax fp32 [nb])."""
     flat = x.reshape(-1).to(torch.float32)
-    if transform == "sqrt":
-        flat = flat.sqrt()
+    if transform == "sqrt":  # IEEE-rounded sqrt (numpy's); torch's CPU fp32 sqrt is not always
+        flat = torch.from_numpy(np.sqrt(flat.numpy()))
     nb = codec.num_blocks(flat.numel(), block_size)
     blocks = torch.nn.functional.pad(flat, (0, nb * block_size - flat.numel())).view(nb, block_size)
     absmax = blocks.abs().amax(dim=1)

@@ -5,6 +5,7 @@ Trains a tiny GPT for a few steps (tools/make_checkpoint.py), then measures with
 
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ TOOLS = pathlib.Path(__file__).resolve().parent.parent / "tools"
 def _load_tool(name: str):
     spec = importlib.util.spec_from_file_location(f"_ckptq_tool_{name}", TOOLS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
     spec.loader.exec_module(module)
     return module
 
