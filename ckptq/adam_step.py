@@ -38,8 +38,11 @@ def hyper_tensor(lr, beta1, beta2, eps, weight_decay, step, decoupled: bool, dev
 
 
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded fp32 sqrt (IEEE, as Triton's ``sqrt_rn``): torch.sqrt on AVX512 CPUs is not,
-    and rounding a float64 sqrt of an fp32 value to fp32 is exact (53 >= 2*24 + 2 bits)."""
+    """Correctly rounded fp32 sqrt (IEEE, as Triton's ``sqrt_rn``). Eager torch.sqrt on AVX512 CPUs is
+    not (~20% of results are 1 ulp off), so eager rounds a float64 sqrt to fp32, which is exact
+    (53 >= 2*24 + 2 bits); inductor's C++ emits the IEEE vector sqrt itself (tested bit-equal)."""
+    if torch.compiler.is_compiling():
+        return torch.sqrt(x)
     return torch.sqrt(x.double()).float()
 
 
@@ -123,27 +126,42 @@ def step_rows(p, g, h, states, maximize: bool):
     return p32, tuple(quantize_rows(x, s[3], s[4]) for x, s in zip(new, states))
 
 
+def step_rows_(p, g, h, states, maximize: bool) -> None:
+    """``step_rows`` writing its results into p and each state's codes/absmax (the compiled unit)."""
+    p_new, new = step_rows(p, g, h, states, maximize)
+    p.copy_(p_new)
+    for state, (codes, absmax) in zip(states, new):
+        state[0].copy_(codes)
+        state[1].copy_(absmax)
+
+
 def _padded_rows(x: torch.Tensor, rows: int, block: int, fill) -> torch.Tensor:
     pad = rows * block - x.numel()
     return torch.nn.functional.pad(x, (0, pad), value=fill).view(rows, block) if pad else x.view(rows, block)
 
 
-def _run_chunk(fn, p, g, h, qstates, tables, start: int, end: int, maximize: bool) -> None:
-    """Step elements [start, end) of flat p/g/codes in place; pads a short last block with zeros."""
+def _run_chunk(fn, p, g, h, qstates, tables, start: int, end: int, rows: int, maximize: bool) -> None:
+    """Step elements [start, end) of flat p/g/codes in place as ``rows`` blocks, zero-padding a short
+    chunk (padding decodes to 0, so it never changes a real block's absmax) and copying it back."""
     block = qstates[0]["block_size"]
-    rows = -(-(end - start) // block)
-    b0 = start // block
+    b0, nb = start // block, -(-(end - start) // block)
     states = tuple(
-        (_padded_rows(q["codes"][start:end], rows, block, zero), q["absmax"][b0 : b0 + rows], q["qmap"], thr, q["transform"])
-        for q, (thr, zero) in zip(qstates, tables)
+        (
+            _padded_rows(q["codes"][start:end], rows, block, zero),
+            _padded_rows(q["absmax"][b0 : b0 + nb], rows, 1, 0.0).view(-1),
+            q["qmap"],
+            table,
+            q["transform"],
+        )
+        for q, (table, zero) in zip(qstates, tables)
     )
     p_rows = _padded_rows(p[start:end], rows, block, 0.0)
-    g_rows = _padded_rows(g[start:end], rows, block, 0.0)
-    p_new, new = fn(p_rows, g_rows, h, states, maximize)
-    p[start:end] = p_new.view(-1)[: end - start]
-    for q, (codes, absmax) in zip(qstates, new):
-        q["codes"][start:end] = codes.view(-1)[: end - start]
-        q["absmax"][b0 : b0 + rows] = absmax
+    fn(p_rows, _padded_rows(g[start:end], rows, block, 0.0), h, states, maximize)
+    if rows * block != end - start:
+        p[start:end] = p_rows.view(-1)[: end - start]
+        for q, (codes, absmax, *_) in zip(qstates, states):
+            q["codes"][start:end] = codes.view(-1)[: end - start]
+            q["absmax"][b0 : b0 + nb] = absmax[:nb]
 
 
 @functools.lru_cache(maxsize=16)
@@ -163,8 +181,7 @@ def adam8bit_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper, *, ma
 
     ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq`` (None without amsgrad) are qstate dicts with one
     block size and flat ``codes``; ``hyper`` is ``hyper_tensor``'s fp32 [8]. ``chunk_fn`` replaces
-    ``step_rows`` on full chunks of ``CHUNK_ELEMENTS`` (the compiled CPU path); the last, shorter
-    chunk always runs eagerly.
+    ``step_rows_`` (the compiled CPU path: it then always sees chunks of ``CHUNK_ELEMENTS``).
     """
     qstates = [q for q in (exp_avg, exp_avg_sq, max_exp_avg_sq) if q is not None]
     assert len({q["block_size"] for q in qstates}) == 1, "states of one parameter share a block size"
@@ -172,18 +189,19 @@ def adam8bit_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper, *, ma
     flat = param.data if param.is_contiguous() else param.data.contiguous()
     p, g = flat.view(-1), grad.reshape(-1)
     n = p.numel()
+    block = qstates[0]["block_size"]
     for start in range(0, n, CHUNK_ELEMENTS):
         end = min(n, start + CHUNK_ELEMENTS)
-        fn = chunk_fn if (chunk_fn is not None and end - start == CHUNK_ELEMENTS) else step_rows
-        _run_chunk(fn, p, g, hyper, qstates, tables, start, end, maximize)
+        # The compiled function has one fixed shape: a short last chunk is padded up to it.
+        rows = CHUNK_ELEMENTS // block if chunk_fn is not None else -(-(end - start) // block)
+        _run_chunk(chunk_fn or step_rows_, p, g, hyper, qstates, tables, start, end, rows, maximize)
     if flat is not param.data:
         param.data.copy_(flat)
 
 
 def adam_dense_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper, *, maximize=False) -> None:
     """The same step for small parameters whose states are plain fp32 tensors (in place)."""
-    vmax = None if max_exp_avg_sq is None else max_exp_avg_sq
-    p32, m, v, vmax = adam_math(param.detach().float(), grad.float(), exp_avg, exp_avg_sq, vmax, hyper, maximize)
+    p32, m, v, vmax = adam_math(param.detach().float(), grad.float(), exp_avg, exp_avg_sq, max_exp_avg_sq, hyper, maximize)
     param.data.copy_(p32)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)

@@ -16,9 +16,11 @@ import torch
 
 from . import adam_step, qstate
 from .errors import StateMismatchError, UsageError
-
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+from .optim_io import MOMENT_KEYS, import_state_dict
 BACKENDS = ("auto", "torch", "triton")
+# Gather indices are uint8 codes into 256-entry codebooks and table entries <= 255 + K: in range by
+# construction, so inductor's per-gather bounds checks are dropped.
+_COMPILE_OPTIONS = {"assert_indirect_indexing": False}
 
 
 def _default_compile() -> bool:
@@ -35,15 +37,16 @@ class _CompiledChunk:
 
     def __call__(self, *args):
         if self.failed:
-            return adam_step.step_rows(*args)
+            return adam_step.step_rows_(*args)
         try:
             if self._fn is None:
-                self._fn = torch.compile(adam_step.step_rows, dynamic=False, fullgraph=True)
+                self._fn = torch.compile(adam_step.step_rows_, dynamic=False, fullgraph=True, options=_COMPILE_OPTIONS)
             return self._fn(*args)
         except Exception as exc:  # no C++ compiler, unsupported platform, inductor bug: same math, eager
             self.failed = True
-            warnings.warn(f"ckptq: compiling the CPU Adam step failed ({type(exc).__name__}); using eager", RuntimeWarning)
-            return adam_step.step_rows(*args)
+            msg = f"ckptq: compiling the CPU Adam step failed ({type(exc).__name__}: {exc}); running it eagerly"
+            warnings.warn(msg, RuntimeWarning)
+            return adam_step.step_rows_(*args)
 
 
 class _Adam8bitBase(torch.optim.Optimizer):
@@ -86,7 +89,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
         return state
 
     def _quantize(self, t: torch.Tensor, key: str) -> dict:
-        q = qstate.quantize_state(t.float(), key, self.block_size, backend="torch" if t.device.type == "cpu" else "auto")
+        q = qstate.quantize_state(t.float(), key, self.block_size)
         q["dtype"] = "float32"  # the state is fp32 whatever the checkpoint stored
         return q
 
@@ -143,8 +146,6 @@ class _Adam8bitBase(torch.optim.Optimizer):
 
         Raises ``StateMismatchError`` before changing anything if groups, counts or shapes differ.
         """
-        from .optim_io import import_state_dict
-
         state, groups = import_state_dict(self, state_dict)
         self.state.clear()
         self.state.update(state)
