@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import __version__, checkpoint, codec, format, torch_stream, tree
+from . import __version__, checkpoint, codec, format, qstate, torch_stream, tree
 from .errors import InputError, UsageError
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -60,23 +60,35 @@ def _mark_states(obj: Any, key: str | None, block_size: int, min_size: int, back
     found = checkpoint.find_optimizers(obj, key)
     report.optimizers = len(found)
     for f in found:
+        groups = {pid: g for g in f.state_dict["param_groups"] if isinstance(g, dict) for pid in g.get("params", [])}
         for pid, pstate in f.state_dict["state"].items():
             if not isinstance(pstate, dict):
                 continue
-            for name, t in list(pstate.items()):
-                if not isinstance(t, torch.Tensor) or name == "step" or not t.is_floating_point():
-                    continue
-                where = "/".join(map(str, f.path + ("state", pid, name)))
-                if not checkpoint.is_quantizable(t, min_size):
-                    report.kept_small += 1
-                elif checkpoint.storage_key(t) in shared:
-                    report.kept_shared += 1
-                elif not _all_finite(t):
-                    report.kept_nonfinite += 1
-                    report.nonfinite_names.append(where)
-                else:
-                    pstate[name] = tree.PendingQuant(t, name, block_size, backend)
-                    report.quantized += 1
+            _mark_param(pstate, groups.get(pid, {}), f.path + ("state", pid), block_size, min_size, backend,
+                        shared, report)
+        report.quantized += sum(isinstance(v, tree.PendingQuant) for st in f.state_dict["state"].values()
+                                if isinstance(st, dict) for v in st.values())
+
+
+def _mark_param(pstate: dict, group: dict, path: tuple, block_size: int, min_size: int, backend: str,
+                shared: set, report: ConvertReport) -> None:
+    for name, t in list(pstate.items()):
+        if not isinstance(t, torch.Tensor) or name == "step" or not t.is_floating_point():
+            continue
+        if not checkpoint.is_quantizable(t, min_size):
+            report.kept_small += 1
+        elif checkpoint.storage_key(t) in shared:
+            report.kept_shared += 1
+        elif not _all_finite(t):
+            report.kept_nonfinite += 1
+            report.nonfinite_names.append("/".join(map(str, path + (name,))))
+        else:
+            pstate[name] = tree.PendingQuant(t, name, block_size, backend)
+    # a first moment whose second moment is quantized too is stored relative to it (qstate docstring)
+    for m_key, v_key in qstate.RATIO_PAIRS.items():
+        m, v = pstate.get(m_key), pstate.get(v_key)
+        if isinstance(m, tree.PendingQuant) and isinstance(v, tree.PendingQuant) and m.tensor.shape == v.tensor.shape:
+            m.divisor = (v_key, v.tensor, qstate.ratio_eps_for(group, pstate.get("step", 0)))
 
 
 def _all_finite(t: torch.Tensor) -> bool:

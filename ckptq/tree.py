@@ -63,11 +63,16 @@ class PendingQuant:
     key: str
     block_size: int
     backend: str = "auto"
+    divisor: tuple | None = None  # (sibling key, its exact tensor, eps'): store as a ratio state
     _result: dict | None = field(default=None, repr=False)
 
     def result(self) -> dict:
         if self._result is None:
-            self._result = qstate.quantize_state(self.tensor, self.key, self.block_size, self.backend)
+            if self.divisor is None:
+                self._result = qstate.quantize_state(self.tensor, self.key, self.block_size, self.backend)
+            else:
+                key, v, eps = self.divisor
+                self._result = qstate.quantize_ratio(self.tensor, v, eps, self.block_size, self.backend, key)
         return self._result
 
     def take(self, part: str) -> torch.Tensor:
@@ -87,11 +92,6 @@ def _contiguous_strides(shape) -> tuple:
 
 def _join(path: str, key: Any) -> str:
     return f"{path}/{key}" if path else str(key)
-
-
-def _codebook_for(key: str) -> torch.Tensor:
-    # The codebook quantize_state would use for this state key, without quantizing the tensor yet.
-    return qstate.quantize_state(torch.zeros(1), key)["qmap"]
 
 
 class _Flattener:
@@ -180,14 +180,17 @@ class _Flattener:
     def quantized(self, q, path: str) -> dict:
         lazy = isinstance(q, PendingQuant)
         if lazy:
-            pol, numel = qstate.policy_for(q.key), q.tensor.numel()
-            qmap = _codebook_for(q.key)
+            pol = qstate.RATIO_POLICY if q.divisor else qstate.policy_for(q.key)
+            numel, qmap = q.tensor.numel(), pol.qmap()
             meta = {"block_size": q.block_size, "transform": pol.transform,
                     "shape": list(q.tensor.shape), "dtype": dtype_name(q.tensor.dtype)}
+            if q.divisor:
+                meta |= {"eps": q.divisor[2], "divisor": q.divisor[0]}
         else:
             qstate.check_qstate(q)
             numel, qmap = q["codes"].numel(), q["qmap"]
-            meta = {k: q[k] for k in ("block_size", "transform", "dtype")} | {"shape": list(q["shape"])}
+            meta = {k: q[k] for k in ("block_size", "transform", "dtype", "eps", "divisor") if k in q}
+            meta["shape"] = list(q["shape"])
         nb = -(-numel // meta["block_size"])
         get = (lambda part: q.take(part)) if lazy else (lambda part: q[part].detach().contiguous().cpu())
         codes = self.add(_join(path, "codes"), torch.uint8, (numel,), lambda: get("codes"), "codes")
@@ -217,7 +220,8 @@ def unflatten(skeleton: Any, fetch: Callable[[str], torch.Tensor], dequantize: b
     views of one stored storage share it again. Quantized states come back as qstate dicts, or as
     dense tensors with ``dequantize=True``. With ``lazy=True`` whole tensors and dequantized states
     become :class:`~ckptq.torch_stream.LazyTensor` placeholders, fetched only when written."""
-    return _Unflattener(fetch, dequantize, lazy).node(skeleton)
+    u = _Unflattener(fetch, dequantize, lazy)
+    return _finalize(u, u.node(skeleton), None)
 
 
 class _Unflattener:
@@ -265,21 +269,43 @@ def _build_tensor(n, u: _Unflattener):
     return torch.nn.Parameter(t, requires_grad=t.is_floating_point()) if spec.get("parameter") else t
 
 
+@dataclass
+class _QRef:
+    """A quantized node awaiting decoding: a ratio state needs its sibling divisor first."""
+
+    spec: dict
+    build: Callable[[], dict]
+
+
 def _build_quantized(n, u: _Unflattener):
     spec = n["quantized"]
+    qstate.check_qstate({"ckptq": spec.get("codec"), "bits": spec.get("bits"), "transform": spec.get("transform")})
 
     def build() -> dict:
-        q = {"ckptq": spec.get("codec"), "bits": spec.get("bits"), "codes": u.fetch(spec["codes"]),
+        q = {"ckptq": spec["codec"], "bits": spec["bits"], "codes": u.fetch(spec["codes"]),
              "absmax": u.fetch(spec["absmax"]), "qmap": u.get(spec["qmap"]), "block_size": spec["block_size"],
              "transform": spec["transform"], "shape": tuple(spec["shape"]), "dtype": spec["dtype"]}
-        qstate.check_qstate(q)
+        q |= {k: spec[k] for k in ("eps", "divisor") if k in spec}
         return q
 
-    if u.dequantize and u.lazy:
-        qstate.check_qstate({"ckptq": spec.get("codec"), "bits": spec.get("bits"), "transform": spec.get("transform")})
-        return u.lazy_tensor(spec["codes"], dtype_from_name(spec["dtype"]), tuple(spec["shape"]),
-                             lambda: qstate.dequantize_state(build()))
-    return qstate.dequantize_state(build()) if u.dequantize else build()
+    return _QRef(spec, build) if u.dequantize else build()
+
+
+def _finalize(u: _Unflattener, value: Any, siblings: dict | None) -> Any:
+    """Decode a _QRef (to a tensor, or a lazy one), finding a ratio state's divisor among its siblings."""
+    if not isinstance(value, _QRef):
+        return value
+    divisor = (siblings or {}).get(value.spec.get("divisor"))
+    if value.spec["transform"] == qstate.RATIO_TRANSFORM and not isinstance(divisor, _QRef):
+        raise FormatError(f"ratio state {value.spec['codes']!r} has no quantized sibling "
+                          f"{value.spec.get('divisor')!r}; the file is corrupt")
+
+    def produce() -> torch.Tensor:
+        return qstate.dequantize_state(value.build(), divisor=divisor.build() if divisor else None)
+
+    if u.lazy:
+        return u.lazy_tensor(value.spec["codes"], dtype_from_name(value.spec["dtype"]), tuple(value.spec["shape"]), produce)
+    return produce()
 
 
 def _build_mapping(n, u: _Unflattener):
@@ -287,6 +313,9 @@ def _build_mapping(n, u: _Unflattener):
     out = {} if kind == "dict" else collections.OrderedDict()
     for k, v in n[kind]:
         out[u.node(k)] = u.node(v)
+    refs = dict(out)
+    for k, v in refs.items():
+        out[k] = _finalize(u, v, refs)
     if "_metadata" in n:
         out._metadata = u.node(n["_metadata"])
     return out
@@ -298,8 +327,8 @@ _BUILDERS = {
     "quantized": _build_quantized,
     "dict": _build_mapping,
     "odict": _build_mapping,
-    "list": lambda n, u: [u.node(v) for v in n["list"]],
-    "tuple": lambda n, u: tuple(u.node(v) for v in n["tuple"]),
+    "list": lambda n, u: [_finalize(u, u.node(v), None) for v in n["list"]],
+    "tuple": lambda n, u: tuple(_finalize(u, u.node(v), None) for v in n["tuple"]),
     "size": lambda n, u: torch.Size(n["size"]),
     "dtype": lambda n, u: dtype_from_name(n["dtype"]),
     "device": lambda n, u: torch.device(n["device"]),

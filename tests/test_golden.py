@@ -38,12 +38,15 @@ def golden_object():
     model._metadata = collections.OrderedDict([("", {"version": 1})])
     m = torch.randn(300, generator=g) * 1e-3
     v = (torch.randn(20, 15, generator=g) * 1e-2) ** 2
+    m2 = torch.randn(20, 15, generator=g) * v.sqrt()
+    ratio = _q(m2 / (v.sqrt() + 1e-9), True, "none", 64) | {"transform": "ratio", "eps": 1e-9, "divisor": "exp_avg_sq"}
     state = {0: {"step": torch.tensor(7.0), "exp_avg": _q(m, True, "none", 64), "exp_avg_sq": _q(v, False, "sqrt", 64)},
+             2: {"step": torch.tensor(7.0), "exp_avg": ratio, "exp_avg_sq": _q(v, False, "sqrt", 64)},
              1: {"step": torch.tensor(7.0), "exp_avg": torch.ones(3), "exp_avg_sq": torch.full((3,), 0.5)}}
     groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
                "foreach": None, "params": [0]},
               {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
-               "foreach": None, "params": [1]}]
+               "foreach": None, "params": [1, 2]}]
     return {"model": model, "optimizer": {"state": state, "param_groups": groups}, "iter_num": 7,
             "best_val_loss": torch.tensor(2.5), "config": {"name": "golden", "dropout": 0.0, "nan": float("nan")}}
 
@@ -57,16 +60,24 @@ def test_golden_file_is_pinned(tmp_path):
     assert_same(golden_object(), ckptq.load(GOLDEN))
 
 
-def _numpy_decode(path, node):
-    """Decode a quantized node using only the spec (docs/FORMAT.md section 5)."""
-    q = node["quantized"]
+def _numpy_values(path, q):
+    """qmap[codes] * absmax[block], fp32, flat (docs/FORMAT.md section 5)."""
     assert q["codec"] == "blockwise" and q["bits"] == 8
     with safe_open(path, "np") as f:
         codes, absmax, qmap = (f.get_tensor(q[k]) for k in ("codes", "absmax", "qmap"))
     n = int(np.prod(q["shape"]))
-    y = qmap[codes].astype(np.float32) * np.repeat(absmax, q["block_size"])[:n]
+    return qmap[codes].astype(np.float32) * np.repeat(absmax, q["block_size"])[:n]
+
+
+def _numpy_decode(path, node, siblings):
+    """Decode a quantized node using only the spec."""
+    q = node["quantized"]
+    y = _numpy_values(path, q)
     if q["transform"] == "sqrt":
         y = y * y
+    elif q["transform"] == "ratio":
+        s = _numpy_values(path, siblings[q["divisor"]]["quantized"])  # the divisor's sqrt-domain value
+        y = y * (s + np.float32(q["eps"]))
     return y.reshape(q["shape"])
 
 
@@ -77,10 +88,11 @@ def _find(node, key):
     raise KeyError(key)
 
 
-@pytest.mark.parametrize("role", ["exp_avg", "exp_avg_sq"])
-def test_third_party_decoder_agrees(role):
+@pytest.mark.parametrize("pid,role", [(0, "exp_avg"), (0, "exp_avg_sq"), (2, "exp_avg"), (2, "exp_avg_sq")])
+def test_third_party_decoder_agrees(pid, role):
     with safe_open(GOLDEN, "np") as f:
         skeleton = json.loads(f.metadata()["ckptq.skeleton"])
-    node = _find(_find(_find(_find(skeleton, "optimizer"), "state"), 0), role)
-    ours = ckptq.load(GOLDEN, dequantize=True)["optimizer"]["state"][0][role]
-    assert np.array_equal(_numpy_decode(GOLDEN, node), ours.numpy())
+    pstate = _find(_find(_find(skeleton, "optimizer"), "state"), pid)
+    siblings = {k: v for k, v in pstate["dict"]}
+    ours = ckptq.load(GOLDEN, dequantize=True)["optimizer"]["state"][pid][role]
+    assert np.array_equal(_numpy_decode(GOLDEN, siblings[role], siblings), ours.numpy())

@@ -16,6 +16,7 @@ optimizers' maps: ``create_dynamic_map(signed=True)`` for m, ``signed=False`` fo
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import statistics
 from dataclasses import asdict, dataclass
@@ -76,11 +77,25 @@ def rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return diff / denom if denom > 0 else (0.0 if diff == 0 else float("inf"))
 
 
-def ckptq_roundtrip(m: torch.Tensor, v: torch.Tensor):
-    """(m_q, v_q, bytes) through ckptq's own quantize_state/dequantize_state."""
-    qm, qv = qstate.quantize_state(m, "exp_avg", BLOCK_SIZE), qstate.quantize_state(v, "exp_avg_sq", BLOCK_SIZE)
-    nbytes = qstate.state_nbytes(qm) + qstate.state_nbytes(qv)
-    return qstate.dequantize_state(qm), qstate.dequantize_state(qv), nbytes
+def ckptq_states(opt: dict, block_size: int = BLOCK_SIZE) -> dict:
+    """{param id: (m_q, v_q, bytes)} through the real pipeline: ``ckptq.convert`` of a checkpoint
+    holding ``opt``, then ``ckptq.load`` (so it measures exactly what ckptq writes)."""
+    import tempfile
+
+    import ckptq
+
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = os.path.join(d, "opt.pt"), os.path.join(d, "opt.q8.safetensors")
+        torch.save({"optimizer": opt}, src)
+        ckptq.convert(src, dst, block_size=block_size)
+        dense = ckptq.load(dst, dequantize=True)["optimizer"]["state"]
+        quant = ckptq.load(dst)["optimizer"]["state"]
+    out = {}
+    for pid, st in quant.items():
+        m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+        if qstate.is_qstate(m) and qstate.is_qstate(v):
+            out[pid] = (dense[pid]["exp_avg"], dense[pid]["exp_avg_sq"], qstate.state_nbytes(m) + qstate.state_nbytes(v))
+    return out
 
 
 def bnb_roundtrip(m: torch.Tensor, v: torch.Tensor):
@@ -100,10 +115,10 @@ def _group_of(opt: dict) -> dict:
     return {pid: g for g in opt["param_groups"] for pid in g["params"]}
 
 
-def measure(opt: dict, roundtrips=None, min_numel: int = MIN_NUMEL) -> list[Row]:
-    """One Row per Adam state with >= min_numel elements; ``roundtrips`` overrides (ckptq, bnb)."""
-    ours, theirs = roundtrips or (ckptq_roundtrip, bnb_roundtrip)
+def measure(opt: dict, min_numel: int = MIN_NUMEL) -> list[Row]:
+    """One Row per Adam state pair with >= min_numel elements: ckptq (as converted) vs bitsandbytes."""
     groups = _group_of(opt)
+    ours = ckptq_states(opt)
     rows = []
     for pid, st in opt["state"].items():
         m, v = st.get("exp_avg"), st.get("exp_avg_sq")
@@ -112,8 +127,10 @@ def measure(opt: dict, roundtrips=None, min_numel: int = MIN_NUMEL) -> list[Row]
         g = groups[pid]
         step = float(st["step"])
         u = adam_update(m, v, step, g["betas"], g["eps"])
-        mc, vc, bc = ours(m, v)
-        mb, vb, bb = theirs(m, v)
+        if pid not in ours:
+            continue
+        mc, vc, bc = ours[pid]
+        mb, vb, bb = bnb_roundtrip(m, v)
         uc, ub = adam_update(mc, vc, step, g["betas"], g["eps"]), adam_update(mb, vb, step, g["betas"], g["eps"])
         rows.append(
             Row(pid, tuple(m.shape), m.numel(), rel_err(uc, u), rel_err(ub, u), rel_err(mc, m), rel_err(mb, m),
