@@ -53,7 +53,7 @@ def default_expanded(src: str) -> str:
     return os.path.join(os.path.dirname(src), base.removesuffix(".q8") + ".fp32.pt")
 
 
-def _mark_states(obj: Any, key: str | None, block_size: int, min_size: int, backend: str,
+def _mark_states(obj: Any, key: str | None, block_size: int, min_size: int, backend: str, device: str,
                  report: ConvertReport) -> None:
     """Replace each quantizable optimizer state tensor by a lazy PendingQuant, in place."""
     shared = checkpoint.shared_storages(obj)
@@ -65,13 +65,13 @@ def _mark_states(obj: Any, key: str | None, block_size: int, min_size: int, back
             if not isinstance(pstate, dict):
                 continue
             _mark_param(pstate, groups.get(pid, {}), f.path + ("state", pid), block_size, min_size, backend,
-                        shared, report)
+                        device, shared, report)
         report.quantized += sum(isinstance(v, tree.PendingQuant) for st in f.state_dict["state"].values()
                                 if isinstance(st, dict) for v in st.values())
 
 
 def _mark_param(pstate: dict, group: dict, path: tuple, block_size: int, min_size: int, backend: str,
-                shared: set, report: ConvertReport) -> None:
+                device: str, shared: set, report: ConvertReport) -> None:
     for name, t in list(pstate.items()):
         if not isinstance(t, torch.Tensor) or name == "step" or not t.is_floating_point():
             continue
@@ -83,7 +83,7 @@ def _mark_param(pstate: dict, group: dict, path: tuple, block_size: int, min_siz
             report.kept_nonfinite += 1
             report.nonfinite_names.append("/".join(map(str, path + (name,))))
         else:
-            pstate[name] = tree.PendingQuant(t, name, block_size, backend)
+            pstate[name] = tree.PendingQuant(t, name, block_size, backend, device=device)
     # a first moment whose second moment is quantized too is stored relative to it (qstate docstring)
     for m_key, v_key in qstate.RATIO_PAIRS.items():
         m, v = pstate.get(m_key), pstate.get(v_key)
@@ -123,9 +123,10 @@ def convert(
     dst = dst or default_output(src)
     if os.path.abspath(dst) == os.path.abspath(src):
         raise UsageError(f"output {dst} is the input; choose another -o path")
-    obj = checkpoint.load_torch(src, trust=trust, device=_load_device(device))
+    device = _quant_device(device)
+    obj = checkpoint.load_torch(src, trust=trust)  # memory-mapped on the CPU; states visit `device` one at a time
     report = ConvertReport(src, [], os.path.getsize(src), 0)
-    _mark_states(obj, key, block_size, min_size, backend, report)
+    _mark_states(obj, key, block_size, min_size, backend, device, report)
     if report.optimizers == 0:
         raise InputError(f"{src}: no optimizer state dict (a dict with 'state' and 'param_groups') found; "
                          "name it with --key if it is stored differently")
@@ -138,7 +139,7 @@ def convert(
     return report
 
 
-def _load_device(device: str) -> str:
+def _quant_device(device: str) -> str:
     if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
         raise UsageError(f"device {device!r} is not one of auto, cpu, cuda")
     if device == "auto":

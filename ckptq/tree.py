@@ -64,15 +64,17 @@ class PendingQuant:
     block_size: int
     backend: str = "auto"
     divisor: tuple | None = None  # (sibling key, its exact tensor, eps'): store as a ratio state
+    device: str = "cpu"  # where quantization runs ("cuda": the Triton kernels); inputs stay on the CPU
     _result: dict | None = field(default=None, repr=False)
 
     def result(self) -> dict:
         if self._result is None:
+            t = self.tensor.to(self.device)
             if self.divisor is None:
-                self._result = qstate.quantize_state(self.tensor, self.key, self.block_size, self.backend)
+                self._result = qstate.quantize_state(t, self.key, self.block_size, self.backend)
             else:
                 key, v, eps = self.divisor
-                self._result = qstate.quantize_ratio(self.tensor, v, eps, self.block_size, self.backend, key)
+                self._result = qstate.quantize_ratio(t, v.to(self.device), eps, self.block_size, self.backend, key)
         return self._result
 
     def take(self, part: str) -> torch.Tensor:

@@ -55,3 +55,14 @@ def test_nonfinite_states_are_kept_exact(trained_ckpt, tmp_path):
     kept = ckptq.load(r.outputs[0])["optimizer"]["state"][0]["exp_avg"]
     assert isinstance(kept, torch.Tensor)  # exact, not quantized: NaN stays NaN, the rest bit-identical
     assert torch.allclose(kept, ck["optimizer"]["state"][0]["exp_avg"], rtol=0, atol=0, equal_nan=True)
+
+
+def test_triton_backend_writes_the_same_bytes(trained_ckpt, tmp_path):
+    """The Triton kernels (run by Triton's interpreter on the CPU here) produce the same file."""
+    import pytest
+
+    pytest.importorskip("triton")
+    path, _, _ = trained_ckpt
+    a = ckptq.convert(path, str(tmp_path / "torch.safetensors"), backend="torch").outputs[0]
+    b = ckptq.convert(path, str(tmp_path / "triton.safetensors"), backend="triton").outputs[0]
+    assert open(a, "rb").read() == open(b, "rb").read()
