@@ -276,11 +276,32 @@ def quantize_blockwise(
     return codes, absmax
 
 
+@functools.lru_cache(maxsize=16)
+def _pair_table_cpu(qmap_bytes: bytes) -> torch.Tensor:
+    """[65536] float64 whose 8 bytes are the fp32 pair (qmap[i & 255], qmap[i >> 8]): one gather
+    decodes two codes (little-endian: the first code is the low byte of a uint16)."""
+    q = torch.frombuffer(bytearray(qmap_bytes), dtype=torch.float32)
+    pairs = torch.stack([q.repeat(256), q.repeat_interleave(256)], dim=1)  # [65536, 2]: (low, high)
+    return pairs.contiguous().view(torch.float64).reshape(-1)
+
+
+def _gather_codes(codes: torch.Tensor, qmap: torch.Tensor, out: torch.Tensor, ws: _Workspace) -> None:
+    """out [n] = qmap[codes] for codes uint8 [n]; two codes per gather on the CPU when aligned."""
+    n = codes.numel()
+    if codes.device.type == "cpu" and n % 2 == 0 and codes.storage_offset() % 2 == 0 and codes.is_contiguous():
+        pairs = codes.view(torch.int16)
+        idx = ws.idx[: n // 2].copy_(pairs).bitwise_and_(0xFFFF)  # sign-extended int16 -> 0..65535
+        table = _pair_table_cpu(qmap.cpu().numpy().tobytes())
+        torch.index_select(table, 0, idx, out=out.view(torch.float64))
+        return
+    idx = ws.idx[:n].copy_(codes)  # index_select takes int32 indices: no int64 temporary
+    torch.index_select(qmap, 0, idx, out=out)
+
+
 def _dequantize_span(codes, absmax, qmap, out, block_size, transform, ws) -> None:
     """out [n] = qmap[codes] * absmax[block] (then squared for "sqrt"); codes uint8 [n], n <= chunk."""
     n = codes.numel()
-    idx = ws.idx[:n].copy_(codes)  # index_select takes int32 indices: no int64 temporary
-    torch.index_select(qmap, 0, idx, out=out)
+    _gather_codes(codes, qmap, out, ws)
     full = n - n % block_size
     nb = full // block_size
     out[:full].view(nb, block_size).mul_(absmax[:nb, None])
@@ -290,6 +311,15 @@ def _dequantize_span(codes, absmax, qmap, out, block_size, transform, ws) -> Non
         out.mul_(out)  # v * v in fp32, as the kernels do
 
 
+def _output(out: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(n, dtype=torch.float32, device=device)
+    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous() or out.device != device:
+        raise UsageError(f"out must be a contiguous float32 tensor of {n} elements on {device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out.view(-1)
+
+
 def dequantize_blockwise(
     codes: torch.Tensor,
     absmax: torch.Tensor,
@@ -297,21 +327,24 @@ def dequantize_blockwise(
     block_size: int = DEFAULT_BLOCK_SIZE,
     transform: str = "none",
     backend: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_blockwise`: fp32 tensor of shape ``[codes.numel()]``.
 
-    Value = ``qmap[code] * absmax[block]``, squared afterwards when ``transform == "sqrt"``.
+    Value = ``qmap[code] * absmax[block]``, squared afterwards when ``transform == "sqrt"``. With
+    ``out`` (a contiguous fp32 tensor of ``codes.numel()`` elements on the codes' device) the result
+    is written there: reusing a buffer saves the page faults of a fresh allocation.
     """
     check_block_size(block_size)
     _check_transform(transform)
     if _resolve_backend(backend, codes.device) == "triton":
         from .kernels import quant
 
-        return quant.dequantize_blockwise(codes, absmax, qmap, block_size, transform)
+        return quant.dequantize_blockwise(codes, absmax, qmap, block_size, transform, out)
     flat = codes.reshape(-1)
     qmap = qmap.to(device=flat.device, dtype=torch.float32).contiguous()
     absmax = absmax.to(device=flat.device, dtype=torch.float32).reshape(-1)
-    out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
+    out = _output(out, flat.numel(), flat.device)
 
     def span(start: int, stop: int, ws: _Workspace) -> None:
         a = absmax[start // block_size : num_blocks(stop, block_size)]

@@ -122,10 +122,21 @@ def quantize_blockwise(
     return codes, absmax
 
 
+def _check_out(out: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(n, dtype=torch.float32, device=device)
+    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous() or out.device != device:
+        raise UsageError(f"out must be a contiguous float32 tensor of {n} elements on {device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out.view(-1)
+
+
 def dequantize_blockwise(
-    codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor, block_size: int, transform: str
+    codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor, block_size: int, transform: str,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton twin of ``ckptq.codec.dequantize_blockwise``: fp32 ``[codes.numel()]``."""
+    """Triton twin of ``ckptq.codec.dequantize_blockwise``: fp32 ``[codes.numel()]`` (into ``out``
+    when given: a contiguous fp32 tensor of that many elements on the same device)."""
     _check_common(qmap, block_size, transform)
     if codes.dtype != torch.uint8:
         raise UsageError(f"codes must be uint8, got {codes.dtype}")
@@ -138,7 +149,7 @@ def dequantize_blockwise(
         )
     scales = absmax.reshape(-1).contiguous()
     table = qmap.to(flat.device).contiguous()
-    out = torch.empty(n, dtype=torch.float32, device=flat.device)
+    out = _check_out(out, n, flat.device)
     if n == 0:
         return out
     rows, warps = _launch_shape(block_size)
