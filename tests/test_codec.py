@@ -205,3 +205,25 @@ def test_torch_backend_on_cuda_matches_cpu():
     assert torch.equal(cpu[0], gpu[0].cpu()) and torch.equal(cpu[1], gpu[1].cpu())
     out = codec.dequantize_blockwise(gpu[0], gpu[1], qmap.cuda(), 256, "none", "torch")
     assert torch.equal(out.cpu(), codec.dequantize_blockwise(*cpu, qmap, 256, "none", "torch"))
+
+
+def test_dequantize_into_out_buffer():
+    x = torch.randn(5000) * 1e-3
+    qmap = MAPS["signed"]
+    codes, absmax = codec.quantize_blockwise(x, qmap, 256)
+    out = torch.full((5000,), float("nan"))
+    got = codec.dequantize_blockwise(codes, absmax, qmap, 256, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, codec.dequantize_blockwise(codes, absmax, qmap, 256))
+    with pytest.raises(UsageError, match="out must be"):
+        codec.dequantize_blockwise(codes, absmax, qmap, 256, out=torch.empty(4999))
+
+
+def test_pair_gather_handles_odd_and_unaligned_code_views():
+    x = torch.randn(4099) * 1e-3
+    qmap = MAPS["signed"]
+    codes, absmax = codec.quantize_blockwise(x, qmap, 64)
+    ref = qmap[codes.long()] * absmax.repeat_interleave(64)[:4099]
+    assert torch.equal(codec.dequantize_blockwise(codes, absmax, qmap, 64), ref)  # odd count
+    shifted = torch.empty(4100, dtype=torch.uint8)[1:]  # storage offset 1: not 2-byte aligned
+    shifted.copy_(codes)
+    assert torch.equal(codec.dequantize_blockwise(shifted, absmax, qmap, 64), ref)
