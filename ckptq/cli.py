@@ -51,8 +51,9 @@ def _run(fn, *args, **kwargs):
     except KeyboardInterrupt:
         _fail("interrupted; no output was written", 130)
     except OSError as e:
-        hint = " (disk full?)" if e.errno == errno.ENOSPC else ""
-        _fail(f"{e.strerror or e}{hint}: {e.filename or ''}; no output was written", 7)
+        where = f" ({e.filename})" if e.filename else ""
+        hint = "disk full: " if e.errno == errno.ENOSPC else ""
+        _fail(f"{hint}{e.strerror or e}{where}; no output was written", 7)
     except MemoryError:
         _fail("out of memory; no output was written", 8)
 

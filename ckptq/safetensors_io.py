@@ -103,13 +103,17 @@ def _stream(f, stored, table, encode, on_tensor, data_start) -> dict:
             data = _as_bytes(enc.payload)
             if enc.codec.get("codec") == "raw" and len(data) != s.nbytes:
                 raise AssertionError(f"{s.name}: produced {len(data)} bytes, planned {s.nbytes}")
-            f.write(data)
+            _write_tensor(f, data)
             table[s.name] = _table_entry(s, f"{zlib.crc32(data):08x}", enc.codec)
             header[s.name] = _entry(s, enc, pos, len(data))
             pos += len(data)
             if on_tensor:
                 on_tensor(s)
     return header
+
+
+def _write_tensor(f, data: memoryview) -> None:
+    f.write(data)
 
 
 def _relocate(f, tmp, head, data_start) -> bytes:

@@ -121,3 +121,48 @@ def test_unsafe_checkpoint_converts_with_trust(tmp_path):
 def test_help_and_version():
     assert "convert" in run("--help").output and "--max-shard-size" in run("convert", "--help").output
     assert run("--version").output.startswith("ckptq, version")
+
+
+@pytest.mark.parametrize("failure,code,message", [
+    (OSError(28, "No space left on device"), 7, "disk full"),
+    (KeyboardInterrupt(), 130, "interrupted"),
+])
+@pytest.mark.parametrize("compress", [False, True])
+def test_write_failure_midway_leaves_nothing_and_input_untouched(failure, code, message, compress, trained_ckpt,
+                                                                  tmp_path, monkeypatch):
+    """A full disk or Ctrl-C in the middle of writing: one line, no output, no temp file, input as it was."""
+    from ckptq import safetensors_io
+
+    path, _, _ = trained_ckpt
+    before = open(path, "rb").read()
+    real_write = safetensors_io._write_tensor
+    calls = []
+
+    def failing(f, data):
+        calls.append(1)
+        if len(calls) == 3:  # after some tensors are already on disk
+            raise failure
+        return real_write(f, data)
+
+    monkeypatch.setattr(safetensors_io, "_write_tensor", failing)
+    r = run("convert", path, *(["--compress"] if compress else []))
+    assert r.exit_code == code and message in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    assert open(path, "rb").read() == before
+
+
+def test_expand_interrupted_leaves_nothing(trained_ckpt, tmp_path, monkeypatch):
+    from ckptq import qstate
+
+    path, _, _ = trained_ckpt
+    assert run("convert", path, "-q").exit_code == 0
+    src = tmp_path / "ckpt.q8.safetensors"
+    before = src.read_bytes()
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(qstate, "dequantize_state", interrupted)
+    r = run("expand", src)
+    assert r.exit_code == 130 and "interrupted" in r.output
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt.q8.safetensors"] and src.read_bytes() == before
