@@ -88,7 +88,8 @@ def main():
               help="Lossless zstd stage on top (byte-grouped floats, codes as they are).")
 @click.option("--level", default=3, show_default=True, type=int, help="zstd level with --compress.")
 @click.option("--threads", default=0, show_default=True, type=int, help="zstd threads (0: all cores).")
-@click.option("--max-shard-size", help="Split output into HF-style shards above this size, e.g. 5GB.")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Split larger outputs into HF-style shards + index (e.g. 300MB, 20GB; 0 = never).")
 @click.option("--trust", is_flag=True, help="Allow full unpickling (only for files you trust).")
 @click.option("-f", "--force", is_flag=True, help="Overwrite an existing output.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, no summary.")
@@ -98,7 +99,7 @@ def convert(src, output, block_size, min_size, key, device, compress, level, thr
     """Convert the fp32 optimizer states in SRC (a torch.save file) to 8-bit safetensors."""
     from .pipeline import convert as run
 
-    shard = _run(parse_size, max_shard_size) if max_shard_size else None
+    shard = _run(parse_size, max_shard_size) or None
     comp = Compression(level, threads) if compress else None
     with _progress(quiet or as_json, "convert") as progress:
         r = _run(run, src, output, block_size=block_size, min_size=min_size, key=key, device=device,

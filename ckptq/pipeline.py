@@ -14,6 +14,9 @@ from .errors import InputError, UsageError
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 DEFAULT_MIN_SIZE = 4096
+# Like transformers' save_pretrained: files stay easy to move, upload (hubs cap single files) and
+# re-read in parallel; a checkpoint under this size is one file.
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 
 
 @dataclass
@@ -107,7 +110,7 @@ def convert(
     device: str = "auto",
     backend: str = "auto",
     compression: format.Compression | None = None,
-    max_shard_size: int | None = None,
+    max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE,
     force: bool = False,
     trust: bool = False,
     progress: Progress | None = None,

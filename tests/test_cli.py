@@ -166,3 +166,17 @@ def test_expand_interrupted_leaves_nothing(trained_ckpt, tmp_path, monkeypatch):
     r = run("expand", src)
     assert r.exit_code == 130 and "interrupted" in r.output
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt.q8.safetensors"] and src.read_bytes() == before
+
+
+def test_sharded_convert_then_info_and_expand_from_index_or_folder(trained_ckpt, tmp_path):
+    path, _, _ = trained_ckpt
+    out = tmp_path / "shards"
+    out.mkdir()
+    r = run("convert", path, "-o", out / "ckpt.q8.safetensors", "--max-shard-size", "40KB", "--compress", "--json")
+    outputs = json.loads(r.output)["outputs"]
+    assert outputs[0].endswith(".index.json") and len(outputs) > 2
+    assert json.loads(run("info", outputs[0], "--json").output)["files"] == outputs
+    for src in (outputs[0], out):
+        assert run("expand", src, "-o", tmp_path / "e.pt", "-f", "-q").exit_code == 0
+        back = torch.load(tmp_path / "e.pt", weights_only=True)
+        assert torch.equal(back["model"]["fc.weight"], torch.load(path, weights_only=True)["model"]["fc.weight"])

@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/ckptq_bench")
     ap.add_argument("--no-compress", action="store_true", help="skip the convert --compress variant")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where convert quantizes (cuda: Triton kernels on the GPU, overlapped with the I/O)")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     src = os.path.join(args.dir, f"ckpt_{args.size_gb:g}gb.pt")
@@ -105,8 +107,9 @@ def main() -> None:
     py = sys.executable
     variants = {
         "floor (mmap load + raw write)": [py, "-c", FLOOR, src, out("floor.bin")],
-        "convert": [py, "-m", "ckptq", "convert", src, "-o", out("c.safetensors"), "-f", "-q"],
-        "convert --compress": [py, "-m", "ckptq", "convert", src, "-o", out("cz.safetensors"), "-f", "-q", "--compress"],
+        "convert": [py, "-m", "ckptq", "convert", src, "-o", out("c.safetensors"), "-f", "-q", "--device", args.device],
+        "convert --compress": [py, "-m", "ckptq", "convert", src, "-o", out("cz.safetensors"), "-f", "-q", "--compress",
+                               "--device", args.device],
         "expand": [py, "-m", "ckptq", "expand", out("c.safetensors"), "-o", out("e.pt"), "-f", "-q"],
     }
     if args.no_compress:
