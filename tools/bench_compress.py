@@ -105,12 +105,35 @@ def measure(make, reps: int) -> dict:
     return {"size": size, "raw": raw, "enc": raw / statistics.median(enc) / 1e6, "dec": raw / statistics.median(dec) / 1e6}
 
 
+def end_to_end(steps: int, folder: str) -> None:
+    """The real thing: a checkpoint file (weights + AdamW state) through ``ckptq.convert``."""
+    import ckptq
+
+    params, states = trained_minilm(steps)
+    ids = {name: i for i, name in enumerate(params)}
+    ckpt = {"model": params, "optimizer": {"state": {ids[n]: s for n, s in states.items()},
+                                           "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8,
+                                                             "weight_decay": 0.01, "params": list(ids.values())}]}}
+    src = os.path.join(folder, "minilm_ckpt.pt")
+    torch.save(ckpt, src)
+    print(f"\nend to end: {src} ({os.path.getsize(src) / 1e6:.1f} MB, MiniLM after {steps} AdamW steps)\n")
+    print("| convert | output MB | ratio vs fp32 checkpoint | seconds |\n|---|---|---|---|")
+    for label, comp in (("no compression", None), ("--compress (level 3)", ckptq.format.Compression(3))):
+        r = ckptq.convert(src, os.path.join(folder, "minilm.q8.safetensors"), compression=comp, force=True)
+        print(f"| {label} | {r.output_bytes / 1e6:.1f} | {r.ratio:.3f}x | {r.seconds:.2f} |")
+
+
 @click.command()
 @click.option("--steps", default=20, help="AdamW fine-tuning steps before measuring (≈3 s each on 2 cores).")
 @click.option("--reps", default=3, help="Repetitions; medians are reported.")
 @click.option("--threads", default=2)
-def main(steps: int, reps: int, threads: int) -> None:
+@click.option("--end-to-end", "e2e_dir", default=None,
+              help="Instead: save a MiniLM checkpoint (weights + AdamW state) in this folder and time ckptq convert on it.")
+def main(steps: int, reps: int, threads: int, e2e_dir: str | None) -> None:
     from concurrent.futures import ThreadPoolExecutor
+
+    if e2e_dir:
+        return end_to_end(steps, e2e_dir)
 
     sets = data_sets(steps)
     pool = ThreadPoolExecutor(threads)
