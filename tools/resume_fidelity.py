@@ -1,0 +1,218 @@
+"""Does training resume from 8-bit optimizer state as if it had never stopped? Loss curves, side by side.
+
+Trains the GPT of ``tools/make_checkpoint.py`` on the CPU with ``torch.optim.AdamW`` for ``--pretrain``
+steps, saves a checkpoint, then continues ``--steps`` steps on identical batches from:
+
+  (a) fp32      torch AdamW with the checkpoint's own state (the reference)
+  (b) ckptq     ckptq AdamW8bit from ``ckptq.convert``'s file (``ckptq.load(...)["optimizer"]``)
+  (c) expanded  torch AdamW from ``ckptq.expand`` of that file (8-bit state back in fp32)
+  (d) bnb       bitsandbytes AdamW8bit given the same fp32 moments through its own quantizer
+  (e) fresh     torch AdamW with no state (the state lost: the floor)
+
+Per variant: mean loss over the continuation and max loss over its first 20 steps, each against (a)
+(difference and ratio). (b) and (c) should sit as close to (a) as (d) does; (e) spikes.
+
+    python tools/resume_fidelity.py --plot /tmp/resume.png          # ~3 min on 2 cores
+    python tools/resume_fidelity.py --size small --pretrain 600 --steps 500
+
+bitsandbytes cannot load a torch state dict (its state is ``state1``/``state2`` codes with
+``absmax1``/``absmax2`` per block of 256 and maps ``qmap1``/``qmap2``; tensors under 4096 elements keep
+fp32 ``state1``/``state2``), so (d) creates its state with one zero-lr step on zero gradients and then
+overwrites it with ``bitsandbytes.functional.quantize_blockwise`` of the fp32 moments under its maps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_checkpoint as mc  # noqa: E402  (tools/ is not a package)
+
+import ckptq  # noqa: E402
+from ckptq.optim import AdamW8bit  # noqa: E402
+
+# make_checkpoint's sizes plus "mid" (~0.67 M params), the default: big enough that the moments matter,
+# small enough that five continuations run in a few minutes on 2 cores.
+SIZES = {**mc.SIZES, "mid": dict(vocab_size=2048, n_layer=2, n_head=4, n_embd=128, block_size=64, batch_size=16)}
+VARIANTS = ("fp32", "ckptq", "expanded", "bnb", "fresh")
+SPIKE_WINDOW = 20
+
+
+def model_config(size: str) -> tuple[dict, int]:
+    cfg = dict(SIZES[size])
+    return cfg, cfg.pop("batch_size")
+
+
+def param_groups(model: torch.nn.Module, lr: float) -> list[dict]:
+    """make_checkpoint's (= nanoGPT's) two groups: decay on >= 2-D tensors only."""
+    groups = mc.make_optimizer(model).param_groups
+    return [dict(params=g["params"], weight_decay=g["weight_decay"], lr=lr, betas=mc.BETAS) for g in groups]
+
+
+def train_steps(model, opt, batches, losses: list[float] | None = None) -> None:
+    """make_checkpoint's step: loss, backward, clip at 1.0, step; appends each loss to ``losses``."""
+    for x, y in batches:
+        loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if losses is not None:
+            losses.append(loss.item())
+
+
+def batches(cfg: dict, batch_size: int, perm: torch.Tensor, count: int, seed: int) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    return [mc.make_batch(cfg["vocab_size"], batch_size, cfg["block_size"], perm, gen) for _ in range(count)]
+
+
+def pretrain(size: str, steps: int, lr: float, seed: int, path: str) -> torch.Tensor:
+    """Train with torch AdamW, save a nanoGPT-style checkpoint at ``path``; return the token permutation."""
+    cfg, batch_size = model_config(size)
+    torch.manual_seed(seed)
+    perm = mc._transition_table(cfg["vocab_size"], torch.Generator().manual_seed(seed))
+    model = mc.GPT(**cfg)
+    opt = torch.optim.AdamW(param_groups(model, lr), lr=lr)
+    train_steps(model, opt, batches(cfg, batch_size, perm, steps, seed + 1))
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "model_args": cfg, "iter_num": steps}, path)
+    return perm
+
+
+def bnb_optimizer(model: torch.nn.Module, lr: float, torch_state: dict):
+    """bitsandbytes AdamW8bit holding ``torch_state``'s fp32 moments, quantized by bitsandbytes itself."""
+    import bitsandbytes.functional as bnbf
+    import bitsandbytes.optim
+
+    opt = bitsandbytes.optim.AdamW8bit(param_groups(model, lr), lr=lr)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    saved_lr = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()  # creates state1/state2 (+ absmax, qmaps) for every parameter; lr 0, zero grads: no update
+    for g, lr_g in zip(opt.param_groups, saved_lr):
+        g["lr"] = lr_g
+    for index, p in enumerate(params):
+        src, dst = torch_state["state"][index], opt.state[p]
+        dst["step"] = int(src["step"])
+        for slot, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
+            moment = src[key].float().reshape(p.shape)
+            if dst[f"state{slot}"].dtype == torch.uint8:
+                codes, qs = bnbf.quantize_blockwise(moment, code=dst[f"qmap{slot}"], blocksize=256)
+                dst[f"state{slot}"].copy_(codes)
+                dst[f"absmax{slot}"].copy_(qs.absmax)
+            else:
+                dst[f"state{slot}"].copy_(moment)
+    opt.zero_grad(set_to_none=True)
+    return opt
+
+
+def start(variant: str, size: str, lr: float, paths: dict, compile_ckptq: bool):
+    """(model, optimizer) for one variant, weights from the file that variant resumes from."""
+    cfg, _ = model_config(size)
+    model = mc.GPT(**cfg)
+    if variant == "ckptq":
+        ckpt = ckptq.load(paths["q8"])
+        model.load_state_dict(ckpt["model"])
+        opt = AdamW8bit(param_groups(model, lr), lr=lr, compile=compile_ckptq)
+        opt.load_state_dict(ckpt["optimizer"])
+        return model, opt
+    ckpt = torch.load(paths["expanded" if variant == "expanded" else "fp32"], weights_only=True)
+    model.load_state_dict(ckpt["model"])
+    if variant == "bnb":
+        return model, bnb_optimizer(model, lr, ckpt["optimizer"])
+    opt = torch.optim.AdamW(param_groups(model, lr), lr=lr)
+    if variant != "fresh":
+        opt.load_state_dict(ckpt["optimizer"])
+    return model, opt
+
+
+def summary(curves: dict[str, list[float]]) -> str:
+    ref = curves["fp32"]
+    ref_mean, ref_max = statistics.fmean(ref), max(ref[:SPIKE_WINDOW])
+    rows = [
+        f"| variant | mean loss | Δ mean vs fp32 | ratio | max loss first {SPIKE_WINDOW} | Δ max vs fp32 | ratio "
+        f"| max step Δ first {SPIKE_WINDOW} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, losses in curves.items():
+        mean, peak = statistics.fmean(losses), max(losses[:SPIKE_WINDOW])
+        # Batches are identical, so the per-step difference cancels batch noise: the spike itself.
+        step_gap = max(a - b for a, b in zip(losses[:SPIKE_WINDOW], ref))
+        rows.append(
+            f"| {name} | {mean:.4f} | {mean - ref_mean:+.4f} | {mean / ref_mean:.4f} "
+            f"| {peak:.4f} | {peak - ref_max:+.4f} | {peak / ref_max:.4f} | {step_gap:+.4f} |"
+        )
+    return "\n".join(rows)
+
+
+def _running_mean(xs: list[float], width: int) -> list[float]:
+    return [statistics.fmean(xs[max(0, i - width + 1): i + 1]) for i in range(len(xs))]
+
+
+def plot(curves: dict[str, list[float]], path: str, title: str) -> None:
+    """Left: loss (running mean over 10 steps); right: loss minus fp32's on the same batch, per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, gap_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ref = curves["fp32"]
+    for name, losses in curves.items():
+        steps = range(1, len(losses) + 1)
+        loss_ax.plot(steps, _running_mean(losses, 10), label=name, lw=1)
+        gap_ax.plot(steps, [a - b for a, b in zip(losses, ref)], label=name, lw=1)
+    loss_ax.set(xlabel="steps after resume", ylabel="training loss (running mean of 10)", title=title)
+    gap_ax.set(xlabel="steps after resume", ylabel="loss - fp32 loss (same batch)", title="gap to fp32 resume")
+    loss_ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="mid")
+    parser.add_argument("--pretrain", type=int, default=400, help="torch AdamW steps before the checkpoint")
+    parser.add_argument("--steps", type=int, default=300, help="steps after resuming")
+    parser.add_argument("--lr", type=float, default=mc.LEARNING_RATE)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--compile", action="store_true", help="ckptq's compiled CPU step (default: eager)")
+    parser.add_argument("--plot", help="write the loss curves to this PNG")
+    parser.add_argument("--workdir", help="keep the checkpoints here (default: a temporary folder)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.workdir or tmp
+        os.makedirs(folder, exist_ok=True)
+        paths = {k: os.path.join(folder, f) for k, f in (("fp32", "ckpt.pt"), ("q8", "ckpt.q8.safetensors"))}
+        perm = pretrain(args.size, args.pretrain, args.lr, args.seed, paths["fp32"])
+        ckptq.convert(paths["fp32"], paths["q8"], force=True)
+        paths["expanded"] = ckptq.expand(paths["q8"], os.path.join(folder, "ckpt.expanded.pt"), force=True).output
+        cfg, batch_size = model_config(args.size)
+        data = batches(cfg, batch_size, perm, args.steps, args.seed + 2)
+        curves: dict[str, list[float]] = {}
+        for variant in VARIANTS:
+            torch.manual_seed(args.seed)
+            model, opt = start(variant, args.size, args.lr, paths, args.compile)
+            train_steps(model, opt, data, curves.setdefault(variant, []))
+    n = sum(p.numel() for p in mc.GPT(**cfg).parameters())
+    title = f"{args.size} ({n / 1e6:.2f} M params), resumed at step {args.pretrain}, lr {args.lr:g}"
+    print(f"{title}; {args.steps} steps on identical batches\n")
+    print(summary(curves))
+    if args.plot:
+        plot(curves, args.plot, title)
+        print(f"\nwrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
