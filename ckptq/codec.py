@@ -311,7 +311,8 @@ def _dequantize_span(codes, absmax, qmap, out, block_size, transform, ws) -> Non
         out.mul_(out)  # v * v in fp32, as the kernels do
 
 
-def _output(out: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+def output_buffer(out: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+    """``out`` checked as a contiguous fp32 [n] tensor on ``device`` (flattened), or a new one."""
     if out is None:
         return torch.empty(n, dtype=torch.float32, device=device)
     if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous() or out.device != device:
@@ -344,7 +345,7 @@ def dequantize_blockwise(
     flat = codes.reshape(-1)
     qmap = qmap.to(device=flat.device, dtype=torch.float32).contiguous()
     absmax = absmax.to(device=flat.device, dtype=torch.float32).reshape(-1)
-    out = _output(out, flat.numel(), flat.device)
+    out = output_buffer(out, flat.numel(), flat.device)
 
     def span(start: int, stop: int, ws: _Workspace) -> None:
         a = absmax[start // block_size : num_blocks(stop, block_size)]

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ckptq.codec import TRANSFORMS, check_block_size, midpoints, num_blocks
+from ckptq.codec import TRANSFORMS, check_block_size, midpoints, num_blocks, output_buffer
 from ckptq.errors import UsageError
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -122,15 +122,6 @@ def quantize_blockwise(
     return codes, absmax
 
 
-def _check_out(out: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
-    if out is None:
-        return torch.empty(n, dtype=torch.float32, device=device)
-    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous() or out.device != device:
-        raise UsageError(f"out must be a contiguous float32 tensor of {n} elements on {device}, "
-                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    return out.view(-1)
-
-
 def dequantize_blockwise(
     codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor, block_size: int, transform: str,
     out: torch.Tensor | None = None,
@@ -149,7 +140,7 @@ def dequantize_blockwise(
         )
     scales = absmax.reshape(-1).contiguous()
     table = qmap.to(flat.device).contiguous()
-    out = _check_out(out, n, flat.device)
+    out = output_buffer(out, n, flat.device)
     if n == 0:
         return out
     rows, warps = _launch_shape(block_size)
