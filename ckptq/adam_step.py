@@ -2,9 +2,11 @@
 
 ``adam8bit_step`` is the CPU path and the reference for the fused Triton kernel
 (``ckptq.kernels.adam8bit.adam8bit_step``, same signature, same codes). Per block of ``block_size``
-elements it dequantizes both moments (``qmap[code] * absmax``, squared under the ``"sqrt"``
-transform), runs the Adam update in fp32, and requantizes the new moments with new block scales
-under exactly the rounding contract of ``ckptq.codec``. Large tensors are processed in chunks of
+elements it decodes the second moment (s = ``qmap[code] * absmax``, v = s * s) and the first
+(m = r * (s + eps') for a ``"ratio"`` state, see ``ckptq.qstate``; ``qmap[code] * absmax`` for a plain
+one), runs the Adam update in fp32, and requantizes with new block scales under exactly the rounding
+contract of ``ckptq.codec``: v as sqrt(v), m as the ratio r = m / (sqrt(v) + eps_new) with the new exact
+fp32 v. Large tensors are processed in chunks of
 whole blocks, so temporaries stay a few MB whatever the tensor size.
 
 Update math follows ``torch.optim.AdamW`` / ``torch.optim.Adam`` (single-tensor path) and
@@ -18,12 +20,18 @@ import functools
 
 import torch
 
+from . import codebooks, codec, qstate
 from .codec import midpoints
 
 # Scalars of one step, host-computed in float64 and rounded once to fp32 so that every backend sees
 # the same values: fp32 [8] in this order.
 HYPER_FIELDS = ("decay", "l2", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "neg_step_size", "bc2_sqrt")
-CHUNK_ELEMENTS = 1 << 16  # elements per chunk on the CPU path (whole blocks for every block size <= 4096)
+# The 8-bit steps append the ratio transform's two eps' (decode: the state's stored one; encode: the new
+# step's ``qstate.ratio_eps``): fp32 [10].
+RATIO_FIELDS = ("decode_eps", "encode_eps")
+# Elements per chunk on the CPU path (whole blocks for every block size <= 4096): temporaries of 1 MB, and
+# few enough chunks that the compiled path's OpenMP barrier per chunk costs little (2^16 was 2-4x slower).
+CHUNK_ELEMENTS = 1 << 18
 
 
 def hyper_tensor(lr, beta1, beta2, eps, weight_decay, step, decoupled: bool, device=None) -> torch.Tensor:
@@ -64,19 +72,48 @@ def adam_math(p, g, m, v, vmax, h, maximize: bool):
     return p, m, v, vmax
 
 
-def dequantize_rows(codes, absmax, qmap, transform: str) -> torch.Tensor:
-    """codes uint8 [nb, B], absmax fp32 [nb] -> fp32 [nb, B] (``ckptq.codec`` decoding)."""
-    x = qmap[codes.to(torch.int64)] * absmax[:, None]
-    return x * x if transform == "sqrt" else x
+# Arithmetic codec of the second moments' codebook, power-unsigned-3: q_k = (k / 255)^3 is exactly the
+# fp32 division k^3 / 255^3 (both integers < 2^24, so exact in fp32; checked against the table for all
+# 256 codes). Decoding then needs no table gather, and encoding only an estimate k0 = round(255 * y^(1/3))
+# that is within one code of the answer (the threshold between codes k and k+1 lies at cube-root k + 0.5
+# to k + 0.8, pow's error is ~1e-5 codes) and two exact threshold compares. Gathers from 256-entry tables
+# are what inductor's C++ backend emulates element by element.
+POW3 = "pow3"  # codec kind; "table" otherwise
+POW3_DENOMINATOR = 255.0**3
 
 
-def quantize_rows(x, table, transform: str):
-    """fp32 [nb, B] -> (codes uint8 [nb, B], absmax fp32 [nb]), the ``ckptq.codec`` rounding contract."""
-    if transform == "sqrt":
-        x = sqrt_rn(x)
+def decode_rows(codes, absmax, dec, kind: str) -> torch.Tensor:
+    """codes uint8 [nb, B], absmax fp32 [nb] -> qmap[code] * absmax, fp32 [nb, B] (no transform).
+    ``dec``: the codebook fp32 [256], or for ``kind == POW3`` the fp32 [1] denominator 255^3 (a tensor,
+    so that inductor does not turn the division into a multiplication by a rounded reciprocal)."""
+    if kind == POW3:
+        k = codes.to(torch.float32)
+        return (k * k * k / dec) * absmax[:, None]
+    return dec[codes.to(torch.int64)] * absmax[:, None]
+
+
+def pow3_codes(y: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """#{midpoints of power-unsigned-3 < y} for y in [0, 1] (float codes, y's shape): the estimate and
+    the fix-ups against thresholds computed as ``codec.midpoints`` does, (q_k + q_k+1) / 2 in fp32."""
+    k = torch.round(torch.pow(y, 1.0 / 3.0) * 255.0).clamp(0.0, 255.0)
+
+    def q(j):
+        return j * j * j / den
+
+    qk = q(k)
+    # x * 0.5 is x / 2 rounded the same way (both are the correctly rounded x/2), one division less
+    below = y <= (q(k - 1.0) + qk) * 0.5  # never true at k = 0: the threshold there is negative
+    above = y > (qk + q(k + 1.0)) * 0.5  # never true at k = 255: the threshold there is above 1
+    return k - below.to(torch.float32) + above.to(torch.float32)
+
+
+def quantize_rows(x, enc, kind: str):
+    """fp32 [nb, B] (transform applied) -> (codes uint8 [nb, B], absmax fp32 [nb]), the
+    ``ckptq.codec`` rounding contract; ``enc``: ``search_table(...)`` or, for POW3, the denominator."""
     absmax = x.abs().amax(dim=1)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    return count_below(table, x / safe[:, None]).to(torch.uint8), absmax
+    y = x / safe[:, None]
+    return (pow3_codes(y, enc) if kind == POW3 else count_below(enc, y)).to(torch.uint8), absmax
 
 
 def search_table(thresholds: torch.Tensor):
@@ -113,17 +150,30 @@ def count_below(table, y: torch.Tensor) -> torch.Tensor:
 
 
 def step_rows(p, g, h, states, maximize: bool):
-    """The fused step on whole blocks: p, g [nb, B] (any float dtype), h fp32 [8].
+    """The fused step on whole blocks: p, g [nb, B] (any float dtype), h fp32 [10].
 
-    ``states``: tuple of (codes u8 [nb, B], absmax fp32 [nb], qmap fp32 [256], search_table(thresholds),
-    transform) for exp_avg, exp_avg_sq and optionally max_exp_avg_sq. Returns (p fp32 [nb, B],
-    ((codes, absmax), ...)) with the new values; this is the function the compiled path traces.
+    ``states``: tuple of (codes u8 [nb, B], absmax fp32 [nb], decoder, its kind, encoder, its kind,
+    decode transform), decoder/encoder as ``decode_rows``/``quantize_rows`` take them (for the codebook
+    the codes refer to, and the one new codes will use), for exp_avg
+    (``"ratio"`` or ``"none"``; always re-encoded as a ratio), exp_avg_sq and optionally max_exp_avg_sq
+    (both ``"sqrt"``). Returns (p fp32 [nb, B], ((codes, absmax), ...)) with the new values; this is
+    the function the compiled path traces.
     """
-    dense = [dequantize_rows(c, a, q, tr) for c, a, q, _, tr in states]
-    vmax = dense[2] if len(dense) == 3 else None
-    p32, m, v, vmax = adam_math(p.float(), g.float(), dense[0], dense[1], vmax, h, maximize)
-    new = (m, v) if vmax is None else (m, v, vmax)
-    return p32, tuple(quantize_rows(x, s[3], s[4]) for x, s in zip(new, states))
+    m_state, v_state, *x_state = states
+    s = decode_rows(*v_state[:4])  # sqrt(v) as stored
+    m = decode_rows(*m_state[:4])
+    if m_state[6] == qstate.RATIO_TRANSFORM:
+        m = m * (s + h[8])  # m = r * (s_q + eps'), in this order (qstate.dequantize_state)
+    vmax = None
+    if x_state:
+        vmax = decode_rows(*x_state[0][:4])
+        vmax = vmax * vmax
+    p32, m, v, vmax = adam_math(p.float(), g.float(), m, s * s, vmax, h, maximize)
+    s = sqrt_rn(v)  # exact fp32 v: the new divisor of the ratio
+    new = (quantize_rows(m / (s + h[9]), *m_state[4:6]), quantize_rows(s, *v_state[4:6]))
+    if vmax is not None:
+        new += (quantize_rows(sqrt_rn(vmax), *x_state[0][4:6]),)
+    return p32, new
 
 
 def step_rows_(p, g, h, states, maximize: bool) -> None:
@@ -147,13 +197,12 @@ def _run_chunk(fn, p, g, h, qstates, tables, start: int, end: int, rows: int, ma
     b0, nb = start // block, -(-(end - start) // block)
     states = tuple(
         (
-            _padded_rows(q["codes"][start:end], rows, block, zero),
+            _padded_rows(q["codes"][start:end], rows, block, codecs[4]),
             _padded_rows(q["absmax"][b0 : b0 + nb], rows, 1, 0.0).view(-1),
-            q["qmap"],
-            table,
+            *codecs[:4],
             q["transform"],
         )
-        for q, (table, zero) in zip(qstates, tables)
+        for q, codecs in zip(qstates, tables)
     )
     p_rows = _padded_rows(p[start:end], rows, block, 0.0)
     fn(p_rows, _padded_rows(g[start:end], rows, block, 0.0), h, states, maximize)
@@ -164,37 +213,94 @@ def _run_chunk(fn, p, g, h, qstates, tables, start: int, end: int, rows: int, ma
             q["absmax"][b0 : b0 + nb] = absmax[:nb]
 
 
+def _codec(qmap: torch.Tensor, device: str, search: bool):
+    """(decoder or encoder, kind) for a codebook: the arithmetic POW3 codec when it is exactly
+    power-unsigned-3, else the codebook (decoder) or its ``search_table`` (encoder)."""
+    if torch.equal(qmap, codebooks.power_map(False, 3.0)):
+        return torch.tensor([POW3_DENOMINATOR], dtype=torch.float32, device=device), POW3
+    return (search_table(midpoints(qmap).to(device)) if search else qmap.to(device)), "table"
+
+
 @functools.lru_cache(maxsize=16)
-def _cached_tables(qmap_bytes: bytes, device: str):
-    qmap = torch.frombuffer(bytearray(qmap_bytes), dtype=torch.float32)
-    return search_table(midpoints(qmap).to(device)), int(torch.nonzero(qmap == 0)[0, 0])
+def _cached_tables(decode_bytes: bytes, encode_bytes: bytes, device: str):
+    decode = torch.frombuffer(bytearray(decode_bytes), dtype=torch.float32)
+    encode = torch.frombuffer(bytearray(encode_bytes), dtype=torch.float32)
+    zero = int(torch.nonzero(decode == 0)[0, 0])
+    return (*_codec(decode, device, False), *_codec(encode, device, True), zero)
 
 
-def _tables(q: dict):
-    """(search table of the codebook's thresholds, index of the code that decodes to 0) for one qstate;
-    cached by codebook contents, which are the same for every parameter."""
-    return _cached_tables(q["qmap"].cpu().numpy().tobytes(), str(q["qmap"].device))
+def _tables(q: dict, encode: torch.Tensor):
+    """(decoder, kind, encoder, kind, index of the code that decodes to 0) for a qstate whose codes refer
+    to ``q["qmap"]`` and whose new codes use ``encode``; cached by codebook contents."""
+    return _cached_tables(q["qmap"].cpu().numpy().tobytes(), encode.cpu().numpy().tobytes(), str(q["qmap"].device))
 
 
-def adam8bit_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper, *, maximize=False, chunk_fn=None) -> None:
-    """One 8-bit Adam(W) step on one parameter, in place (param, and each qstate's codes/absmax).
+def encode_qmap(q: dict, key: str) -> torch.Tensor:
+    """The codebook a step writes state ``key`` with: its own, except that a plain first moment
+    becomes a ratio on ``qstate.RATIO_POLICY``'s map."""
+    if key == "exp_avg" and q["transform"] != qstate.RATIO_TRANSFORM:
+        return qstate.RATIO_POLICY.qmap().to(q["qmap"].device)
+    return q["qmap"]
+
+
+def check_states(exp_avg, exp_avg_sq, max_exp_avg_sq) -> list:
+    """The states of one 8-bit step, checked: one block size, sqrt second moments, a ratio or plain
+    first moment whose divisor is exp_avg_sq (``optim_io`` requantizes anything else on load)."""
+    qstates = [q for q in (exp_avg, exp_avg_sq, max_exp_avg_sq) if q is not None]
+    assert len({q["block_size"] for q in qstates}) == 1, "states of one parameter share a block size"
+    assert all(q["transform"] == "sqrt" for q in qstates[1:]), "second moments use the sqrt transform"
+    assert exp_avg["transform"] == "none" or exp_avg.get("divisor") == "exp_avg_sq", "ratio of exp_avg_sq"
+    return qstates
+
+
+def ratio_hyper(hyper: torch.Tensor, exp_avg: dict, ratio_eps: float) -> torch.Tensor:
+    """``hyper`` [8] + (decode eps', encode eps') -> fp32 [10] on hyper's device."""
+    decode = float(exp_avg.get("eps", 0.0)) if exp_avg["transform"] == qstate.RATIO_TRANSFORM else 0.0
+    extra = torch.tensor((decode, ratio_eps), dtype=torch.float32, device=hyper.device)
+    return torch.cat((hyper.to(torch.float32)[:8], extra))
+
+
+def mark_ratio(exp_avg: dict, qmap: torch.Tensor, ratio_eps: float) -> None:
+    """After a step: exp_avg's codes are ratios on ``qmap`` relative to exp_avg_sq with eps' ``ratio_eps``."""
+    exp_avg.update(qmap=qmap, transform=qstate.RATIO_TRANSFORM, eps=float(ratio_eps), divisor="exp_avg_sq")
+
+
+def adam8bit_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper, *, ratio_eps: float,
+                  maximize=False, chunk_fn=None) -> None:
+    """One 8-bit Adam(W) step on one parameter, in place (param, and each qstate's codes/absmax;
+    exp_avg becomes a ratio state with eps' = ``ratio_eps``, ``qstate.ratio_eps`` of the new step).
 
     ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq`` (None without amsgrad) are qstate dicts with one
     block size and flat ``codes``; ``hyper`` is ``hyper_tensor``'s fp32 [8]. ``chunk_fn`` replaces
-    ``step_rows_`` (the compiled CPU path: it then always sees chunks of ``CHUNK_ELEMENTS``).
+    ``step_rows_`` (the compiled CPU path, compiled with dynamic shapes: no padding to a fixed size).
     """
-    qstates = [q for q in (exp_avg, exp_avg_sq, max_exp_avg_sq) if q is not None]
-    assert len({q["block_size"] for q in qstates}) == 1, "states of one parameter share a block size"
-    tables = [_tables(q) for q in qstates]
+    qstates = check_states(exp_avg, exp_avg_sq, max_exp_avg_sq)
+    keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    encode = [encode_qmap(q, k) for q, k in zip(qstates, keys)]
+    tables = [_tables(q, e) for q, e in zip(qstates, encode)]
+    h = ratio_hyper(hyper, exp_avg, ratio_eps)
     flat = param.data if param.is_contiguous() else param.data.contiguous()
     p, g = flat.view(-1), grad.reshape(-1)
-    n = p.numel()
-    block = qstates[0]["block_size"]
-    for start in range(0, n, CHUNK_ELEMENTS):
+    n, block = p.numel(), qstates[0]["block_size"]
+
+    def run(start: int) -> None:
         end = min(n, start + CHUNK_ELEMENTS)
-        # The compiled function has one fixed shape: a short last chunk is padded up to it.
-        rows = CHUNK_ELEMENTS // block if chunk_fn is not None else -(-(end - start) // block)
-        _run_chunk(chunk_fn or step_rows_, p, g, hyper, qstates, tables, start, end, rows, maximize)
+        # a short last block is zero-padded to a whole one (it decodes to 0: never a block's absmax)
+        rows = -(-(end - start) // block)
+        with torch.no_grad():  # grad mode is per thread: pool workers run without it, as step() does
+            _run_chunk(chunk_fn or step_rows_, p, g, h, qstates, tables, start, end, rows, maximize)
+
+    starts = range(0, n, CHUNK_ELEMENTS)
+    # Eager chunks touch disjoint blocks and torch ops release the GIL: on the CPU they run on codec's
+    # pool of single-threaded workers (an OpenMP team per small op costs a barrier each). Compiled
+    # chunks hold the GIL (inductor's kernel call does not release it) and use OpenMP inside instead.
+    pool = codec._pool() if p.device.type == "cpu" and chunk_fn is None else None
+    if pool is None:
+        for start in starts:
+            run(start)
+    else:
+        list(pool.map(run, starts))
+    mark_ratio(exp_avg, encode[0], ratio_eps)
     if flat is not param.data:
         param.data.copy_(flat)
 

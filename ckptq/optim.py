@@ -3,6 +3,8 @@
 State per parameter: ``step`` (0-dim fp32 tensor, as torch), ``exp_avg``, ``exp_avg_sq`` and, with
 amsgrad, ``max_exp_avg_sq``: each a qstate dict (``ckptq.qstate``: uint8 codes + fp32 absmax per
 block + codebook) for parameters with at least ``min_size`` elements, a plain fp32 tensor below.
+``exp_avg`` is stored as the ratio m / (sqrt(v) + eps') to ``exp_avg_sq`` (``qstate``'s ratio
+transform, eps' = ``qstate.ratio_eps`` of the step), exactly as ``ckptq convert`` writes it.
 The update math lives once in ``ckptq.adam_step``; CUDA parameters run the fused Triton kernel in
 ``ckptq.kernels.adam8bit``. Design after torchao's low-bit optimizers (``torchao/optim``).
 """
@@ -29,7 +31,8 @@ def _default_compile() -> bool:
 
 
 class _CompiledChunk:
-    """``torch.compile``d ``step_rows`` for the CPU path, built on first use; eager if compiling fails."""
+    """``torch.compile``d ``step_rows`` for the CPU path, built on first use; eager if compiling fails.
+    Dynamic shapes: one graph serves every chunk length (a 1-block chunk gets a second one)."""
 
     def __init__(self):
         self._fn = None
@@ -40,7 +43,7 @@ class _CompiledChunk:
             return adam_step.step_rows_(*args)
         try:
             if self._fn is None:
-                self._fn = torch.compile(adam_step.step_rows_, dynamic=False, fullgraph=True, options=_COMPILE_OPTIONS)
+                self._fn = torch.compile(adam_step.step_rows_, dynamic=True, fullgraph=True, options=_COMPILE_OPTIONS)
             return self._fn(*args)
         except Exception as exc:  # no C++ compiler, unsupported platform, inductor bug: same math, eager
             self.failed = True
@@ -81,17 +84,26 @@ class _Adam8bitBase(torch.optim.Optimizer):
         self.block_size, self.min_size, self.backend = block_size, min_size, backend
         self._compiled = _CompiledChunk() if (_default_compile() if compile is None else compile) else None
 
-    def _init_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        keys = MOMENT_KEYS[: 3 if group["amsgrad"] else 2]
+        zeros = {k: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for k in keys}
         state = {"step": torch.tensor(0.0, dtype=torch.float32)}
-        for key in MOMENT_KEYS[: 3 if amsgrad else 2]:
-            zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            state[key] = self._quantize(zeros, key) if p.numel() >= self.min_size else zeros
+        state.update(self._quantize_moments(zeros, group, 0.0) if p.numel() >= self.min_size else zeros)
         return state
 
     def _quantize(self, t: torch.Tensor, key: str) -> dict:
         q = qstate.quantize_state(t.float(), key, self.block_size)
         q["dtype"] = "float32"  # the state is fp32 whatever the checkpoint stored
         return q
+
+    def _quantize_moments(self, dense: dict, group: dict, step: float) -> dict:
+        """fp32 moments {key: tensor} -> qstates; exp_avg as the ratio to the exact exp_avg_sq with
+        eps' of ``step`` under ``group``'s eps/betas: the codes ``ckptq convert`` writes."""
+        out = {k: self._quantize(v, k) for k, v in dense.items() if k != "exp_avg"}
+        eps = qstate.ratio_eps_for(group, step)
+        m, v = dense["exp_avg"].float(), dense["exp_avg_sq"].float()
+        out["exp_avg"] = qstate.quantize_ratio(m, v, eps, self.block_size)
+        return {k: out[k] for k in dense}
 
     def _backend_for(self, p: torch.Tensor) -> str:
         if self.backend == "auto":
@@ -116,7 +128,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
             raise UsageError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
         state = self.state[p]
         if not state:
-            state.update(self._init_state(p, group["amsgrad"]))
+            state.update(self._init_state(p, group))
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = self._like(state["exp_avg_sq"], p)
         state["step"] += 1
@@ -128,12 +140,14 @@ class _Adam8bitBase(torch.optim.Optimizer):
         moments[:2] = state["exp_avg"], state["exp_avg_sq"]
         if not qstate.is_qstate(moments[0]):
             adam_step.adam_dense_step(p, p.grad, *moments, hyper, maximize=group["maximize"])
-        elif self._backend_for(p) == "triton":
+            return
+        kw = dict(ratio_eps=qstate.ratio_eps_for(group, state["step"]), maximize=group["maximize"])
+        if self._backend_for(p) == "triton":
             from .kernels import adam8bit
 
-            adam8bit.adam8bit_step(p, p.grad, *moments, hyper, maximize=group["maximize"])
+            adam8bit.adam8bit_step(p, p.grad, *moments, hyper, **kw)
         else:
-            adam_step.adam8bit_step(p, p.grad, *moments, hyper, maximize=group["maximize"], chunk_fn=self._compiled)
+            adam_step.adam8bit_step(p, p.grad, *moments, hyper, chunk_fn=self._compiled, **kw)
 
     def _like(self, template, p: torch.Tensor):
         """A zero max_exp_avg_sq in the same representation as ``template`` (amsgrad turned on later)."""
@@ -142,7 +156,9 @@ class _Adam8bitBase(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load this optimizer's own state dict, a torch Adam/AdamW one (fp32 moments, quantized here
-        under ``qstate.quantize_state``), or ``ckptq.load(path)["optimizer"]`` (qstates used as stored).
+        as ``ckptq convert`` does: ``qstate.quantize_state``, exp_avg by ``qstate.quantize_ratio``), or
+        ``ckptq.load(path)["optimizer"]`` (qstates used as stored; a plain, pre-ratio exp_avg is
+        re-encoded as a ratio by the next step).
 
         Raises ``StateMismatchError`` before changing anything if groups, counts or shapes differ.
         """

@@ -1,7 +1,8 @@
 """The fused Triton Adam step against the PyTorch reference (interpreter on CPU, see conftest.py).
 
-Bound asserted: codes and block scales of every moment are identical, and fp32/fp16 parameters are
-identical. bf16 parameters are identical to the reference's fp32 result rounded to nearest-even on
+Bound asserted: codes and block scales of every moment are identical (exp_avg decoded from ratio
+or plain codes, re-encoded as a ratio), and fp32/fp16 parameters are identical. bf16 parameters are
+identical to the reference's fp32 result rounded to nearest-even on
 CUDA; Triton's interpreter casts fp32 -> bf16 by truncation, so there it is compared with the
 truncated reference result (still exact, bit for bit).
 """
@@ -27,9 +28,13 @@ def _clone(q):
     return None if q is None else {k: v.clone() if torch.is_tensor(v) else v for k, v in q.items()}
 
 
-def _states(n, block, amsgrad, gen):
-    m = qstate.quantize_state(torch.randn(n, generator=gen) * 0.1, "exp_avg", block)
-    v = qstate.quantize_state(torch.rand(n, generator=gen) * 1e-2, "exp_avg_sq", block)
+def _states(n, block, amsgrad, gen, m_transform="ratio"):
+    m_dense, v_dense = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 1e-2
+    v = qstate.quantize_state(v_dense, "exp_avg_sq", block)
+    if m_transform == "ratio":  # as written by ckptq convert and by the optimizer's steps
+        m = qstate.quantize_ratio(m_dense, v_dense, qstate.ratio_eps(1e-8, 0.999, 2), block)
+    else:  # a pre-ratio file: exp_avg on its own
+        m = qstate.quantize_state(m_dense, "exp_avg", block)
     x = qstate.quantize_state(torch.rand(n, generator=gen) * 2e-2, "max_exp_avg_sq", block) if amsgrad else None
     return [None if q is None else {k: t.to(DEVICE) if torch.is_tensor(t) else t for k, t in q.items()} for q in (m, v, x)]
 
@@ -42,24 +47,30 @@ def _expected_param(p32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,block", CASES)
-@pytest.mark.parametrize("amsgrad,maximize,decoupled", [(False, False, True), (True, True, False)])
-def test_kernel_matches_reference(n, block, dtype, amsgrad, maximize, decoupled):
+@pytest.mark.parametrize(
+    "amsgrad,maximize,decoupled,m_transform",
+    [(False, False, True, "ratio"), (True, True, False, "ratio"), (False, False, True, "none")],
+)
+def test_kernel_matches_reference(n, block, dtype, amsgrad, maximize, decoupled, m_transform):
     gen = torch.Generator().manual_seed(n * 7 + block)
     p = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
     g = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
-    states = _states(n, block, amsgrad, gen)
+    states = _states(n, block, amsgrad, gen, m_transform)
     hyper = adam_step.hyper_tensor(1e-2, 0.9, 0.999, 1e-8, 0.1, 3, decoupled, DEVICE)
+    eps = qstate.ratio_eps(1e-8, 0.999, 3)
 
     ref_p, ref_states = p.to(torch.float32, copy=True), [_clone(q) for q in states]
-    adam_step.adam8bit_step(ref_p, g, *ref_states, hyper, maximize=maximize)
+    adam_step.adam8bit_step(ref_p, g, *ref_states, hyper, ratio_eps=eps, maximize=maximize)
     out_p, out_states = p.clone(), [_clone(q) for q in states]
-    adam8bit.adam8bit_step(out_p, g, *out_states, hyper, maximize=maximize)
+    adam8bit.adam8bit_step(out_p, g, *out_states, hyper, ratio_eps=eps, maximize=maximize)
 
     assert torch.equal(out_p, _expected_param(ref_p, dtype))
     for ref, out in zip(ref_states, out_states):
         if ref is not None:
             assert torch.equal(out["codes"], ref["codes"])
             assert torch.equal(out["absmax"], ref["absmax"])
+            assert torch.equal(out["qmap"], ref["qmap"]) and out["transform"] == ref["transform"]
+    assert out_states[0]["transform"] == "ratio" and out_states[0]["eps"] == eps
 
 
 def test_kernel_updates_non_contiguous_param():
@@ -70,7 +81,7 @@ def test_kernel_updates_non_contiguous_param():
     states = _states(p.numel(), 64, False, gen)
     hyper = adam_step.hyper_tensor(1e-2, 0.9, 0.999, 1e-8, 0.0, 1, True, DEVICE)
     ref_p, ref_states = p.contiguous(), [_clone(q) for q in states]
-    adam_step.adam8bit_step(ref_p, g, *ref_states, hyper)
-    adam8bit.adam8bit_step(p, g, *states, hyper)
+    adam_step.adam8bit_step(ref_p, g, *ref_states, hyper, ratio_eps=1e-8)
+    adam8bit.adam8bit_step(p, g, *states, hyper, ratio_eps=1e-8)
     assert torch.equal(p, ref_p)
     assert torch.equal(states[0]["codes"], ref_states[0]["codes"])
