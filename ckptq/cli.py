@@ -62,6 +62,18 @@ def _mb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e6:,.1f} MB"
 
 
+def _return_freed_memory() -> None:
+    """Large buffers (>= 1 MB) come from mmap and go back to the OS when freed. glibc otherwise raises
+    its mmap threshold after the first big free, and the worker threads' 16 MB temporaries then pile
+    up in per-thread heaps: measured +16 MB per tensor during expand (peak 405 MB vs 230 MB)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptq")
 def main():
@@ -72,6 +84,7 @@ def main():
       ckptq info ckpt.q8.safetensors             # what is inside, sizes, savings
       ckptq expand ckpt.q8.safetensors -o ckpt_fp32.pt
     """
+    _return_freed_memory()
 
 
 @main.command()

@@ -17,6 +17,7 @@ import os
 import struct
 import tempfile
 import zlib
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -29,6 +30,9 @@ from .tree import DTYPES, Stored
 NAMES_TO_DTYPES = {v: k for k, v in DTYPES.items()}
 _BIG = 10**15  # placeholder width for offsets/sizes while reserving header space
 _MAX_HEADER = 100_000_000  # safetensors' own limit
+# Tensors produced ahead of the writer. Results are small (8-bit codes, compressed payloads, or views
+# of the memory-mapped input), so a few ahead let quantization run while weights are being written.
+PREFETCH = 4
 
 
 @dataclass
@@ -90,25 +94,33 @@ def write_file(
 
 
 def _stream(f, stored, table, encode, on_tensor, data_start) -> dict:
+    """Write each tensor's bytes in order while a worker thread produces (quantizes, compresses,
+    checksums) up to PREFETCH tensors ahead, so the CPU work overlaps the writes."""
     header, pos = {}, 0
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        def job(s: Stored):
-            t = s.produce()
-            return encode(s, t) if encode else Encoded(t, {"codec": "raw"})
 
-        nxt = pool.submit(job, stored[0]) if stored else None
+    def job(s: Stored) -> tuple[Encoded, memoryview, str]:
+        t = s.produce()
+        enc = encode(s, t) if encode else Encoded(t, {"codec": "raw"})
+        data = _as_bytes(enc.payload)
+        return enc, data, f"{zlib.crc32(data):08x}"
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        pending = deque(pool.submit(job, s) for s in stored[:PREFETCH])
         for i, s in enumerate(stored):
-            enc = nxt.result()
-            nxt = pool.submit(job, stored[i + 1]) if i + 1 < len(stored) else None
-            data = _as_bytes(enc.payload)
+            enc, data, crc = pending.popleft().result()
+            if i + PREFETCH < len(stored):
+                pending.append(pool.submit(job, stored[i + PREFETCH]))
             if enc.codec.get("codec") == "raw" and len(data) != s.nbytes:
                 raise AssertionError(f"{s.name}: produced {len(data)} bytes, planned {s.nbytes}")
             _write_tensor(f, data)
-            table[s.name] = _table_entry(s, f"{zlib.crc32(data):08x}", enc.codec)
+            table[s.name] = _table_entry(s, crc, enc.codec)
             header[s.name] = _entry(s, enc, pos, len(data))
             pos += len(data)
             if on_tensor:
                 on_tensor(s)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # on error: drop what was not started yet
     return header
 
 

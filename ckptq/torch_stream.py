@@ -95,6 +95,7 @@ def save(obj: Any, path: str, progress: Callable[[int, int], None] | None = None
             storage = rec.cpu()
         writer.write_record(f"data/{key}", storage, storage.nbytes())
         done += storage.nbytes()
+        t = storage = None  # free this tensor before the next one is produced: one at a time
         if progress:
             progress(done, total)
     writer.write_end_of_file()
