@@ -206,11 +206,14 @@ def _as_fp32(src: torch.Tensor, buf: torch.Tensor, transform: str) -> torch.Tens
     return src
 
 
-def _absmax_rows(blocks: torch.Tensor, out: torch.Tensor) -> None:
-    """out[i] = max |blocks[i, :]| for blocks [nb, B]. Two reductions beat abs() + amax (no full temp);
-    abs_ turns a -0.0 from an all-zero block into the +0.0 that abs().amax gives."""
+def _absmax_rows(blocks: torch.Tensor, out: torch.Tensor, nonnegative: bool = False) -> None:
+    """out[i] = max |blocks[i, :]| for blocks [nb, B]. Two reductions beat abs() + amax (no full temp),
+    and sqrt outputs (``nonnegative``: >= 0, -0.0 or NaN) need only the max; abs_ turns a -0.0 from an
+    all-zero block into the +0.0 that abs().amax gives."""
     torch.amax(blocks, dim=1, out=out)
-    torch.maximum(out, torch.amin(blocks, dim=1).neg_(), out=out).abs_()
+    if not nonnegative:
+        torch.maximum(out, torch.amin(blocks, dim=1).neg_(), out=out)
+    out.abs_()
 
 
 def _lookup_codes(y: torch.Tensor, table: _CodeTable, codes: torch.Tensor, ws: _Workspace) -> None:
@@ -230,7 +233,7 @@ def _quantize_span(src, codes, absmax, thresholds, table, block_size, transform,
     nb = full // block_size
     if nb:
         blocks = x[:full].view(nb, block_size)
-        _absmax_rows(blocks, absmax[:nb])
+        _absmax_rows(blocks, absmax[:nb], nonnegative=transform == "sqrt")
         safe = torch.where(absmax[:nb] > 0, absmax[:nb], 1.0)
         y = torch.div(blocks, safe[:, None], out=ws.y[:full].view(nb, block_size)).view(-1)
         _lookup_codes(y, table, codes[:full], ws)
