@@ -38,17 +38,22 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def run_round(tensors, block_size: int, times: dict[str, list[float]]) -> None:
-    """Time each operation once for ckptq and once for bitsandbytes, alternating which goes first."""
+def run_round(tensors, block_size: int, times: dict[str, list[float]], buffers: dict) -> None:
+    """Time each operation once for ckptq and once for bitsandbytes, alternating which goes first.
+    The `out=` row dequantizes into a buffer reused across rounds (no fresh pages to fault in);
+    bitsandbytes' CPU op has no out= variant, so its column there is its allocating time."""
     import bitsandbytes.functional as bnbf
 
     for name, (x, signed, transform) in tensors.items():
+        buf = buffers.setdefault(name, torch.zeros(x.numel()))
         qmap = codebooks.dynamic_map(signed)
         t_q, (codes, absmax) = timed(lambda: codec.quantize_blockwise(x, qmap, block_size, transform, "torch"))
         t_bq, (bcodes, state) = timed(lambda: bnbf.quantize_blockwise(x, blocksize=block_size))
         t_d, _ = timed(lambda: codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform, "torch"))
         t_bd, _ = timed(lambda: bnbf.dequantize_blockwise(bcodes, state))
-        for op, t_ours, t_bnb in (("quantize", t_q, t_bq), ("dequantize", t_d, t_bd)):
+        t_do, _ = timed(lambda: codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform, "torch", buf))
+        for op, t_ours, t_bnb in (("quantize", t_q, t_bq), ("dequantize", t_d, t_bd),
+                                  ("dequantize (ckptq out=, reused buffer)", t_do, t_bd)):
             times.setdefault(f"{op} {name}|ckptq", []).append(t_ours)
             times.setdefault(f"{op} {name}|bnb", []).append(t_bnb)
 
@@ -73,9 +78,10 @@ def main() -> None:
 
     tensors = make_tensors(args.numel, args.seed)
     times: dict[str, list[float]] = {}
-    run_round(tensors, args.block_size, {})  # warm-up: thread pool, lookup tables, allocator
+    buffers: dict = {}
+    run_round(tensors, args.block_size, {}, buffers)  # warm-up: thread pool, lookup tables, allocator
     for _ in range(args.rounds):
-        run_round(tensors, args.block_size, times)
+        run_round(tensors, args.block_size, times, buffers)
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__} with {torch.get_num_threads()} threads, bitsandbytes {bitsandbytes.__version__}; "
