@@ -48,7 +48,7 @@ class _CompiledChunk:
         except Exception as exc:  # no C++ compiler, unsupported platform, inductor bug: same math, eager
             self.failed = True
             msg = f"ckptq: compiling the CPU Adam step failed ({type(exc).__name__}: {exc}); running it eagerly"
-            warnings.warn(msg, RuntimeWarning)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
             return adam_step.step_rows_(*args)
 
 

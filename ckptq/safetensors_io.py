@@ -15,7 +15,6 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
