@@ -227,3 +227,25 @@ def test_pair_gather_handles_odd_and_unaligned_code_views():
     shifted = torch.empty(4100, dtype=torch.uint8)[1:]  # storage offset 1: not 2-byte aligned
     shifted.copy_(codes)
     assert torch.equal(codec.dequantize_blockwise(shifted, absmax, qmap, 64), ref)
+
+
+def test_large_outputs_on_huge_page_buffers_are_ordinary_tensors():
+    """Past codec._HUGE_MIN_BYTES outputs live in a THP-advised mapping: same values, usable as usual."""
+    n = (codec._HUGE_MIN_BYTES // 4) + 1001
+    x = torch.randn(n) * 1e-3
+    qmap = MAPS["signed"]
+    codes, absmax = codec.quantize_blockwise(x, qmap, 256)
+    y = codec.dequantize_blockwise(codes, absmax, qmap, 256)
+    small = codec.dequantize_blockwise(codes[:4096], absmax[:16], qmap, 256)  # torch.empty path
+    assert torch.equal(y[:4096], small) and y.shape == (n,) and y.dtype == torch.float32
+    y.mul_(2).add_(1)  # writable
+    assert torch.equal(torch.load(_save_load(y), weights_only=True), y)
+
+
+def _save_load(t):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    buf.seek(0)
+    return buf
