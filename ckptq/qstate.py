@@ -111,9 +111,15 @@ def quantize_state(
     }
 
 
+# eps' never below this: with eps = 0, an element whose v is 0 (its m is 0 too) would give r = 0/0 = NaN
+# and spoil its whole block's scale; a tiny positive eps' gives r = 0 and changes nothing else.
+MIN_RATIO_EPS = 1e-30
+
+
 def ratio_eps(eps: float, beta2: float, step: float) -> float:
     """eps' that makes v's quantization error cancel out of the update at ``step`` (see above)."""
-    return float(eps) * (1.0 - float(beta2) ** float(step)) ** 0.5 if step > 0 else float(eps)
+    value = float(eps) * (1.0 - float(beta2) ** float(step)) ** 0.5 if step > 0 else float(eps)
+    return max(value, MIN_RATIO_EPS)
 
 
 def ratio_eps_for(group: dict, step) -> float:

@@ -71,6 +71,10 @@ def save(obj: Any, path: str, progress: Callable[[int, int], None] | None = None
                 key = keys.setdefault(untyped._cdata, str(len(keys)))
                 records[key] = untyped
                 return ("storage", getattr(torch, o._pickle_storage_type()), key, location_tag(untyped), o._size())
+            if isinstance(o, torch.UntypedStorage):  # dtypes without a typed storage class (float8, uint16...)
+                key = keys.setdefault(o._cdata, str(len(keys)))
+                records[key] = o
+                return ("storage", torch.UntypedStorage, key, location_tag(o), o.nbytes())
             return None
 
     buf = io.BytesIO()

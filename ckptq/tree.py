@@ -166,7 +166,7 @@ class _Flattener:
         if key not in self.storages:
             if whole or t.dtype not in DTYPES:
                 stored_dtype, shape = (t.dtype, t.shape) if t.dtype in DTYPES else (torch.uint8, (nbytes,))
-                src = t if t.dtype in DTYPES else t.detach().reshape(-1).view(torch.uint8)
+                src = t if t.dtype in DTYPES else torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             else:
                 stored_dtype, shape = t.dtype, (nbytes // t.element_size(),)
                 src = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, shape)

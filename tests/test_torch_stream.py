@@ -38,3 +38,20 @@ def test_lazy_tensors_are_produced_once_each_and_shared(tmp_path):
     assert torch.equal(back["a"], torch.arange(12.0).view(3, 4)) and back["a"].data_ptr() == back["b"].data_ptr()
     assert isinstance(back["p"], torch.nn.Parameter) and back["p"].dtype == torch.bfloat16
     assert torch.equal(back["view"], big[10:20]) and back["view"].untyped_storage().data_ptr() == back["od"]["x"].data_ptr()
+
+
+def test_exotic_dtypes_and_complex_views_survive_save_load_and_expand(tmp_path):
+    """float8 / uint16 have no typed storage class; complex64 is stored as bytes; views stay views."""
+    import ckptq
+
+    obj = {"f8": torch.randn(10).to(torch.float8_e4m3fn), "u16": torch.arange(5, dtype=torch.int32).to(torch.uint16),
+           "c": torch.randn(10, dtype=torch.complex64)[2:5], "ct": torch.randn(3, 4, dtype=torch.complex64).t()}
+    raw = str(tmp_path / "x.pt")
+    torch_stream.save(obj, raw)
+    ckptq.save(obj, str(tmp_path / "x.safetensors"))
+    ckptq.expand(str(tmp_path / "x.safetensors"), str(tmp_path / "y.pt"))
+    for back in (torch.load(raw, weights_only=True), ckptq.load(str(tmp_path / "x.safetensors")),
+                 torch.load(str(tmp_path / "y.pt"), weights_only=True)):
+        for k, v in obj.items():
+            assert back[k].dtype == v.dtype and back[k].shape == v.shape and back[k].stride() == v.stride(), k
+            assert torch.equal(back[k].contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)), k
