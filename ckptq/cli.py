@@ -56,6 +56,8 @@ def _run(fn, *args, **kwargs):
         _fail(f"{hint}{e.strerror or e}{where}; no output was written", 7)
     except MemoryError:
         _fail("out of memory; no output was written", 8)
+    except Exception as e:  # a bug: still one line, and no partial output (writes are atomic)
+        _fail(f"internal error ({type(e).__name__}: {e}); no output was written; please report it", 70)
 
 
 def _mb(n: int | None) -> str:

@@ -13,7 +13,7 @@ import json
 import os
 import re
 import tempfile
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -159,7 +159,6 @@ class Converted:
     def __init__(self, path: str, verify: bool = True):
         self.path, self.verify = path, verify
         index_path, files = _resolve(path)
-        self._stack = ExitStack()
         self.readers = [safetensors_io.Reader(f) for f in files]
         if index_path:
             with open(index_path) as f:
@@ -204,7 +203,15 @@ class Converted:
         return flat.reshape(shape)
 
     def read(self, dequantize: bool = False, lazy: bool = False) -> Any:
-        return tree.unflatten(self.skeleton, self.fetch, dequantize, lazy)
+        return tree.unflatten(self.skeleton, self.fetch, dequantize, lazy, self._numel_as)
+
+    def _numel_as(self, name: str, dtype: torch.dtype) -> int | None:
+        """Elements of stored tensor ``name`` if it is stored as ``dtype`` (else None: not viewable lazily)."""
+        r = self._where.get(name)
+        entry = r.table.get(name, {}) if r else {}
+        if _ST_TO_TORCH.get(entry.get("dtype")) != tree.dtype_name(dtype):
+            return None
+        return int(torch.Size(entry["shape"]).numel())
 
     def close(self) -> None:
         for r in self.readers:

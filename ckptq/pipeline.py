@@ -94,6 +94,11 @@ def _mark_param(pstate: dict, group: dict, path: tuple, block_size: int, min_siz
             m.divisor = (v_key, v.tensor, qstate.ratio_eps_for(group, pstate.get("step", 0)))
 
 
+def _not_the_input(src: str, dst: str) -> None:
+    if os.path.realpath(dst) == os.path.realpath(src):
+        raise UsageError(f"output {dst} is the input; choose another -o path")
+
+
 def _all_finite(t: torch.Tensor) -> bool:
     # min and max propagate NaN and reach +-Inf: one reduction pass, no full-size bool temporary
     lo, hi = torch.aminmax(t.detach().reshape(-1))
@@ -124,8 +129,7 @@ def convert(
     if min_size < 1:
         raise UsageError(f"min size {min_size} must be at least 1")
     dst = dst or default_output(src)
-    if os.path.abspath(dst) == os.path.abspath(src):
-        raise UsageError(f"output {dst} is the input; choose another -o path")
+    _not_the_input(src, dst)
     device = _quant_device(device)
     obj = checkpoint.load_torch(src, trust=trust)  # memory-mapped on the CPU; states visit `device` one at a time
     report = ConvertReport(src, [], os.path.getsize(src), 0)
@@ -201,6 +205,8 @@ def expand(src: str, dst: str | None = None, *, force: bool = False, verify: boo
     t0 = time.perf_counter()
     dst = dst or default_expanded(src)
     conv = format.Converted(src, verify)
+    for f in conv.files:
+        _not_the_input(f, dst)
     obj = conv.read(dequantize=True, lazy=True)  # tensors are produced one at a time while writing
     with format.atomic_outputs([dst], force) as (tmp,):
         torch_stream.save(obj, tmp, progress)

@@ -157,16 +157,23 @@ class Reader:
             raise FormatError(f"{path} is truncated or not a safetensors file (header length {n}, file {size} bytes)")
         try:
             header = json.loads(self._file.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            if not isinstance(header, dict):
+                raise TypeError("the header is not a JSON object")
+            self.metadata = header.pop("__metadata__", None) or {}
+            self.table = json.loads(self.metadata.get("ckptq.tensors", "{}"))
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError) as e:
             raise FormatError(f"{path}: the safetensors header is corrupt ({e})") from None
-        self.metadata = header.pop("__metadata__", None) or {}
         self.entries = header
         self._data_start = 8 + n
         self._validate(size)
         self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
-        self.table = json.loads(self.metadata.get("ckptq.tensors", "{}"))
 
     def _validate(self, size: int) -> None:
+        for name, e in self.entries.items():
+            offsets = e.get("data_offsets") if isinstance(e, dict) else None
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                    and isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list)):
+                raise FormatError(f"{self.path}: header entry {name!r} is malformed; the file is corrupt")
         spans = sorted((e["data_offsets"][0], e["data_offsets"][1], k) for k, e in self.entries.items())
         pos = 0
         for a, b, name in spans:

@@ -39,20 +39,29 @@ class LazyStorage:
 
 
 class LazyTensor:
-    """Pickles exactly like a contiguous CPU tensor over ``storage`` (or an ``nn.Parameter``)."""
+    """Pickles exactly like a CPU tensor over ``storage`` (or an ``nn.Parameter``): contiguous unless
+    ``stride``/``offset`` say otherwise (views of one storage stay views of it)."""
 
-    def __init__(self, storage: LazyStorage, shape: tuple, parameter: bool = False):
-        self.storage, self.shape, self.parameter = storage, tuple(shape), parameter
+    def __init__(self, storage: LazyStorage, shape: tuple, parameter: bool = False, stride: tuple | None = None,
+                 offset: int = 0):
+        self.storage, self.shape, self.parameter, self.offset = storage, tuple(shape), parameter, offset
+        self.stride = tuple(stride) if stride is not None else contiguous_strides(self.shape)
 
     def __reduce_ex__(self, protocol):
-        stride, step = [], 1
-        for d in reversed(self.shape):
-            stride.append(step)
-            step *= max(d, 1)
-        args = (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict())
         if self.parameter:
-            return (torch._utils._rebuild_parameter, (LazyTensor(self.storage, self.shape), True, collections.OrderedDict()))
+            plain = LazyTensor(self.storage, self.shape, stride=self.stride, offset=self.offset)
+            return (torch._utils._rebuild_parameter, (plain, True, collections.OrderedDict()))
+        args = (self.storage, self.offset, torch.Size(self.shape), self.stride, False, collections.OrderedDict())
         return (torch._utils._rebuild_tensor_v2, args)
+
+
+def contiguous_strides(shape) -> tuple:
+    """C-order strides of ``shape`` in elements, as torch gives them (size-0/1 dims count as 1)."""
+    strides, step = [], 1
+    for d in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def save(obj: Any, path: str, progress: Callable[[int, int], None] | None = None) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from . import qstate
+from .torch_stream import contiguous_strides
 from .errors import FormatError, UsageError
 
 DTYPES = {
@@ -82,14 +83,6 @@ class PendingQuant:
         if part == "absmax":  # absmax is written after codes: free the memo
             self._result = None
         return out.cpu()
-
-
-def _contiguous_strides(shape) -> tuple:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
 
 
 def _join(path: str, key: Any) -> str:
@@ -161,7 +154,7 @@ class _Flattener:
         node = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
         if isinstance(t, torch.nn.Parameter):
             node["parameter"] = True
-        whole = (t.stride() == _contiguous_strides(t.shape) and t.storage_offset() == 0
+        whole = (t.stride() == contiguous_strides(t.shape) and t.storage_offset() == 0
                  and t.numel() * t.element_size() == nbytes)
         if key not in self.storages:
             if whole or t.dtype not in DTYPES:
@@ -217,18 +210,19 @@ def flatten(obj: Any) -> tuple[Any, list[Stored]]:
 
 
 def unflatten(skeleton: Any, fetch: Callable[[str], torch.Tensor], dequantize: bool = False,
-              lazy: bool = False) -> Any:
+              lazy: bool = False, numel_of: Callable[[str], int] | None = None) -> Any:
     """Rebuild the object. ``fetch(name)`` returns a stored tensor; each name is fetched once, so
     views of one stored storage share it again. Quantized states come back as qstate dicts, or as
     dense tensors with ``dequantize=True``. With ``lazy=True`` whole tensors and dequantized states
-    become :class:`~ckptq.torch_stream.LazyTensor` placeholders, fetched only when written."""
-    u = _Unflattener(fetch, dequantize, lazy)
+    become :class:`~ckptq.torch_stream.LazyTensor` placeholders, fetched only when written (views
+    too, when ``numel_of(name)`` gives a stored tensor's element count)."""
+    u = _Unflattener(fetch, dequantize, lazy, numel_of)
     return _finalize(u, u.node(skeleton), None)
 
 
 class _Unflattener:
-    def __init__(self, fetch, dequantize: bool, lazy: bool):
-        self.fetch, self.dequantize, self.lazy = fetch, dequantize, lazy
+    def __init__(self, fetch, dequantize: bool, lazy: bool, numel_of=None):
+        self.fetch, self.dequantize, self.lazy, self.numel_of = fetch, dequantize, lazy, numel_of
         self.cache: dict[str, torch.Tensor] = {}
         self.lazy_storages: dict[str, Any] = {}
 
@@ -246,12 +240,13 @@ class _Unflattener:
                 return build(n, self)
         raise FormatError(f"unknown skeleton node {str(n)[:80]!r}; the file is corrupt or newer than this ckptq")
 
-    def lazy_tensor(self, key: str, dtype: torch.dtype, shape: tuple, produce, parameter: bool = False):
+    def lazy_tensor(self, key: str, dtype: torch.dtype, shape: tuple, produce, parameter: bool = False,
+                    numel: int | None = None, stride: tuple | None = None, offset: int = 0):
         from .torch_stream import LazyStorage, LazyTensor
 
         if key not in self.lazy_storages:
-            self.lazy_storages[key] = LazyStorage(dtype, math.prod(shape), produce)
-        return LazyTensor(self.lazy_storages[key], shape, parameter)
+            self.lazy_storages[key] = LazyStorage(dtype, math.prod(shape) if numel is None else numel, produce)
+        return LazyTensor(self.lazy_storages[key], shape, parameter, stride, offset)
 
 
 def _build_tensor(n, u: _Unflattener):
@@ -259,8 +254,12 @@ def _build_tensor(n, u: _Unflattener):
 
     spec = n["tensor"]
     dtype, shape = dtype_from_name(spec["dtype"]), tuple(spec["shape"])
-    if u.lazy and "stride" not in spec and can_stream(dtype):
-        return u.lazy_tensor(spec["data"], dtype, shape, lambda: u.fetch(spec["data"]), bool(spec.get("parameter")))
+    if u.lazy and can_stream(dtype) and ("stride" not in spec or u.numel_of is not None):
+        whole = "stride" not in spec  # else a view of the stored (flat) storage, same dtype
+        numel = None if whole else u.numel_of(spec["data"], dtype)
+        if whole or numel is not None:
+            return u.lazy_tensor(spec["data"], dtype, shape, lambda: u.fetch(spec["data"]).reshape(-1),
+                                 bool(spec.get("parameter")), numel, spec.get("stride"), spec.get("offset", 0))
     base = u.get(spec["data"])
     if base.dtype != dtype:
         base = base.reshape(-1).view(dtype)

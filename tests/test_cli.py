@@ -180,3 +180,21 @@ def test_sharded_convert_then_info_and_expand_from_index_or_folder(trained_ckpt,
         assert run("expand", src, "-o", tmp_path / "e.pt", "-f", "-q").exit_code == 0
         back = torch.load(tmp_path / "e.pt", weights_only=True)
         assert torch.equal(back["model"]["fc.weight"], torch.load(path, weights_only=True)["model"]["fc.weight"])
+
+
+def test_malformed_headers_and_expanding_onto_the_input_are_one_line_errors(trained_ckpt, tmp_path):
+    import struct
+
+    for i, header in enumerate(([], {"a": {"dtype": "F32", "shape": [1]}}, {"__metadata__": {"ckptq.tensors": "{bad"}})):
+        head = json.dumps(header).encode()
+        bad = tmp_path / f"bad{i}.safetensors"
+        bad.write_bytes(struct.pack("<Q", len(head)) + head)
+        for cmd in ("expand", "info"):
+            r = run(cmd, bad)
+            assert r.exit_code == 5 and r.output.startswith("ckptq: error: ") and "corrupt" in r.output, r.output
+    path, _, _ = trained_ckpt
+    run("convert", path, "-q")
+    conv = tmp_path / "ckpt.q8.safetensors"
+    before = conv.read_bytes()
+    r = run("expand", conv, "-o", conv, "-f")
+    assert r.exit_code == 2 and "is the input" in r.output and conv.read_bytes() == before

@@ -66,3 +66,18 @@ def test_triton_backend_writes_the_same_bytes(trained_ckpt, tmp_path):
     a = ckptq.convert(path, str(tmp_path / "torch.safetensors"), backend="torch").outputs[0]
     b = ckptq.convert(path, str(tmp_path / "triton.safetensors"), backend="triton").outputs[0]
     assert open(a, "rb").read() == open(b, "rb").read()
+
+
+def test_eps_zero_and_never_updated_rows_stay_finite(tmp_path):
+    """With eps = 0, elements whose v is 0 (rows that never got a gradient) must not become NaN."""
+    emb = torch.nn.Embedding(64, 128)
+    opt = torch.optim.AdamW(emb.parameters(), lr=1e-3, eps=0.0)
+    for _ in range(3):
+        emb(torch.tensor([1, 2, 3])).sum().backward()  # rows other than 1..3 keep m = v = 0
+        opt.step()
+        opt.zero_grad()
+    src = str(tmp_path / "eps0.pt")
+    torch.save({"optimizer": opt.state_dict()}, src)
+    dense = ckptq.load(ckptq.convert(src).outputs[0], dequantize=True)["optimizer"]["state"][0]
+    assert torch.isfinite(dense["exp_avg"]).all() and torch.isfinite(dense["exp_avg_sq"]).all()
+    assert (dense["exp_avg"][10] == 0).all() and (dense["exp_avg"][1] != 0).any()

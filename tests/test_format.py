@@ -97,6 +97,11 @@ def test_shared_storage_and_views_are_restored_shared(tmp_path):
     assert back["view"][0, 0] == -1.0
     with safe_open(path, "pt") as f:  # stored once
         assert sum(1 for k in f.keys() if f.get_slice(k).get_shape() == [24]) == 1
+    ckptq.expand(path, str(tmp_path / "e.pt"))  # the streaming torch.save keeps the sharing too
+    e = torch.load(tmp_path / "e.pt", weights_only=True)
+    assert_same({k: v for k, v in obj.items() if k != "param"}, {k: v for k, v in e.items() if k != "param"})
+    assert e["view"].untyped_storage().data_ptr() == e["whole"].untyped_storage().data_ptr() == e["t"].untyped_storage().data_ptr()
+    assert e["wte"].data_ptr() == e["head"].data_ptr()
 
 
 def _qstate_obj():
