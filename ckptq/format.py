@@ -133,6 +133,16 @@ def write(
     return [index_path, *names]
 
 
+def is_safetensors(path: str) -> bool:
+    """A file that starts like safetensors (8-byte length, then a JSON object)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return False
+    return len(head) == 9 and head[8:9] == b"{"
+
+
 def _resolve(path: str) -> tuple[str | None, list[str]]:
     """(index path or None, safetensors files) for a file, an index, or a folder holding one index."""
     if os.path.isdir(path):
@@ -165,7 +175,9 @@ class Converted:
                 meta = json.load(f).get("metadata", {})
         else:
             meta = self.readers[0].metadata
-        self._check_version(meta)
+        for m in [meta] + [r.metadata for r in self.readers]:  # every shard is tagged too
+            self._check_version(m)
+        self.version = int(meta["ckptq.version"])
         self.files = ([index_path] if index_path else []) + files
         try:
             self.skeleton = json.loads(meta["ckptq.skeleton"])

@@ -19,18 +19,9 @@ def _role_row() -> dict:
 def info(path: str, *, min_size: int = DEFAULT_MIN_SIZE, block_size: int = 256, trust: bool = False) -> dict:
     """A JSON-able report. For a converted file: roles, sizes, savings, options used. For a torch
     checkpoint: its optimizers and what ``convert`` with these options would store."""
-    if os.path.isdir(path) or path.endswith((format.SUFFIX, ".json")) or _is_safetensors(path):
+    if os.path.isdir(path) or path.endswith((format.SUFFIX, ".json")) or format.is_safetensors(path):
         return _info_converted(path)
     return _info_torch(path, min_size, block_size, trust)
-
-
-def _is_safetensors(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-    except OSError:
-        return False
-    return len(head) == 9 and head[8:9] == b"{"
 
 
 def _info_converted(path: str) -> dict:
@@ -61,7 +52,7 @@ def _info_converted(path: str) -> dict:
     codecs = sorted({t.get("codec", {}).get("codec", "raw") for t in tables.values()})
     conv.close()
     src = conv.info.get("source_bytes")
-    return {"kind": "converted", "path": path, "files": conv.files, "format_version": format.FORMAT_VERSION,
+    return {"kind": "converted", "path": path, "files": conv.files, "format_version": conv.version,
             "options": conv.info, "quantized": dict(roles), "exact": exact, "codecs": codecs, "bytes": total,
             "source_bytes": src, "ratio": (src / total) if src else None}
 

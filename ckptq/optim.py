@@ -16,10 +16,11 @@ import warnings
 
 import torch
 
-from . import adam_step, qstate
+from . import adam_step, codec, qstate
 from .errors import StateMismatchError, UsageError
 from .optim_io import MOMENT_KEYS, import_state_dict
-BACKENDS = ("auto", "torch", "triton")
+
+BACKENDS = codec.BACKENDS
 # Gather indices are uint8 codes into 256-entry codebooks and table entries <= 255 + K: in range by
 # construction, so inductor's per-gather bounds checks are dropped.
 _COMPILE_OPTIONS = {"assert_indirect_indexing": False}

@@ -130,6 +130,12 @@ def convert(
         raise UsageError(f"min size {min_size} must be at least 1")
     dst = dst or default_output(src)
     _not_the_input(src, dst)
+    if compression is not None and not (1 <= compression.level <= 22 and compression.threads >= 0):
+        raise UsageError(f"compression level {compression.level} / threads {compression.threads}: use a level "
+                         "from 1 to 22 and threads >= 0 (0 = all cores)")
+    if format.is_safetensors(src):
+        raise InputError(f"{src} is a safetensors file; convert takes torch.save checkpoints "
+                         "(for a converted file use `ckptq info` or `ckptq expand`)")
     device = _quant_device(device)
     obj = checkpoint.load_torch(src, trust=trust)  # memory-mapped on the CPU; states visit `device` one at a time
     report = ConvertReport(src, [], os.path.getsize(src), 0)

@@ -135,6 +135,8 @@ def _relocate(f, tmp, head, data_start) -> bytes:
         src.seek(data_start)
         while chunk := src.read(1 << 24):
             dst.write(chunk)
+        dst.flush()
+        os.fsync(dst.fileno())
     os.replace(tmp + ".r", tmp)
     return head
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import qstate
+from . import codec, qstate
 from .torch_stream import contiguous_strides
 from .errors import FormatError, UsageError
 
@@ -281,12 +281,19 @@ class _QRef:
 def _build_quantized(n, u: _Unflattener):
     spec = n["quantized"]
     qstate.check_qstate({"ckptq": spec.get("codec"), "bits": spec.get("bits"), "transform": spec.get("transform")})
+    if spec.get("block_size") not in codec.BLOCK_SIZES:
+        raise FormatError(f"quantized state {spec.get('codes')!r} has block size {spec.get('block_size')!r}; "
+                          "the file is corrupt or newer than this ckptq")
 
     def build() -> dict:
         q = {"ckptq": spec["codec"], "bits": spec["bits"], "codes": u.fetch(spec["codes"]),
              "absmax": u.fetch(spec["absmax"]), "qmap": u.get(spec["qmap"]), "block_size": spec["block_size"],
              "transform": spec["transform"], "shape": tuple(spec["shape"]), "dtype": spec["dtype"]}
         q |= {k: spec[k] for k in ("eps", "divisor") if k in spec}
+        n = math.prod(q["shape"])
+        if q["codes"].numel() != n or q["absmax"].numel() != codec.num_blocks(n, q["block_size"]) or q["qmap"].numel() != 256:
+            raise FormatError(f"quantized state {spec['codes']!r}: codes, scales and shape {list(q['shape'])} "
+                              "disagree; the file is corrupt")
         return q
 
     return _QRef(spec, build) if u.dequantize else build()

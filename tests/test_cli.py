@@ -198,3 +198,12 @@ def test_malformed_headers_and_expanding_onto_the_input_are_one_line_errors(trai
     before = conv.read_bytes()
     r = run("expand", conv, "-o", conv, "-f")
     assert r.exit_code == 2 and "is the input" in r.output and conv.read_bytes() == before
+
+
+def test_converting_a_converted_file_or_a_bad_level_fails_before_any_work(trained_ckpt, tmp_path):
+    path, _, _ = trained_ckpt
+    run("convert", path, "-q")
+    r = run("convert", tmp_path / "ckpt.q8.safetensors", "-o", tmp_path / "again.safetensors")
+    assert r.exit_code == 3 and "ckptq expand" in r.output
+    r = run("convert", path, "-o", tmp_path / "z.safetensors", "--compress", "--level", 50)
+    assert r.exit_code == 2 and "level from 1 to 22" in r.output and not (tmp_path / "z.safetensors").exists()
