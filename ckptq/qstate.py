@@ -142,9 +142,15 @@ def _divisor_values(v: dict, start: int, stop: int) -> torch.Tensor:
     return s[first:]
 
 
-def _ieee_sqrt(x: torch.Tensor) -> torch.Tensor:
-    # torch's CPU fp32 sqrt is not always correctly rounded; numpy's is (and CUDA's sqrtf)
-    return torch.from_numpy(np.sqrt(x.numpy())) if x.device.type == "cpu" else torch.sqrt(x)
+def _ieee_sqrt_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = sqrt(x) in fp32, correctly rounded: torch's CPU fp32 sqrt is not always; numpy's is
+    (and CUDA's sqrtf)."""
+    if out.device.type != "cpu":
+        return torch.sqrt(x.float(), out=out)
+    if x.dtype != torch.float32:
+        x = out.copy_(x)
+    np.sqrt(x.numpy(), out=out.numpy())
+    return out
 
 
 def quantize_ratio(m: torch.Tensor, v: torch.Tensor, eps: float, block_size: int = codec.DEFAULT_BLOCK_SIZE,
@@ -157,9 +163,11 @@ def quantize_ratio(m: torch.Tensor, v: torch.Tensor, eps: float, block_size: int
     flat = m.detach().reshape(-1)
     codes = torch.empty(flat.numel(), dtype=torch.uint8, device=m.device)
     absmax = torch.empty(codec.num_blocks(flat.numel(), block_size), dtype=torch.float32, device=m.device)
+    buf = torch.empty(min(_RATIO_CHUNK, flat.numel()), dtype=torch.float32, device=m.device)
     for start in range(0, flat.numel(), _RATIO_CHUNK):
         stop = min(start + _RATIO_CHUNK, flat.numel())
-        r = flat[start:stop].float() / (_ieee_sqrt(vflat[start:stop].float()) + eps)
+        r = _ieee_sqrt_into(vflat[start:stop], buf[: stop - start]).add_(eps)  # sqrt(v) + eps, in place
+        torch.div(flat[start:stop], r, out=r)  # r = m / (sqrt(v) + eps): IEEE division, m promoted to fp32
         c, a = codec.quantize_blockwise(r, qmap, block_size, "none", backend)
         codes[start:stop], absmax[start // block_size : start // block_size + a.numel()] = c, a
     return {"ckptq": CODEC, "bits": 8, "codes": codes, "absmax": absmax, "qmap": qmap, "block_size": block_size,

@@ -93,27 +93,27 @@ def write_file(
 
 
 def _stream(f, stored, table, encode, on_tensor, data_start) -> dict:
-    """Write each tensor's bytes in order while a worker thread produces (quantizes, compresses,
-    checksums) up to PREFETCH tensors ahead, so the CPU work overlaps the writes."""
+    """Write each tensor's bytes in order while a worker thread produces (quantizes, compresses) up
+    to PREFETCH tensors ahead, so the CPU work overlaps the writes. The writer, which mostly waits for
+    the producer, computes the checksums."""
     header, pos = {}, 0
 
-    def job(s: Stored) -> tuple[Encoded, memoryview, str]:
+    def job(s: Stored) -> tuple[Encoded, memoryview]:
         t = s.produce()
         enc = encode(s, t) if encode else Encoded(t, {"codec": "raw"})
-        data = _as_bytes(enc.payload)
-        return enc, data, f"{zlib.crc32(data):08x}"
+        return enc, _as_bytes(enc.payload)
 
     pool = ThreadPoolExecutor(max_workers=1)
     try:
         pending = deque(pool.submit(job, s) for s in stored[:PREFETCH])
         for i, s in enumerate(stored):
-            enc, data, crc = pending.popleft().result()
+            enc, data = pending.popleft().result()
             if i + PREFETCH < len(stored):
                 pending.append(pool.submit(job, stored[i + PREFETCH]))
             if enc.codec.get("codec") == "raw" and len(data) != s.nbytes:
                 raise AssertionError(f"{s.name}: produced {len(data)} bytes, planned {s.nbytes}")
             _write_tensor(f, data)
-            table[s.name] = _table_entry(s, crc, enc.codec)
+            table[s.name] = _table_entry(s, f"{zlib.crc32(data):08x}", enc.codec)
             header[s.name] = _entry(s, enc, pos, len(data))
             pos += len(data)
             if on_tensor:
