@@ -29,9 +29,9 @@ from .tree import DTYPES, Stored
 NAMES_TO_DTYPES = {v: k for k, v in DTYPES.items()}
 _BIG = 10**15  # placeholder width for offsets/sizes while reserving header space
 _MAX_HEADER = 100_000_000  # safetensors' own limit
-# Tensors produced ahead of the writer. Results are small (8-bit codes, compressed payloads, or views
-# of the memory-mapped input), so a few ahead let quantization run while weights are being written.
-PREFETCH = 4
+# How far the producer may run ahead of the writer: tensors, and bytes it holds in memory.
+AHEAD_TENSORS = 256
+AHEAD_BYTES = 128 << 20
 
 
 @dataclass
@@ -80,7 +80,7 @@ def write_file(
     reserve = (reserve + 4096 + 7) // 8 * 8
     with open(path, "wb") as f:
         f.seek(8 + reserve)
-        header = _stream(f, stored, table, encode, on_tensor, 8 + reserve)
+        header = _stream(f, stored, table, encode, on_tensor)
         head = _header_bytes({"__metadata__": {**metadata, "ckptq.tensors": json.dumps(table, separators=(",", ":"))}, **header})
         if len(head) > reserve:  # compressor params larger than planned: rare, costs one copy
             head = _relocate(f, path, head, 8 + reserve)
@@ -92,10 +92,11 @@ def write_file(
     return table
 
 
-def _stream(f, stored, table, encode, on_tensor, data_start) -> dict:
-    """Write each tensor's bytes in order while a worker thread produces (quantizes, compresses) up
-    to PREFETCH tensors ahead, so the CPU work overlaps the writes. The writer, which mostly waits for
-    the producer, computes the checksums."""
+def _stream(f, stored, table, encode, on_tensor) -> dict:
+    """Write each tensor's bytes in order while a worker thread produces (quantizes, compresses) the
+    ones ahead. Exact tensors of a memory-mapped input cost no memory to hold, so the worker runs ahead
+    through them and quantizes while the weights are being written; what it holds in memory (codes,
+    compressed payloads) is capped at AHEAD_BYTES. The writer, which mostly waits, computes checksums."""
     header, pos = {}, 0
 
     def job(s: Stored) -> tuple[Encoded, memoryview]:
@@ -103,13 +104,21 @@ def _stream(f, stored, table, encode, on_tensor, data_start) -> dict:
         enc = encode(s, t) if encode else Encoded(t, {"codec": "raw"})
         return enc, _as_bytes(enc.payload)
 
+    def cost(s: Stored) -> int:  # memory a produced tensor holds until written
+        return s.nbytes if (encode or s.role != "exact") else 0
+
     pool = ThreadPoolExecutor(max_workers=1)
+    pending: deque = deque()
+    held, nxt = 0, 0
     try:
-        pending = deque(pool.submit(job, s) for s in stored[:PREFETCH])
-        for i, s in enumerate(stored):
+        for s in stored:
+            while nxt < len(stored) and len(pending) < AHEAD_TENSORS and (
+                    not pending or held + cost(stored[nxt]) <= AHEAD_BYTES):
+                pending.append(pool.submit(job, stored[nxt]))
+                held += cost(stored[nxt])
+                nxt += 1
             enc, data = pending.popleft().result()
-            if i + PREFETCH < len(stored):
-                pending.append(pool.submit(job, stored[i + PREFETCH]))
+            held -= cost(s)
             if enc.codec.get("codec") == "raw" and len(data) != s.nbytes:
                 raise AssertionError(f"{s.name}: produced {len(data)} bytes, planned {s.nbytes}")
             _write_tensor(f, data)
