@@ -15,14 +15,13 @@ from .errors import InputError, UsageError
 QUANTIZABLE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def load_torch(path: str, trust: bool = False, device: str = "cpu") -> Any:
-    """``torch.load`` with ``weights_only=True`` (``trust=True`` allows full unpickling), memory-mapped
-    where the file allows, mapped to ``device``. Errors become one-line :class:`InputError`."""
+def load_torch(path: str, trust: bool = False) -> Any:
+    """``torch.load`` onto the CPU with ``weights_only=True`` (``trust=True`` allows full unpickling),
+    memory-mapped where the file allows. Errors become one-line :class:`InputError`."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such file")
-    mmap = zipfile.is_zipfile(path) and device == "cpu"
     try:
-        return torch.load(path, map_location=device, weights_only=not trust, mmap=mmap)
+        return torch.load(path, map_location="cpu", weights_only=not trust, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as e:
         raise InputError(_unsafe_message(path, e)) from None
     except Exception as e:  # torch raises many types for damaged files (RuntimeError, KeyError, EOFError...)

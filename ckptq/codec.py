@@ -195,16 +195,22 @@ def _for_each_chunk(fn, n: int, device: torch.device) -> None:
     list(pool.map(lambda span: fn(*span, _workspace(device, chunk)), spans))
 
 
+def ieee_sqrt_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = sqrt(x) in fp32, correctly rounded (as the kernels' sqrt_rn); x any float dtype, out fp32.
+    torch's CPU fp32 sqrt is 1 ulp off on ~20% of inputs, numpy's is IEEE, and so is CUDA's sqrtf."""
+    if out.device.type != "cpu":
+        return torch.sqrt(x.float(), out=out)
+    if x.dtype != torch.float32:
+        x = out.copy_(x)
+    np.sqrt(x.numpy(), out=out.numpy())
+    return out
+
+
 def _as_fp32(src: torch.Tensor, buf: torch.Tensor, transform: str) -> torch.Tensor:
     """src: [n] any float dtype -> fp32 [n], sqrt applied; uses buf [n] unless src can be used as is."""
-    if src.dtype != torch.float32:
-        src = buf.copy_(src)
     if transform == "sqrt":
-        if buf.device.type == "cpu":  # torch's CPU fp32 sqrt is 1 ulp off on ~20% of inputs; numpy's is IEEE
-            np.sqrt(src.numpy(), out=buf.numpy())
-            return buf
-        return torch.sqrt(src, out=buf)  # CUDA sqrtf is IEEE-rounded, like the kernels' sqrt_rn
-    return src
+        return ieee_sqrt_into(src, buf)
+    return buf.copy_(src) if src.dtype != torch.float32 else src
 
 
 def _absmax_rows(blocks: torch.Tensor, out: torch.Tensor, nonnegative: bool = False) -> None:

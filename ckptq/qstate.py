@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from . import codebooks, codec
@@ -142,17 +141,6 @@ def _divisor_values(v: dict, start: int, stop: int) -> torch.Tensor:
     return s[first:]
 
 
-def _ieee_sqrt_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = sqrt(x) in fp32, correctly rounded: torch's CPU fp32 sqrt is not always; numpy's is
-    (and CUDA's sqrtf)."""
-    if out.device.type != "cpu":
-        return torch.sqrt(x.float(), out=out)
-    if x.dtype != torch.float32:
-        x = out.copy_(x)
-    np.sqrt(x.numpy(), out=out.numpy())
-    return out
-
-
 def quantize_ratio(m: torch.Tensor, v: torch.Tensor, eps: float, block_size: int = codec.DEFAULT_BLOCK_SIZE,
                    backend: str = "auto", divisor_key: str = "exp_avg_sq") -> dict:
     """Quantize a first moment ``m`` as r = m / (sqrt(v) + eps), ``v`` its exact second moment."""
@@ -166,7 +154,7 @@ def quantize_ratio(m: torch.Tensor, v: torch.Tensor, eps: float, block_size: int
     buf = torch.empty(min(_RATIO_CHUNK, flat.numel()), dtype=torch.float32, device=m.device)
     for start in range(0, flat.numel(), _RATIO_CHUNK):
         stop = min(start + _RATIO_CHUNK, flat.numel())
-        r = _ieee_sqrt_into(vflat[start:stop], buf[: stop - start]).add_(eps)  # sqrt(v) + eps, in place
+        r = codec.ieee_sqrt_into(vflat[start:stop], buf[: stop - start]).add_(eps)  # sqrt(v) + eps, in place
         torch.div(flat[start:stop], r, out=r)  # r = m / (sqrt(v) + eps): IEEE division, m promoted to fp32
         c, a = codec.quantize_blockwise(r, qmap, block_size, "none", backend)
         codes[start:stop], absmax[start // block_size : start // block_size + a.numel()] = c, a
