@@ -25,8 +25,8 @@ def _progress(quiet: bool, desc: str):
 
     def update(done: int, total: int) -> None:
         if not bars:
-            bars.append(tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False, disable=None,
-                             dynamic_ncols=True))
+            bars.append(tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False,
+                             disable=None, dynamic_ncols=True))  # disable=None: only on a terminal
         bars[0].total = total
         bars[0].update(done - bars[0].n)
 
