@@ -1,15 +1,18 @@
-"""The Triton quantize/dequantize kernels against the PyTorch reference, bit for bit.
+"""The Triton quantize/dequantize kernels against the PyTorch reference (on the CPU), bit for bit.
 
-Runs on the CPU through the Triton interpreter; sizes stay small because it executes every program
-in numpy. Irregular sizes exercise the masking of the last (short) block and of the last program.
+On a CUDA machine the kernels run on the GPU; elsewhere on the CPU through the Triton interpreter
+(sizes stay small because it executes every program in numpy). Irregular sizes exercise the masking
+of the last (short) block and of the last program.
 """
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
-
 import pytest
 import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
 
 pytest.importorskip("triton")
 
@@ -35,13 +38,20 @@ def _assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert not bool(differ.any()), f"{int(differ.sum())} {what} differ"
 
 
+def _kernel(fn, *tensors_then_args):
+    """Run a kernel wrapper on DEVICE; results back on the CPU."""
+    args = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in tensors_then_args]
+    out = fn(*args)
+    return tuple(t.cpu() for t in out) if isinstance(out, tuple) else out.cpu()
+
+
 def _assert_matches_reference(x, qmap, block_size, transform):
-    codes, absmax = codec.quantize_blockwise(x, qmap, block_size, transform, backend="triton")
+    codes, absmax = _kernel(codec.quantize_blockwise, x, qmap, block_size, transform, "triton")
     ref_codes, ref_absmax = codec.quantize_blockwise(x, qmap, block_size, transform, backend="torch")
     assert codes.dtype == torch.uint8 and absmax.dtype == torch.float32
     assert torch.equal(codes, ref_codes), f"{int((codes != ref_codes).sum())} codes differ"
     _assert_same_bits(absmax, ref_absmax, "scales")
-    out = codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform, backend="triton")
+    out = _kernel(codec.dequantize_blockwise, codes, absmax, qmap, block_size, transform, "triton")
     ref_out = codec.dequantize_blockwise(ref_codes, ref_absmax, qmap, block_size, transform, backend="torch")
     _assert_same_bits(out, ref_out, "decoded values")
 
@@ -65,7 +75,7 @@ def test_all_zero_blocks_get_scale_zero_and_the_code_of_zero(transform):
     x[768:1024] = -0.0
     x[1280:] = 0.0  # the short last block
     qmap = codebooks.dynamic_map(False)
-    codes, absmax = quant.quantize_blockwise(x, qmap, 256, transform)
+    codes, absmax = _kernel(quant.quantize_blockwise, x, qmap, 256, transform)
     assert torch.equal(absmax[[1, 3, 5]], torch.zeros(3))
     zero_code = int((qmap == 0).nonzero())
     assert bool((codes[256:512] == zero_code).all()) and bool((codes[1280:] == zero_code).all())
@@ -83,7 +93,7 @@ def test_ties_on_midpoints_go_to_the_lower_code(signed, scale):
     probes = torch.cat([t, torch.nextafter(t, torch.tensor(-2.0)), torch.nextafter(t, torch.tensor(2.0))])
     block = torch.cat([torch.ones(1), probes, torch.zeros(1024 - 1 - probes.numel())])
     x = block * scale
-    codes, _ = quant.quantize_blockwise(x, qmap, 1024, "none")
+    codes, _ = _kernel(quant.quantize_blockwise, x, qmap, 1024, "none")
     expected = (t[None, :] < block[:, None]).sum(dim=1)  # brute-force #{t < y}
     assert torch.equal(codes.long(), expected)
     _assert_matches_reference(x, qmap, 1024, "none")
@@ -106,9 +116,9 @@ def test_non_contiguous_input_is_read_and_not_modified():
 
 def test_empty_input():
     qmap = codebooks.dynamic_map(True)
-    codes, absmax = quant.quantize_blockwise(torch.empty(0), qmap, 256, "none")
+    codes, absmax = _kernel(quant.quantize_blockwise, torch.empty(0), qmap, 256, "none")
     assert codes.shape == (0,) and absmax.shape == (0,)
-    assert quant.dequantize_blockwise(codes, absmax, qmap, 256, "none").shape == (0,)
+    assert _kernel(quant.dequantize_blockwise, codes, absmax, qmap, 256, "none").shape == (0,)
 
 
 def test_bad_arguments_raise_usage_errors():
