@@ -46,15 +46,6 @@ def midpoints(qmap: torch.Tensor) -> torch.Tensor:
     return (q[:-1] + q[1:]) / 2.0
 
 
-def check_codebook(qmap: torch.Tensor) -> None:
-    if qmap.dtype != torch.float32 or qmap.shape != (256,):
-        raise UsageError(f"codebook must be a float32 tensor of 256 entries, got {qmap.dtype} {tuple(qmap.shape)}")
-    if not bool((qmap[1:] > qmap[:-1]).all()):
-        raise UsageError("codebook entries must be strictly increasing")
-    if not bool((qmap == 0).any()) or qmap[0] < -1 or qmap[-1] > 1:
-        raise UsageError("codebook must contain 0 and lie within [-1, 1]")
-
-
 def check_block_size(block_size: int) -> int:
     if block_size not in BLOCK_SIZES:
         raise UsageError(f"block size {block_size} is not supported; use a power of two from 64 to 4096")

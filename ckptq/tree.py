@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from . import codec, qstate
+from .checkpoint import storage_key
 from .torch_stream import contiguous_strides
 from .errors import FormatError, UsageError
 
@@ -150,7 +151,7 @@ class _Flattener:
     def tensor(self, t: torch.Tensor, path: str) -> dict:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
-        key = (t.device.type, storage.data_ptr(), nbytes) if nbytes else ("empty", id(t))
+        key = storage_key(t)
         node = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
         if isinstance(t, torch.nn.Parameter):
             node["parameter"] = True
