@@ -12,8 +12,9 @@ IEEE fp32 division. Ties go to the lower code. An all-zero block gets absmax 0 a
 Transforms change what is stored, not how: ``"sqrt"`` stores ``sqrt(x)`` (x >= 0, for second
 moments: it halves the number of decades the codebook must span) and decodes ``s * s``.
 
-The functions here are the CPU path and the reference; ``backend="triton"`` runs the kernels in
-``ckptq.kernels.quant`` with identical signatures and results.
+The PyTorch functions here are the reference and the CPU path where C is unavailable; ``backend="native"``
+(the CPU default when it builds) runs ``ckptq.kernels.cpu_kernels.c``, ``backend="triton"`` (the CUDA
+default) the kernels in ``ckptq.kernels.quant``, with identical signatures and results.
 """
 
 from __future__ import annotations
@@ -28,15 +29,17 @@ import numpy as np
 import torch
 
 from .errors import UsageError
+from .kernels import native
 
 BLOCK_SIZES = tuple(2**k for k in range(6, 13))  # 64 ... 4096
 DEFAULT_BLOCK_SIZE = 256
 TRANSFORMS = ("none", "sqrt")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "native", "triton")
 # CPU chunks: 256K elements (1 MB fp32), the fastest of 2^15..2^20 measured on 2 cores with 2 MB L2
 # each, and a multiple of every block size. Other devices take big chunks: they only bound memory.
 _CPU_CHUNK = 1 << 18
 _DEVICE_CHUNK = 1 << 24
+_NATIVE_CHUNK_MIN, _NATIVE_CHUNK_MAX = 1 << 16, 1 << 21
 _SIGN_FLIP = 1 << 15  # (int32 bits >> 16) is in [-2^15, 2^15); adding this makes it a table index
 
 
@@ -56,11 +59,20 @@ def num_blocks(numel: int, block_size: int) -> int:
     return (numel + block_size - 1) // block_size
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto`` -> ``triton`` on CUDA, ``native`` (the C kernels) on the CPU when they could be built,
+    else ``torch``. An explicit ``native`` that cannot run raises UsageError saying why."""
     if backend not in BACKENDS:
         raise UsageError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        return "native" if device.type == "cpu" and native.library() is not None else "torch"
+    if backend == "native":
+        if device.type != "cpu":
+            raise UsageError(f"backend 'native' runs on the CPU, not on {device}; use 'auto'")
+        if native.library() is None:
+            raise UsageError(f"backend 'native' is unavailable: {native.why_unavailable()}")
     return backend
 
 
@@ -69,7 +81,7 @@ def _check_transform(transform: str) -> None:
         raise UsageError(f"transform {transform!r} is not one of {', '.join(TRANSFORMS)}")
 
 
-def _reference_codes(x: torch.Tensor, thresholds: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_codes(x: torch.Tensor, thresholds: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rounding contract written out plainly. x: fp32 [n] (transform already applied).
 
     Returns codes uint8 [n] and absmax fp32 [ceil(n / block_size)]. The fast path uses it for a
@@ -174,16 +186,39 @@ def _pool() -> ThreadPoolExecutor | None:
     return _pool_state["pool"]
 
 
-def _for_each_chunk(fn, n: int, device: torch.device) -> None:
-    """Call fn(start, stop, workspace) over [0, n) in chunks, on the CPU pool when there are several."""
-    chunk = _CPU_CHUNK if device.type == "cpu" else _DEVICE_CHUNK
+def native_chunk(n: int) -> int:
+    """Elements per call of the C kernels: about four chunks per worker for balance, whole 4096-blocks,
+    between 64K and 2M elements (larger chunks measured faster on fresh output: fewer, larger prefaults)."""
+    workers = max(1, min(os.cpu_count() or 1, torch.get_num_threads()))
+    per = -(-n // (4 * workers))
+    return min(_NATIVE_CHUNK_MAX, max(_NATIVE_CHUNK_MIN, -(-per // 4096) * 4096))
+
+
+def _for_each_chunk(fn, n: int, device: torch.device, chunk: int | None = None, workspace: bool = True) -> None:
+    """Call fn(start, stop, workspace) over [0, n) in chunks, on the CPU pool when there are several.
+    ``chunk`` defaults to the PyTorch path's; ``workspace=False`` passes None (the C kernels need none)."""
+    chunk = chunk or (_CPU_CHUNK if device.type == "cpu" else _DEVICE_CHUNK)
     spans = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
     pool = _pool() if device.type == "cpu" and len(spans) > 1 else None
+
+    def run(span: tuple[int, int]) -> None:
+        fn(*span, _workspace(device, min(chunk, n)) if workspace else None)
+
     if pool is None:
-        for start, stop in spans:
-            fn(start, stop, _workspace(device, min(chunk, n)))
-        return
-    list(pool.map(lambda span: fn(*span, _workspace(device, chunk)), spans))
+        for span in spans:
+            run(span)
+    else:
+        list(pool.map(run, spans))
+
+
+def _native_for(t: torch.Tensor, backend: str):
+    """The C kernels for backend ``native`` when t is a contiguous CPU tensor; else None: PyTorch."""
+    return native.library() if backend == "native" and t.device.type == "cpu" and t.is_contiguous() else None
+
+
+def ieee_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """sqrt(x) as a new fp32 tensor, correctly rounded (see ``ieee_sqrt_into``)."""
+    return ieee_sqrt_into(x, torch.empty(x.shape, dtype=torch.float32, device=x.device))
 
 
 def ieee_sqrt_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -236,7 +271,7 @@ def _quantize_span(src, codes, absmax, thresholds, table, block_size, transform,
         y = torch.div(blocks, safe[:, None], out=ws.y[:full].view(nb, block_size)).view(-1)
         _lookup_codes(y, table, codes[:full], ws)
     if full < n:  # the tensor's last, short block
-        codes[full:], absmax[nb:] = _reference_codes(x[full:], thresholds, block_size)
+        codes[full:], absmax[nb:] = reference_codes(x[full:], thresholds, block_size)
 
 
 def quantize_blockwise(
@@ -254,7 +289,8 @@ def quantize_blockwise(
     """
     check_block_size(block_size)
     _check_transform(transform)
-    if _resolve_backend(backend, x.device) == "triton":
+    resolved = resolve_backend(backend, x.device)
+    if resolved == "triton":
         from .kernels import quant
 
         return quant.quantize_blockwise(x, qmap, block_size, transform)
@@ -265,16 +301,27 @@ def quantize_blockwise(
     on_cpu = flat.device.type == "cpu"
     codes = new_cpu_buffer(n, torch.uint8) if on_cpu else torch.empty(n, dtype=torch.uint8, device=flat.device)
     absmax = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=flat.device)
+    lib = _native_for(flat, resolved)
+    native_table = native.code_table(thresholds) if lib is not None and flat.dtype in native.DTYPE_CODES else None
 
     def span(start: int, stop: int, ws: _Workspace) -> None:
+        if native_table is not None:
+            src = flat.data_ptr() + start * flat.element_size()
+            b0 = start // block_size
+            lib.ckq_quantize(src, native.DTYPE_CODES[flat.dtype], stop - start, block_size, transform == "sqrt",
+                             native_table.data_ptr(), codes.data_ptr() + start, absmax.data_ptr() + 4 * b0)
+            return
         c, a = codes[start:stop], absmax[start // block_size : num_blocks(stop, block_size)]
         if table is None:
             x32 = _as_fp32(flat[start:stop], ws.x[: stop - start], transform)
-            c[:], a[:] = _reference_codes(x32, thresholds, block_size)
+            c[:], a[:] = reference_codes(x32, thresholds, block_size)
         else:
             _quantize_span(flat[start:stop], c, a, thresholds, table, block_size, transform, ws)
 
-    _for_each_chunk(span, n, flat.device)
+    if native_table is not None:
+        _for_each_chunk(span, n, flat.device, native_chunk(n), workspace=False)
+    else:
+        _for_each_chunk(span, n, flat.device)
     return codes, absmax
 
 
@@ -362,18 +409,28 @@ def dequantize_blockwise(
     """
     check_block_size(block_size)
     _check_transform(transform)
-    if _resolve_backend(backend, codes.device) == "triton":
+    resolved = resolve_backend(backend, codes.device)
+    if resolved == "triton":
         from .kernels import quant
 
         return quant.dequantize_blockwise(codes, absmax, qmap, block_size, transform, out)
     flat = codes.reshape(-1)
     qmap = qmap.to(device=flat.device, dtype=torch.float32).contiguous()
-    absmax = absmax.to(device=flat.device, dtype=torch.float32).reshape(-1)
+    absmax = absmax.to(device=flat.device, dtype=torch.float32).reshape(-1).contiguous()
+    fresh = out is None
     out = output_buffer(out, flat.numel(), flat.device)
+    lib = _native_for(flat, resolved)
 
     def span(start: int, stop: int, ws: _Workspace) -> None:
         a = absmax[start // block_size : num_blocks(stop, block_size)]
+        if lib is not None:
+            lib.ckq_dequantize(flat.data_ptr() + start, a.data_ptr(), qmap.data_ptr(), stop - start, block_size,
+                               transform == "sqrt", out.data_ptr() + 4 * start, fresh)
+            return
         _dequantize_span(flat[start:stop], a, qmap, out[start:stop], block_size, transform, ws)
 
-    _for_each_chunk(span, flat.numel(), flat.device)
+    if lib is not None:
+        _for_each_chunk(span, flat.numel(), flat.device, native_chunk(flat.numel()), workspace=False)
+    else:
+        _for_each_chunk(span, flat.numel(), flat.device)
     return out

@@ -5,14 +5,13 @@ amsgrad, ``max_exp_avg_sq``: each a qstate dict (``ckptq.qstate``: uint8 codes +
 block + codebook) for parameters with at least ``min_size`` elements, a plain fp32 tensor below.
 ``exp_avg`` is stored as the ratio m / (sqrt(v) + eps') to ``exp_avg_sq`` (``qstate``'s ratio
 transform, eps' = ``qstate.ratio_eps`` of the step), exactly as ``ckptq convert`` writes it.
-The update math lives once in ``ckptq.adam_step``; CUDA parameters run the fused Triton kernel in
-``ckptq.kernels.adam8bit``. Design after torchao's low-bit optimizers (``torchao/optim``).
+The update math lives once in ``ckptq.adam_step``; CPU parameters run the fused C kernel
+(``ckptq/kernels/cpu_kernels.c``, PyTorch where it cannot be built), CUDA parameters the fused Triton
+kernel in ``ckptq.kernels.adam8bit``. Design after torchao's low-bit optimizers (``torchao/optim``).
 """
 
 from __future__ import annotations
 
-import os
-import warnings
 
 import torch
 
@@ -21,36 +20,6 @@ from .errors import StateMismatchError, UsageError
 from .optim_io import MOMENT_KEYS, import_state_dict
 
 BACKENDS = codec.BACKENDS
-# Gather indices are uint8 codes into 256-entry codebooks and table entries <= 255 + K: in range by
-# construction, so inductor's per-gather bounds checks are dropped.
-_COMPILE_OPTIONS = {"assert_indirect_indexing": False}
-
-
-def _default_compile() -> bool:
-    # CKPTQ_COMPILE=0 selects the eager CPU path everywhere (test suites, machines without a compiler).
-    return os.environ.get("CKPTQ_COMPILE", "1") != "0"
-
-
-class _CompiledChunk:
-    """``torch.compile``d ``step_rows`` for the CPU path, built on first use; eager if compiling fails.
-    Dynamic shapes: one graph serves every chunk length (a 1-block chunk gets a second one)."""
-
-    def __init__(self):
-        self._fn = None
-        self.failed = False
-
-    def __call__(self, *args):
-        if self.failed:
-            return adam_step.step_rows_(*args)
-        try:
-            if self._fn is None:
-                self._fn = torch.compile(adam_step.step_rows_, dynamic=True, fullgraph=True, options=_COMPILE_OPTIONS)
-            return self._fn(*args)
-        except Exception as exc:  # no C++ compiler, unsupported platform, inductor bug: same math, eager
-            self.failed = True
-            msg = f"ckptq: compiling the CPU Adam step failed ({type(exc).__name__}: {exc}); running it eagerly"
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
-            return adam_step.step_rows_(*args)
 
 
 class _Adam8bitBase(torch.optim.Optimizer):
@@ -69,7 +38,6 @@ class _Adam8bitBase(torch.optim.Optimizer):
         block_size=256,
         min_size=4096,
         backend="auto",
-        compile=None,
     ):
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise UsageError(f"a tensor lr must have one element, got shape {tuple(lr.shape)}")
@@ -83,7 +51,6 @@ class _Adam8bitBase(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
         super().__init__(params, defaults)
         self.block_size, self.min_size, self.backend = block_size, min_size, backend
-        self._compiled = _CompiledChunk() if (_default_compile() if compile is None else compile) else None
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         keys = MOMENT_KEYS[: 3 if group["amsgrad"] else 2]
@@ -107,9 +74,9 @@ class _Adam8bitBase(torch.optim.Optimizer):
         return {k: out[k] for k in dense}
 
     def _backend_for(self, p: torch.Tensor) -> str:
-        if self.backend == "auto":
-            return "triton" if p.device.type == "cuda" else "torch"
-        return self.backend
+        """triton on CUDA, native (the C kernel) on the CPU where it builds, else torch; explicit choices
+        are checked (an unavailable ``native`` raises UsageError saying why)."""
+        return codec.resolve_backend(self.backend, p.device)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -143,12 +110,13 @@ class _Adam8bitBase(torch.optim.Optimizer):
             adam_step.adam_dense_step(p, p.grad, *moments, hyper, maximize=group["maximize"])
             return
         kw = dict(ratio_eps=qstate.ratio_eps_for(group, state["step"]), maximize=group["maximize"])
-        if self._backend_for(p) == "triton":
+        backend = self._backend_for(p)
+        if backend == "triton":
             from .kernels import adam8bit
 
             adam8bit.adam8bit_step(p, p.grad, *moments, hyper, **kw)
         else:
-            adam_step.adam8bit_step(p, p.grad, *moments, hyper, chunk_fn=self._compiled, **kw)
+            adam_step.adam8bit_step(p, p.grad, *moments, hyper, backend=backend, **kw)
 
     def _like(self, template, p: torch.Tensor):
         """A zero max_exp_avg_sq in the same representation as ``template`` (amsgrad turned on later)."""

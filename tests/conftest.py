@@ -9,7 +9,6 @@ if not torch.cuda.is_available():
     # Triton kernels run on the CPU through Triton's interpreter; it must be chosen before any
     # @triton.jit function is created, so set it before any test module imports a kernel.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("CKPTQ_COMPILE", "0")  # optimizer tests use the eager CPU path; test_optim opts in once
 
 
 class TinyLM(torch.nn.Module):

@@ -1,4 +1,5 @@
-"""ckptq.optim against torch.optim on the CPU (eager path: compile=False, except one compiled test).
+"""ckptq.optim against torch.optim on the CPU (default path: the C kernel where it builds; tests/test_native.py
+checks that kernel against the PyTorch reference bit for bit).
 
 Bounds asserted:
 - one step from identical (dequantized) state: parameters within 2 ulp of torch's (fp32 rounding: op
@@ -58,7 +59,7 @@ PAIRS = [
 @pytest.mark.parametrize("ours_cls,torch_cls,kw", PAIRS)
 def test_one_step_matches_torch_on_dequantized_state(ours_cls, torch_cls, kw):
     ours_p, ref_p = _params(), _params()
-    ours = ours_cls(ours_p, lr=1e-2, min_size=MIN, compile=False, **kw)
+    ours = ours_cls(ours_p, lr=1e-2, min_size=MIN, **kw)
     for seed in range(3):  # build some state first
         _grads(ours_p, seed)
         ours.step()
@@ -89,7 +90,7 @@ def _tiny_model(seed=0):
 
 def test_100_steps_track_torch_adamw():
     ours_m, ref_m = _tiny_model(), _tiny_model()
-    ours = AdamW8bit(ours_m.parameters(), lr=1e-3, min_size=MIN, compile=False)
+    ours = AdamW8bit(ours_m.parameters(), lr=1e-3, min_size=MIN)
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     for _ in range(100):
@@ -113,8 +114,8 @@ def _run(opt, params, seeds):
 
 def test_tensor_lr_and_scheduler_match_float_lr():
     a, b = _params(), _params()
-    opt_a = AdamW8bit(a, lr=torch.tensor(1e-2), min_size=MIN, compile=False)
-    opt_b = AdamW8bit(b, lr=1e-2, min_size=MIN, compile=False)
+    opt_a = AdamW8bit(a, lr=torch.tensor(1e-2), min_size=MIN)
+    opt_b = AdamW8bit(b, lr=1e-2, min_size=MIN)
     sched_a = torch.optim.lr_scheduler.StepLR(opt_a, step_size=1, gamma=0.5)
     sched_b = torch.optim.lr_scheduler.StepLR(opt_b, step_size=1, gamma=0.5)
     for s in range(3):
@@ -128,7 +129,7 @@ def test_tensor_lr_and_scheduler_match_float_lr():
 
 def test_closure_and_zero_grad():
     (p,) = _params(((20, 20),))
-    opt = AdamW8bit([p], min_size=MIN, compile=False)
+    opt = AdamW8bit([p], min_size=MIN)
 
     def closure():
         opt.zero_grad()
@@ -146,7 +147,7 @@ def test_closure_and_zero_grad():
 
 def test_add_param_group_uses_its_own_lr():
     a, b = _params(((20, 20),)), _params(((20, 20),), seed=1)
-    opt = AdamW8bit(a, lr=1e-2, min_size=MIN, compile=False)
+    opt = AdamW8bit(a, lr=1e-2, min_size=MIN)
     opt.add_param_group({"params": b, "lr": 0.0, "weight_decay": 0.0})
     before = b[0].detach().clone()
     _run(opt, a + b, [0])
@@ -158,8 +159,8 @@ def test_bf16_params_update_in_fp32():
     (p16,) = _params(((30, 30),), dtype=torch.bfloat16)
     (p32,) = _params(((30, 30),), dtype=torch.bfloat16)
     p32.data = p32.data.float()
-    o16 = AdamW8bit([p16], lr=1e-2, min_size=MIN, compile=False)
-    o32 = AdamW8bit([p32], lr=1e-2, min_size=MIN, compile=False)
+    o16 = AdamW8bit([p16], lr=1e-2, min_size=MIN)
+    o32 = AdamW8bit([p32], lr=1e-2, min_size=MIN)
     p16.grad = torch.ones_like(p16)
     p32.grad = torch.ones_like(p32)
     o16.step()
@@ -171,7 +172,7 @@ def test_bf16_params_update_in_fp32():
 def test_state_layout_and_bytes_per_param():
     (big,) = _params(((1024, 1024),))
     (small,) = _params(((10, 10),))
-    opt = AdamW8bit([big, small], compile=False)
+    opt = AdamW8bit([big, small])
     big.grad, small.grad = torch.zeros_like(big), torch.zeros_like(small)
     opt.step()
     st = opt.state[big]
@@ -184,7 +185,7 @@ def test_state_layout_and_bytes_per_param():
 
 def test_sparse_gradient_is_rejected():
     emb = torch.nn.Embedding(10, 4, sparse=True)
-    opt = AdamW8bit(emb.parameters(), compile=False)
+    opt = AdamW8bit(emb.parameters())
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(UsageError, match="sparse"):
         opt.step()
@@ -192,7 +193,7 @@ def test_sparse_gradient_is_rejected():
 
 def test_state_dict_round_trip_resumes_identically():
     a, b = _params(), _params()
-    opt_a = AdamW8bit(a, lr=1e-2, min_size=MIN, compile=False)
+    opt_a = AdamW8bit(a, lr=1e-2, min_size=MIN)
     _run(opt_a, a, [0, 1])
     buf = io.BytesIO()
     torch.save(opt_a.state_dict(), buf)
@@ -203,7 +204,7 @@ def test_state_dict_round_trip_resumes_identically():
         assert torch.equal(value, qstate.dequantize_states(opt_a.state[a[0]])[key])
     for pa, pb in zip(a, b):
         pb.data.copy_(pa.data)
-    opt_b = AdamW8bit(b, lr=1e-2, min_size=MIN, compile=False)
+    opt_b = AdamW8bit(b, lr=1e-2, min_size=MIN)
     opt_b.load_state_dict(loaded)
     for pa, pb in zip(_run(opt_a, a, [2, 3]), _run(opt_b, b, [2, 3])):
         assert torch.equal(pa, pb)
@@ -215,7 +216,7 @@ def test_loads_torch_adamw_state_dict_quantizing_like_convert():
     ref = torch.optim.AdamW(a, lr=1e-2)
     _run(ref, a, [0, 1])
     sd = ref.state_dict()
-    opt = AdamW8bit(b, lr=1e-2, min_size=MIN, compile=False)
+    opt = AdamW8bit(b, lr=1e-2, min_size=MIN)
     opt.load_state_dict(sd)
     big = opt.state[b[0]]
     for key in ("exp_avg", "exp_avg_sq"):
@@ -233,7 +234,7 @@ def test_converted_state_is_used_as_stored():
     sd = ref.state_dict()
     converted = {k: _expected_qstate(k, sd["state"][0], 256, 1e-8, 0.999) for k in ("exp_avg", "exp_avg_sq")}
     sd["state"][0].update(converted)  # what ckptq.load(path)["optimizer"] returns
-    opt = AdamW8bit(b, min_size=MIN, compile=False)
+    opt = AdamW8bit(b, min_size=MIN)
     opt.load_state_dict(sd)
     for key, q in converted.items():
         assert torch.equal(opt.state[b[0]][key]["codes"], q["codes"])
@@ -249,7 +250,7 @@ def test_plain_first_moment_loads_and_becomes_a_ratio():
     sd["state"][0].update({k: qstate.quantize_state(sd["state"][0][k], k) for k in ("exp_avg", "exp_avg_sq")})
     for pa, pb in zip(a, b):
         pb.data.copy_(pa.data)
-    opt = AdamW8bit(b, lr=1e-2, min_size=MIN, compile=False)
+    opt = AdamW8bit(b, lr=1e-2, min_size=MIN)
     opt.load_state_dict(sd)
     assert opt.state[b[0]]["exp_avg"]["transform"] == "none"
     ref.state[a[0]].update(_dense_state(sd["state"][0]))  # both continue from the decoded state
@@ -263,35 +264,18 @@ def test_plain_first_moment_loads_and_becomes_a_ratio():
 
 def test_mismatched_state_dict_raises_before_changing_state():
     a = _params()
-    opt = AdamW8bit(a, min_size=MIN, compile=False)
+    opt = AdamW8bit(a, min_size=MIN)
     _run(opt, a, [0])
     before = opt.state_dict()
-    wrong_shape = AdamW8bit(_params(((30, 40), (7,))), min_size=MIN, compile=False)
+    wrong_shape = AdamW8bit(_params(((30, 40), (7,))), min_size=MIN)
     _run(wrong_shape, wrong_shape.param_groups[0]["params"], [0])
     with pytest.raises(StateMismatchError, match=r"shape \(30, 40\)"):
         opt.load_state_dict(wrong_shape.state_dict())
-    fewer = AdamW8bit(_params(((40, 30),)), min_size=MIN, compile=False)
+    fewer = AdamW8bit(_params(((40, 30),)), min_size=MIN)
     with pytest.raises(StateMismatchError, match="has 1; pass"):
         opt.load_state_dict(fewer.state_dict())
     after = opt.state_dict()
     assert torch.equal(after["state"][0]["exp_avg"]["codes"], before["state"][0]["exp_avg"]["codes"])
-
-
-def test_compiled_cpu_path_matches_eager_and_compiles_once():
-    from ckptq import adam_step
-
-    n = 2 * adam_step.CHUNK_ELEMENTS + 300  # three chunks, the last of two blocks, one of them short
-    a, b = _params(((n,), (5000,))), _params(((n,), (5000,)))
-    eager = AdamW8bit(a, compile=False)
-    compiled = AdamW8bit(b, compile=True)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    pa, pb = _run(eager, a, [0, 1]), _run(compiled, b, [0, 1])
-    assert not compiled._compiled.failed
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1  # dynamic shapes: one graph
-    for x, y in zip(pa, pb):
-        assert torch.equal(x, y)
-    for key in ("exp_avg", "exp_avg_sq"):
-        assert torch.equal(eager.state[a[0]][key]["codes"], compiled.state[b[0]][key]["codes"])
 
 
 def test_chunks_on_the_pool_match_one_thread(monkeypatch):
@@ -299,51 +283,13 @@ def test_chunks_on_the_pool_match_one_thread(monkeypatch):
 
     n = 3 * adam_step.CHUNK_ELEMENTS + 100
     a, b = _params(((n,),)), _params(((n,),))
-    pooled, serial = AdamW8bit(a, compile=False), AdamW8bit(b, compile=False)
+    pooled, serial = AdamW8bit(a, backend="torch"), AdamW8bit(b, backend="torch")
     pa = _run(pooled, a, [0, 1])
     monkeypatch.setattr(codec, "_pool", lambda: None)
     pb = _run(serial, b, [0, 1])
     assert torch.equal(pa[0], pb[0])
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(pooled.state[a[0]][key]["codes"], serial.state[b[0]][key]["codes"])
-
-
-def test_power3_codec_is_the_table_codec():
-    """The arithmetic codec of power-unsigned-3 (no table gathers) against ckptq.codec's contract:
-    all 256 decoded values, and codes at both ends of every fp32 bucket of [0, 1] (65,536-bucket
-    table of ckptq.codec), every threshold +-3 ulp, and random values spread over 20 decades."""
-    from ckptq import adam_step, codebooks, codec
-
-    qmap = codebooks.power_map(False, 3.0)
-    den = torch.tensor([adam_step.POW3_DENOMINATOR])
-    codes = torch.arange(256, dtype=torch.uint8).view(1, 256)
-    assert torch.equal(adam_step.decode_rows(codes, torch.ones(1), den, adam_step.POW3)[0], qmap)
-    t = codec.midpoints(qmap)
-    lo, hi = codec._bucket_bounds()
-    near = [t]
-    for direction in (2.0, -1.0):
-        x = t
-        for _ in range(3):
-            x = torch.nextafter(x, torch.tensor(direction))
-            near.append(x)
-    gen = torch.Generator().manual_seed(0)
-    y = torch.cat([lo, hi, *near, 10 ** (-20 * torch.rand(1 << 20, generator=gen)), torch.tensor([0.0, 1.0])])
-    y = y[(y >= 0) & (y <= 1)]
-    assert torch.equal(adam_step.pow3_codes(y, den).long(), torch.searchsorted(t, y))
-
-
-def test_compiler_failure_falls_back_to_eager(monkeypatch):
-    def broken_compile(*args, **kwargs):
-        raise RuntimeError("no C++ compiler")
-
-    monkeypatch.setattr(torch, "compile", broken_compile)
-    a, b = _params(((300, 300),)), _params(((300, 300),))
-    eager = AdamW8bit(a, compile=False)
-    fallback = AdamW8bit(b, compile=True)
-    with pytest.warns(RuntimeWarning, match=r"no C\+\+ compiler"):
-        pb = _run(fallback, b, [0])
-    assert fallback._compiled.failed
-    assert torch.equal(_run(eager, a, [0])[0], pb[0])
 
 
 def test_resumes_from_a_converted_file(trained_ckpt):
@@ -358,7 +304,7 @@ def test_resumes_from_a_converted_file(trained_ckpt):
     loaded = ckptq.load(ckptq.convert(path).outputs[0])["optimizer"]
     ref_model = copy.deepcopy(model)
     start = [p.detach().clone() for p in ref_model.parameters()]
-    opt = AdamW8bit(param_groups(model), lr=1e-2, betas=(0.9, 0.95), min_size=4096, compile=False)
+    opt = AdamW8bit(param_groups(model), lr=1e-2, betas=(0.9, 0.95), min_size=4096)
     opt.load_state_dict(loaded)
     q = opt.state[opt.param_groups[0]["params"][0]]["exp_avg"]
     stored = loaded["state"][0]["exp_avg"]

@@ -40,22 +40,32 @@ def timed(fn) -> tuple[float, object]:
 
 def run_round(tensors, block_size: int, times: dict[str, list[float]], buffers: dict) -> None:
     """Time each operation once for ckptq and once for bitsandbytes, alternating which goes first.
-    The `out=` row dequantizes into a buffer reused across rounds (no fresh pages to fault in);
-    bitsandbytes' CPU op has no out= variant, so its column there is its allocating time."""
+    Dequantize is timed twice: into a new tensor (both libraries allocate and the kernel faults the
+    pages in), and with ckptq writing into a buffer reused across rounds (``out=``; bitsandbytes' CPU
+    backend has no ``out=`` kernel, so its column there is again its allocating call)."""
     import bitsandbytes.functional as bnbf
 
-    for name, (x, signed, transform) in tensors.items():
+    for i, (name, (x, signed, transform)) in enumerate(tensors.items()):
         buf = buffers.setdefault(name, torch.zeros(x.numel()))
         qmap = codebooks.dynamic_map(signed)
-        t_q, (codes, absmax) = timed(lambda: codec.quantize_blockwise(x, qmap, block_size, transform, "torch"))
-        t_bq, (bcodes, state) = timed(lambda: bnbf.quantize_blockwise(x, blocksize=block_size))
-        t_d, _ = timed(lambda: codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform, "torch"))
-        t_bd, _ = timed(lambda: bnbf.dequantize_blockwise(bcodes, state))
-        t_do, _ = timed(lambda: codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform, "torch", buf))
-        for op, t_ours, t_bnb in (("quantize", t_q, t_bq), ("dequantize", t_d, t_bd),
-                                  ("dequantize (ckptq out=, reused buffer)", t_do, t_bd)):
-            times.setdefault(f"{op} {name}|ckptq", []).append(t_ours)
-            times.setdefault(f"{op} {name}|bnb", []).append(t_bnb)
+        ops = {
+            "quantize": (lambda: codec.quantize_blockwise(x, qmap, block_size, transform),
+                         lambda: bnbf.quantize_blockwise(x, blocksize=block_size)),
+        }
+        codes, absmax = ops["quantize"][0]()
+        bcodes, state = ops["quantize"][1]()
+        ops["dequantize, new tensor"] = (
+            lambda: codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform),
+            lambda: bnbf.dequantize_blockwise(bcodes, state))
+        ops["dequantize, ckptq out= reused"] = (
+            lambda: codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform, out=buf),
+            lambda: bnbf.dequantize_blockwise(bcodes, state))
+        for j, (op, (ours, bnb)) in enumerate(ops.items()):
+            order = (("ckptq", ours), ("bnb", bnb))
+            for who, fn in order if (i + j + len(times)) % 2 else order[::-1]:
+                t, result = timed(fn)
+                del result
+                times.setdefault(f"{op} {name}|{who}", []).append(t)
 
 
 def table(times: dict[str, list[float]], numel: int) -> str:

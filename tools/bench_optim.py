@@ -2,7 +2,7 @@
 
 One run, interleaved rounds: every optimizer owns a copy of the same parameters (``--tensors`` fp32
 tensors of ``--numel-per-tensor`` elements) and fixed random gradients; after ``--warmup`` steps each
-(the first one, which includes torch.compile for torchao and ckptq's compiled CPU path, is reported
+(the first one, which includes torch.compile for torchao and building ckptq's C kernel, is reported
 separately), each round runs one step of every optimizer in turn, so load from other processes hits
 all alike. Prints medians and ratios as a markdown table.
 
@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-OPTIMIZERS = ("torch-foreach", "torch-fused", "bnb", "torchao", "ckptq", "ckptq-eager")
+OPTIMIZERS = ("torch-foreach", "torch-fused", "bnb", "torchao", "ckptq", "ckptq-torch")
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 
 
@@ -47,19 +47,21 @@ def make_optimizer(name: str, params: list[torch.Tensor], gpu: bool) -> torch.op
         return torchao.optim.AdamW8bit(params, **HYPER)
     from ckptq.optim import AdamW8bit
 
-    # On CUDA parameters ckptq runs its fused Triton kernel whatever ``compile`` says.
-    return AdamW8bit(params, **HYPER, compile=(name == "ckptq") and not gpu)
+    # "ckptq": the default (C kernel on the CPU, Triton on CUDA); the others are the PyTorch fallbacks.
+    if name == "ckptq":
+        return AdamW8bit(params, **HYPER)
+    return AdamW8bit(params, **HYPER, backend="torch")
 
 
 def label(name: str, gpu: bool) -> str:
-    ckptq_label = "ckptq AdamW8bit (Triton)" if gpu else "ckptq AdamW8bit (compiled CPU)"
+    ckptq_label = "ckptq AdamW8bit (Triton)" if gpu else "ckptq AdamW8bit (C kernel)"
     return {
         "torch-foreach": "torch AdamW foreach",
         "torch-fused": "torch AdamW fused",
         "bnb": "bitsandbytes AdamW8bit",
         "torchao": "torchao AdamW8bit",
         "ckptq": ckptq_label,
-        "ckptq-eager": "ckptq AdamW8bit (eager)",
+        "ckptq-torch": "ckptq AdamW8bit (PyTorch fallback)",
     }[name]
 
 
@@ -189,7 +191,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown optimizers {unknown}; choose from {', '.join(OPTIMIZERS)}")
     if args.gpu:
-        names = [n for n in names if n != "ckptq-eager"]  # the eager row is the CPU fallback only
+        names = [n for n in names if n != "ckptq-torch"]  # the CPU fallback only
     device = "cuda" if args.gpu else "cpu"
     weights, grads = make_params(args.numel_per_tensor, args.tensors, device, args.seed)
     numel = sum(w.numel() for w in weights)

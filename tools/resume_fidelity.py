@@ -114,14 +114,14 @@ def bnb_optimizer(model: torch.nn.Module, lr: float, torch_state: dict):
     return opt
 
 
-def start(variant: str, size: str, lr: float, paths: dict, compile_ckptq: bool):
+def start(variant: str, size: str, lr: float, paths: dict):
     """(model, optimizer) for one variant, weights from the file that variant resumes from."""
     cfg, _ = model_config(size)
     model = mc.GPT(**cfg)
     if variant == "ckptq":
         ckpt = ckptq.load(paths["q8"])
         model.load_state_dict(ckpt["model"])
-        opt = AdamW8bit(param_groups(model, lr), lr=lr, compile=compile_ckptq)
+        opt = AdamW8bit(param_groups(model, lr), lr=lr)
         opt.load_state_dict(ckpt["optimizer"])
         return model, opt
     ckpt = torch.load(paths["expanded" if variant == "expanded" else "fp32"], weights_only=True)
@@ -185,7 +185,6 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=mc.LEARNING_RATE)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--compile", action="store_true", help="ckptq's compiled CPU step (default: eager)")
     parser.add_argument("--plot", help="write the loss curves to this PNG")
     parser.add_argument("--workdir", help="keep the checkpoints here (default: a temporary folder)")
     args = parser.parse_args()
@@ -203,7 +202,7 @@ def main() -> None:
         curves: dict[str, list[float]] = {}
         for variant in VARIANTS:
             torch.manual_seed(args.seed)
-            model, opt = start(variant, args.size, args.lr, paths, args.compile)
+            model, opt = start(variant, args.size, args.lr, paths)
             train_steps(model, opt, data, curves.setdefault(variant, []))
     n = sum(p.numel() for p in mc.GPT(**cfg).parameters())
     title = f"{args.size} ({n / 1e6:.2f} M params), resumed at step {args.pretrain}, lr {args.lr:g}"

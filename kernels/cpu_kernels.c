@@ -1,0 +1,299 @@
+/* ckptq CPU kernels: blockwise 8-bit quantize / dequantize and the fused 8-bit Adam step.
+ *
+ * Plain C99 with no Python or torch headers, compiled on first use by ckptq/kernels/native.py
+ * (`cc -O3 -march=native -ffp-contract=off -fno-math-errno`) and called through ctypes, which releases
+ * the GIL: the Python side splits a tensor into chunks of whole blocks and runs them on a thread pool.
+ *
+ * Every function here equals a PyTorch reference bit for bit (tests/test_native.py):
+ *   ckq_quantize    <-> ckptq.codec._reference_codes (after the transform)
+ *   ckq_dequantize  <-> ckptq.codec._dequantize_span
+ *   ckq_adam_step   <-> ckptq.adam_step.step_rows_
+ * That is why no FMA contraction is allowed (-ffp-contract=off): each product and sum is rounded to
+ * fp32 on its own, in the order the reference writes it. Division and sqrt are IEEE (correctly
+ * rounded) in C; gcc vectorizes both without changing a bit.
+ *
+ * Rounding contract (ckptq.codec): code = #{j : t[j] < y} with t the 255 codebook midpoints and
+ * y = x / absmax (IEEE division; an all-zero block divides by 1). The code table makes that one lookup:
+ * the 2^16 buckets are the floats sharing their top 16 bits, indexed by (bits >> 16) + 2^15; entry
+ * e = base << 17 | limit where base = #{t < every y of the bucket} and limit is the rank (the position
+ * in increasing value order, 0..65535, inside the bucket) of the first y above the one threshold that may
+ * lie inside the bucket (65536: none). Then code = base + (rank(y) >= limit); a NaN y gets 255, as
+ * torch.searchsorted gives it. ckptq.kernels.native.code_table builds the table from the thresholds.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+#ifdef __AVX512F__
+#include <immintrin.h>
+#define VEC 16  /* fp32 lanes of the AVX-512 loops; the scalar loops finish what is left */
+#else
+#define VEC 0
+#endif
+
+#define MAX_BLOCK 4096
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+/* Type punning through a union (defined behaviour in C99 and what gcc vectorizes; memcpy here was not). */
+typedef union { float f; uint32_t u; } pun_t;
+static inline uint32_t f2u(float f) { pun_t p; p.f = f; return p.u; }
+static inline float u2f(uint32_t u) { pun_t p; p.u = u; return p.f; }
+
+static inline float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
+
+/* Round to nearest even, NaN -> 0x7FC0: c10::BFloat16's conversion, which torch's copy_ uses. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f2u(f);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* IEEE binary16 <-> binary32 with round to nearest even (what torch's fp16 conversion does). */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    if (exp == 0x1F) return u2f(sign | 0x7F800000u | (man << 13));
+    if (exp != 0) return u2f(sign | ((exp + 112) << 23) | (man << 13));
+    /* zero or subnormal: man * 2^-24, exact in fp32 */
+    float v = (float)man * 5.9604644775390625e-08f;
+    return sign ? -v : v;
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t u = f2u(f), sign = (u >> 16) & 0x8000, a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00 | ((a >> 13) & 0x3FF));  /* NaN, stays NaN */
+    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00);  /* rounds to >= 65520: inf */
+    if (a < 0x38800000u) {  /* below 2^-14: subnormal half, round man * 2^-24 to an integer, RNE */
+        float v = u2f(a) * 16777216.0f;  /* exact: a power-of-two scale of a value < 2^-14 */
+        float r = nearbyintf(v);  /* default rounding mode: to nearest even */
+        return (uint16_t)(sign | (uint16_t)r);
+    }
+    uint32_t m = a + 0xC8000FFFu + ((a >> 13) & 1u);  /* rebias exponent (-112 << 23) and round */
+    return (uint16_t)(sign | (m >> 13));
+}
+
+static inline float load_value(const void *p, int64_t i, int dtype) {
+    if (dtype == F32) return ((const float *)p)[i];
+    if (dtype == BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    return f16_to_f32(((const uint16_t *)p)[i]);
+}
+
+/* buf[i] = src[off + i] as fp32 (sqrt applied when asked): a loop per dtype, so each vectorizes. */
+static void load_block(const void *src, int64_t off, int len, int dtype, int sqrt_transform, float *buf) {
+    if (dtype == F32) {
+        const float *s = (const float *)src + off;
+        for (int i = 0; i < len; i++) buf[i] = s[i];
+    } else if (dtype == BF16) {
+        const uint16_t *s = (const uint16_t *)src + off;
+        for (int i = 0; i < len; i++) buf[i] = bf16_to_f32(s[i]);
+    } else {
+        const uint16_t *s = (const uint16_t *)src + off;
+        for (int i = 0; i < len; i++) buf[i] = f16_to_f32(s[i]);
+    }
+    if (sqrt_transform)
+        for (int i = 0; i < len; i++) buf[i] = sqrtf(buf[i]);
+}
+
+/* max |x| of a block, NaN if any element is NaN (as torch's amax). On the bit patterns with the sign
+ * cleared, integer order is value order for non-NaN floats and every NaN lies above +inf, so an
+ * unsigned max does both at once and vectorizes. -0.0 gives +0.0, as abs().amax() does. */
+static inline float block_absmax(const float *x, int len) {
+    uint32_t mx = 0;
+    for (int i = 0; i < len; i++) {
+        uint32_t a = f2u(x[i]) & 0x7FFFFFFFu;
+        mx = a > mx ? a : mx;
+    }
+    return mx > 0x7F800000u ? NAN : u2f(mx);
+}
+
+/* codes[i] = #{t < x[i] / safe} via the code table (see the header). */
+static inline void encode_block(const float *x, int len, float absmax, const int32_t *table, uint8_t *codes) {
+    float safe = absmax > 0.0f ? absmax : 1.0f;  /* NaN > 0 is false: a NaN block divides by 1 */
+    int i = 0;
+#if VEC
+    const __m512 vsafe = _mm512_set1_ps(safe);
+    const __m512i bias = _mm512_set1_epi32(32768), low16 = _mm512_set1_epi32(0xFFFF);
+    const __m512i low17 = _mm512_set1_epi32(0x1FFFF), one = _mm512_set1_epi32(1), nan_code = _mm512_set1_epi32(255);
+    for (; i + VEC <= len; i += VEC) {
+        __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), vsafe);
+        __m512i bits = _mm512_castps_si512(y);
+        __m512i e = _mm512_i32gather_epi32(_mm512_add_epi32(_mm512_srai_epi32(bits, 16), bias), table, 4);
+        __m512i rank = _mm512_and_si512(_mm512_xor_si512(bits, _mm512_srai_epi32(bits, 31)), low16);
+        __m512i code = _mm512_srai_epi32(e, 17);
+        code = _mm512_mask_add_epi32(code, _mm512_cmpge_epi32_mask(rank, _mm512_and_si512(e, low17)), code, one);
+        code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), nan_code);
+        _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+    }
+#endif
+    for (; i < len; i++) {
+        float y = x[i] / safe;
+        int32_t bits = (int32_t)f2u(y);
+        int32_t e = table[(bits >> 16) + 32768];
+        int32_t rank = (bits ^ (bits >> 31)) & 0xFFFF;  /* negative floats: larger bits, smaller value */
+        int32_t code = (e >> 17) + (rank >= (e & 0x1FFFF));
+        codes[i] = y != y ? 255 : (uint8_t)code;
+    }
+}
+
+#if VEC
+/* qmap[codes[0..15]] as 16 fp32 lanes. */
+static inline __m512 gather_codebook(const uint8_t *codes, const float *qmap) {
+    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes)), qmap, 4);
+}
+#endif
+
+/* Quantize elements [0, n) of src (dtype F32/BF16/F16) into codes [n] and absmax [ceil(n / block)]. */
+void ckq_quantize(const void *src, int dtype, int64_t n, int64_t block, int sqrt_transform,
+                  const int32_t *table, uint8_t *codes, float *absmax) {
+    float buf[MAX_BLOCK];
+    for (int64_t b = 0, off = 0; off < n; b++, off += block) {
+        int len = (int)(n - off < block ? n - off : block);
+        load_block(src, off, len, dtype, sqrt_transform, buf);
+        absmax[b] = block_absmax(buf, len);
+        encode_block(buf, len, absmax[b], table, codes + off);
+    }
+}
+
+/* Fault in the pages of [p, p + bytes) for writing in one call (Linux 5.14+; a no-op elsewhere or on
+ * error). On freshly mapped output this is measurably faster than faulting page by page from the loop:
+ * with 2 MB pages 16 MB of output went from 12 to 9 ms on 2 threads (tools/bench_codec.py). */
+static void prefault(void *p, int64_t bytes) {
+#ifdef __linux__
+    uintptr_t start = (uintptr_t)p & ~(uintptr_t)4095, end = ((uintptr_t)p + (uintptr_t)bytes + 4095) & ~(uintptr_t)4095;
+    madvise((void *)start, end - start, 23 /* MADV_POPULATE_WRITE */);
+#else
+    (void)p; (void)bytes;
+#endif
+}
+
+/* out[i] = qmap[codes[i]] * absmax[i / block], then squared for the sqrt transform; fresh_out: out is
+ * newly mapped memory, prefault it. */
+void ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap, int64_t n, int64_t block,
+                    int sqrt_transform, float *out, int fresh_out) {
+    if (fresh_out) prefault(out, n * 4);
+    for (int64_t b = 0, off = 0; off < n; b++, off += block) {
+        int len = (int)(n - off < block ? n - off : block);
+        float a = absmax[b];
+        const uint8_t *c = codes + off;
+        float *o = out + off;
+        int i = 0;
+#if VEC
+        const __m512 va = _mm512_set1_ps(a);
+        for (; i + VEC <= len; i += VEC) {
+            __m512 v = _mm512_mul_ps(gather_codebook(c + i, qmap), va);
+            _mm512_storeu_ps(o + i, sqrt_transform ? _mm512_mul_ps(v, v) : v);
+        }
+#endif
+        for (; i < len; i++) {
+            float v = qmap[c[i]] * a;
+            o[i] = sqrt_transform ? v * v : v;
+        }
+    }
+}
+
+/* One 8-bit state of the Adam step: codes/absmax are read and rewritten in place. */
+typedef struct {
+    uint8_t *codes;
+    float *absmax;
+    const float *decode;   /* [256] codebook the current codes refer to */
+    const int32_t *table;  /* code table of the codebook new codes use */
+} qstate_t;
+
+/* Hyperparameters, fp32 [10], in ckptq.adam_step.HYPER_FIELDS + RATIO_FIELDS order. */
+enum { DECAY, L2, OMB1, BETA2, OMB2, EPS, NEG_STEP, BC2_SQRT, DECODE_EPS, ENCODE_EPS };
+
+/* The fused step on elements [0, n) (whole blocks but the last): param p (dtype pdtype) in place,
+ * grad g (gdtype), first moment m (a ratio state when m_ratio), second moment v (sqrt transform), and
+ * with amsgrad (x.codes != NULL) max_exp_avg_sq x (sqrt transform). Operation order as step_rows. */
+void ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int64_t block,
+                   uint8_t *m_codes, float *m_absmax, const float *m_decode, const int32_t *m_table, int m_ratio,
+                   uint8_t *v_codes, float *v_absmax, const float *v_decode, const int32_t *v_table,
+                   uint8_t *x_codes, float *x_absmax, const float *x_decode, const int32_t *x_table,
+                   const float *h, int maximize) {
+    float pb[MAX_BLOCK], gb[MAX_BLOCK], mb[MAX_BLOCK], sb[MAX_BLOCK], xb[MAX_BLOCK];
+    const float decay = h[DECAY], l2 = h[L2], omb1 = h[OMB1], beta2 = h[BETA2], omb2 = h[OMB2], eps = h[EPS];
+    const float neg_step = h[NEG_STEP], bc2_sqrt = h[BC2_SQRT], dec_eps = h[DECODE_EPS], enc_eps = h[ENCODE_EPS];
+    const int amsgrad = x_codes != 0;
+    for (int64_t b = 0, off = 0; off < n; b++, off += block) {
+        int len = (int)(n - off < block ? n - off : block);
+        load_block(p, off, len, pdtype, 0, pb);
+        load_block(g, off, len, gdtype, 0, gb);
+        const float ma = m_absmax[b], va = v_absmax[b], xa = amsgrad ? x_absmax[b] : 0.0f;
+        const uint8_t *mc = m_codes + off, *vc = v_codes + off, *xc = amsgrad ? x_codes + off : 0;
+        int i = 0;
+#if VEC
+        {
+            const __m512 vma = _mm512_set1_ps(ma), vva = _mm512_set1_ps(va), vxa = _mm512_set1_ps(xa);
+            const __m512 vdec_eps = _mm512_set1_ps(dec_eps), vl2 = _mm512_set1_ps(l2), vomb1 = _mm512_set1_ps(omb1);
+            const __m512 vbeta2 = _mm512_set1_ps(beta2), vomb2 = _mm512_set1_ps(omb2), vbc2 = _mm512_set1_ps(bc2_sqrt);
+            const __m512 veps = _mm512_set1_ps(eps), vdecay = _mm512_set1_ps(decay), vneg = _mm512_set1_ps(neg_step);
+            const __m512 venc_eps = _mm512_set1_ps(enc_eps), vnan = _mm512_set1_ps(NAN), sign = _mm512_set1_ps(-0.0f);
+            for (; i + VEC <= len; i += VEC) {
+                __m512 s = _mm512_mul_ps(gather_codebook(vc + i, v_decode), vva);
+                __m512 m = _mm512_mul_ps(gather_codebook(mc + i, m_decode), vma);
+                if (m_ratio) m = _mm512_mul_ps(m, _mm512_add_ps(s, vdec_eps));
+                __m512 gi = _mm512_loadu_ps(gb + i), pi = _mm512_loadu_ps(pb + i);
+                if (maximize) gi = _mm512_xor_ps(gi, sign);
+                gi = _mm512_add_ps(gi, _mm512_mul_ps(vl2, pi));
+                m = _mm512_add_ps(m, _mm512_mul_ps(vomb1, _mm512_sub_ps(gi, m)));
+                __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(s, s), vbeta2), _mm512_mul_ps(vomb2, _mm512_mul_ps(gi, gi)));
+                __m512 snew = _mm512_sqrt_ps(v), root = snew;
+                if (amsgrad) {
+                    __m512 xs = _mm512_mul_ps(gather_codebook(xc + i, x_decode), vxa);
+                    __m512 vmax = _mm512_mul_ps(xs, xs);
+                    __mmask16 nan = _mm512_cmp_ps_mask(vmax, v, _CMP_UNORD_Q);
+                    vmax = _mm512_mask_mov_ps(_mm512_max_ps(vmax, v), nan, vnan);
+                    root = _mm512_sqrt_ps(vmax);
+                    _mm512_storeu_ps(xb + i, root);
+                }
+                __m512 denom = _mm512_add_ps(_mm512_div_ps(root, vbc2), veps);
+                _mm512_storeu_ps(pb + i, _mm512_add_ps(_mm512_mul_ps(pi, vdecay), _mm512_mul_ps(vneg, _mm512_div_ps(m, denom))));
+                _mm512_storeu_ps(mb + i, _mm512_div_ps(m, _mm512_add_ps(snew, venc_eps)));
+                _mm512_storeu_ps(sb + i, snew);
+            }
+        }
+#endif
+        for (; i < len; i++) {
+            float s = v_decode[vc[i]] * va;  /* sqrt(v) as stored */
+            float m = m_decode[mc[i]] * ma;
+            if (m_ratio) m = m * (s + dec_eps);
+            float gi = maximize ? -gb[i] : gb[i];
+            float pi = pb[i];
+            gi = gi + l2 * pi;
+            m = m + omb1 * (gi - m);
+            float v = (s * s) * beta2 + omb2 * (gi * gi);
+            float snew = sqrtf(v);
+            float denom_root = snew;
+            if (amsgrad) {
+                float xs = x_decode[xc[i]] * xa;
+                float vmax = xs * xs;
+                vmax = (vmax != vmax || v != v) ? NAN : (vmax > v ? vmax : v);  /* torch.maximum */
+                denom_root = sqrtf(vmax);
+                xb[i] = denom_root;
+            }
+            float denom = denom_root / bc2_sqrt + eps;
+            pb[i] = pi * decay + neg_step * (m / denom);
+            mb[i] = m / (snew + enc_eps);  /* the ratio to the new exact second moment */
+            sb[i] = snew;
+        }
+        if (pdtype == F32) {
+            memcpy((float *)p + off, pb, (size_t)len * 4);
+        } else if (pdtype == BF16) {
+            uint16_t *d = (uint16_t *)p + off;
+            for (int i = 0; i < len; i++) d[i] = f32_to_bf16(pb[i]);
+        } else {
+            uint16_t *d = (uint16_t *)p + off;
+            for (int i = 0; i < len; i++) d[i] = f32_to_f16(pb[i]);
+        }
+        m_absmax[b] = block_absmax(mb, len);
+        encode_block(mb, len, m_absmax[b], m_table, m_codes + off);
+        v_absmax[b] = block_absmax(sb, len);
+        encode_block(sb, len, v_absmax[b], v_table, v_codes + off);
+        if (amsgrad) {
+            x_absmax[b] = block_absmax(xb, len);
+            encode_block(xb, len, x_absmax[b], x_table, x_codes + off);
+        }
+    }
+}

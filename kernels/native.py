@@ -1,0 +1,154 @@
+"""The C CPU kernels (``cpu_kernels.c``): built on first use, cached, called through ctypes.
+
+The CPU path of ``ckptq.codec`` and ``ckptq.adam_step`` runs these when they are available and the
+pure-PyTorch code otherwise; both give the same bits (tests/test_native.py). The source is compiled
+with the system C compiler (``$CC``, else ``cc``) for this machine's CPU into a cache folder
+(``$CKPTQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckptq`` or ``~/.cache/ckptq``), once per source, compiler and
+CPU: about a second. ``CKPTQ_NATIVE=0`` turns it off. No compiler, a failed build or a read-only cache
+means PyTorch, with one warning that says why.
+
+ctypes releases the GIL for the length of a call, so the callers run chunks of a tensor on a thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# No FMA contraction (each fp32 operation rounded on its own, as PyTorch's eager ops do); no errno, so
+# sqrtf is the IEEE instruction. Nothing that changes results (no -ffast-math).
+_FLAGS = ["-O3", "-std=c99", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+_ARCH_FLAGS = (["-march=native"], [])  # tried in this order
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "ckq_quantize": [_P, _INT, _I64, _I64, _INT, _P, _P, _P],
+    "ckq_dequantize": [_P, _P, _P, _I64, _I64, _INT, _P, _INT],
+    "ckq_adam_step": [_P, _INT, _P, _INT, _I64, _I64] + [_P, _P, _P, _P, _INT] + [_P] * 8 + [_P, _INT],
+}
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get("CKPTQ_NATIVE", "1") != "0"
+
+
+def cache_dir() -> Path:
+    if os.environ.get("CKPTQ_CACHE_DIR"):
+        return Path(os.environ["CKPTQ_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ckptq"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and, on Linux, the CPU's model and flags."""
+    parts = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            parts += sorted({line.strip() for line in f if line.startswith(("model name", "flags", "Features"))})
+    except OSError:
+        parts.append(platform.processor())
+    return "\n".join(parts)
+
+
+def _build(compiler: str, target: Path) -> str | None:
+    """Compile SOURCE into target atomically; None on success, else the compiler's complaint."""
+    error = "no error output"
+    for arch in _ARCH_FLAGS:
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            cmd = [compiler, *_FLAGS, *arch, "-o", tmp, str(SOURCE), "-lm"]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if done.returncode == 0:
+                os.replace(tmp, target)
+                return None
+            error = (done.stderr.strip().splitlines() or [error])[-1]
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return error
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        return _unavailable(f"no C compiler ({compiler!r} not found; set CC)")
+    key = hashlib.sha256(b"\0".join(s.encode() for s in (SOURCE.read_text(), compiler, " ".join(_FLAGS), _cpu_signature())))
+    target = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            error = _build(compiler, target)
+            if error is not None:
+                return _unavailable(f"compiling {SOURCE.name} failed: {error}")
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        return _unavailable(f"{type(exc).__name__}: {exc}")
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+_why: list[str] = []
+
+
+def why_unavailable() -> str:
+    if not enabled():
+        return "turned off by CKPTQ_NATIVE=0"
+    return _why[-1] if _why else "not built yet"
+
+
+def _unavailable(why: str) -> None:
+    _why.append(why)
+    warnings.warn(f"ckptq: C CPU kernels unavailable ({why}); using the slower PyTorch path", RuntimeWarning, stacklevel=3)
+    return None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (disabled by CKPTQ_NATIVE=0, or they could not be built)."""
+    if not enabled():
+        return None
+    with _lock:  # one build even when pool threads ask at once
+        return _load()
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@functools.lru_cache(maxsize=16)
+def _code_table(threshold_bytes: bytes) -> torch.Tensor | None:
+    from ckptq import codec
+
+    table = codec._code_table_cpu(threshold_bytes)
+    t = torch.frombuffer(bytearray(threshold_bytes), dtype=torch.float32)
+    if table is None or bool(((t == 0) & torch.signbit(t)).any()):
+        return None  # two thresholds in a bucket, or a -0.0 threshold: callers take PyTorch
+    bucket = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32)  # signed top 16 bits, table order
+    thr_bits = table.thr.view(torch.int32)
+    inside = (thr_bits >> 16) == bucket  # the threshold lies in the bucket (by bits: -0.0 vs +0.0 apart)
+    rank = torch.where(thr_bits < 0, thr_bits ^ 0xFFFF, thr_bits) & 0xFFFF
+    limit = torch.where(inside, rank + 1, torch.full_like(rank, 1 << 16))
+    return (table.base.to(torch.int32) << 17) | limit
+
+
+def code_table(thresholds: torch.Tensor) -> torch.Tensor | None:
+    """int32 [65536] code table of ``cpu_kernels.c`` for 255 ascending fp32 thresholds, or None where
+    a codebook needs the general search (two thresholds in one 2^16-float bucket)."""
+    return _code_table(thresholds.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())

@@ -1,0 +1,181 @@
+"""The C CPU kernels (ckptq/kernels/cpu_kernels.c) against their PyTorch references, bit for bit.
+
+quantize/dequantize against ckptq.codec's torch path (which tests/test_codec.py checks against the
+plain rounding contract), the fused Adam step against adam_step.step_rows (backend="torch"), on irregular
+sizes that span several chunks and end in a short block, every input dtype, special values, and every
+bucket edge of the code table. Also: the build cache, and the fallback to PyTorch without a compiler.
+"""
+
+import pytest
+import torch
+
+from ckptq import codebooks, codec, qstate
+from ckptq.errors import UsageError
+from ckptq.kernels import native
+from ckptq.optim import Adam8bit, AdamW8bit
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"C kernels unavailable: {native.why_unavailable()}")
+
+CODEBOOKS = {
+    "dynamic-signed": codebooks.dynamic_map(True),
+    "dynamic-unsigned": codebooks.dynamic_map(False),
+    **{name: pol.qmap() for name, pol in (("exp_avg", qstate.POLICIES["exp_avg"]), ("exp_avg_sq", qstate.POLICIES["exp_avg_sq"]),
+                                          ("ratio", qstate.RATIO_POLICY))},
+}
+# several chunks of the C path (at least 64K elements each), and a short last block
+SIZES = (1, 63, 4097, 3 * 65536 + 77)
+
+
+def _both(fn):
+    return fn("torch"), fn("native")
+
+
+def _assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal bits, except that any NaN equals any NaN (payloads are not part of the contract)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    nan = torch.isnan(a)
+    assert torch.equal(nan, torch.isnan(b))
+    assert torch.equal(a[~nan], b[~nan])
+    if a.is_floating_point():  # -0.0 vs +0.0 too
+        assert torch.equal(torch.signbit(a[~nan]), torch.signbit(b[~nan]))
+
+
+def _special(n: int, signed: bool, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(n, generator=gen) * 10.0 ** torch.empty(n).uniform_(-30, 3, generator=gen)
+    x = x if signed else x.abs()
+    x[:64] = 0.0  # an all-zero block
+    x[64:80] = -0.0 if signed else 0.0
+    x[80:90] = 1e-42  # subnormal
+    if n > 300:
+        x[200] = float("nan")
+        x[290] = float("inf")
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(CODEBOOKS))
+def test_code_table_equals_searchsorted_on_every_bucket_edge(name):
+    """Both ends of every 2^16-float bucket in [-1, 1], every threshold +-1 ulp, and NaN: each value
+    sits in a block whose absmax is exactly 1, so y = x and the table meets every edge case."""
+    qmap = CODEBOOKS[name]
+    t = codec.midpoints(qmap)
+    lo, hi = codec._bucket_bounds()
+    y = torch.cat([lo, hi, t, torch.nextafter(t, torch.tensor(2.0)), torch.nextafter(t, torch.tensor(-2.0)),
+                   torch.tensor([float("nan"), -0.0, 0.0])])
+    y = y[~(y.abs() > 1)]  # keeps NaN
+    if bool((qmap >= 0).all()):
+        y = y[~(y < 0)]
+    per = 63
+    n_blocks = -(-y.numel() // per)
+    body = torch.zeros(n_blocks * per)
+    body[: y.numel()] = y
+    x = torch.cat([torch.ones(n_blocks, 1), body.view(n_blocks, per)], dim=1).view(-1)
+    codes, absmax = codec.quantize_blockwise(x, qmap, 64, backend="native")
+    ref, _ = codec.reference_codes(x, t, 64)
+    assert torch.equal(codes, ref)
+    assert torch.equal(absmax.isnan(), torch.isnan(x.view(-1, 64)).any(1))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("block", (64, 256, 4096))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("signed,transform", ((True, "none"), (False, "sqrt"), (False, "none")))
+def test_quantize_and_dequantize_match_the_torch_path(n, block, dtype, signed, transform):
+    gen = torch.Generator().manual_seed(n + block)
+    x = _special(n, signed, gen).to(dtype)
+    qmap = codebooks.dynamic_map(signed)
+    (c1, a1), (c2, a2) = _both(lambda b: codec.quantize_blockwise(x, qmap, block, transform, b))
+    assert torch.equal(c1, c2)
+    _assert_same(a1, a2)
+    d1, d2 = _both(lambda b: codec.dequantize_blockwise(c1, a1, qmap, block, transform, b))
+    _assert_same(d1, d2)
+    out = torch.full((n,), 7.0)
+    d3 = codec.dequantize_blockwise(c1, a1, qmap, block, transform, "native", out=out)
+    assert d3.data_ptr() == out.data_ptr()
+    _assert_same(d1, d3)
+
+
+def _run(cls, p0: torch.Tensor, grads, backend: str, **kw):
+    p = torch.nn.Parameter(p0.clone())
+    opt = cls([p], lr=1e-2, backend=backend, **kw)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach(), opt.state[p]
+
+
+@pytest.mark.parametrize("n", SIZES[1:])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("cls,kw", (
+    (AdamW8bit, {}),
+    (Adam8bit, {"weight_decay": 0.1}),
+    (AdamW8bit, {"amsgrad": True, "maximize": True, "block_size": 64}),
+    (AdamW8bit, {"block_size": 4096, "betas": (0.8, 0.95), "eps": 1e-6}),
+))
+def test_adam_step_matches_the_torch_path(n, dtype, cls, kw):
+    """Three steps (one with zero gradients in places) from the same start: parameters, codes and scales equal."""
+    gen = torch.Generator().manual_seed(n)
+    scale = 10.0 ** torch.empty(n).uniform_(-7, 2, generator=gen)  # fp16 subnormals up to large values
+    p0 = (torch.randn(n, generator=gen) * scale).to(dtype)
+    grads = [(torch.randn(n, generator=gen) * 1e-2).to(dtype) for _ in range(3)]
+    grads[1][::7] = 0
+    (pa, sa), (pb, sb) = _both(lambda b: _run(cls, p0, grads, b, min_size=64, **kw))
+    _assert_same(pa, pb)
+    for key, q in sa.items():
+        if isinstance(q, dict):
+            assert torch.equal(q["codes"], sb[key]["codes"]), key
+            _assert_same(q["absmax"], sb[key]["absmax"])
+            assert q["transform"] == sb[key]["transform"] and q.get("eps") == sb[key].get("eps")
+
+
+def test_adam_step_with_nan_and_inf_gradients_matches():
+    n = 5000
+    gen = torch.Generator().manual_seed(3)
+    p0 = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen) * 1e-3
+    g[10], g[700] = float("nan"), float("inf")
+    (pa, sa), (pb, sb) = _both(lambda b: _run(AdamW8bit, p0, [g, g * 0.5], b, min_size=64, amsgrad=True))
+    _assert_same(pa, pb)
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        assert torch.equal(sa[key]["codes"], sb[key]["codes"])
+        _assert_same(sa[key]["absmax"], sb[key]["absmax"])
+
+
+@pytest.fixture
+def fresh_build(tmp_path, monkeypatch):
+    """An empty kernel cache; the loader's memo is reset before and after."""
+    monkeypatch.setenv("CKPTQ_CACHE_DIR", str(tmp_path))
+    native._load.cache_clear()
+    yield tmp_path
+    monkeypatch.undo()
+    native._load.cache_clear()
+
+
+def test_build_goes_to_the_cache_once(fresh_build):
+    assert native.library() is not None
+    built = list(fresh_build.iterdir())
+    assert len(built) == 1 and built[0].name.startswith("cpu_kernels-") and built[0].suffix == ".so"
+    stamp = built[0].stat().st_mtime_ns
+    native._load.cache_clear()
+    assert native.library() is not None
+    assert [p.stat().st_mtime_ns for p in fresh_build.iterdir()] == [stamp]  # loaded, not rebuilt
+
+
+def test_without_a_compiler_the_torch_path_runs_with_one_warning(fresh_build, monkeypatch):
+    monkeypatch.setenv("CC", "ckptq-no-such-compiler")
+    x = torch.randn(10000)
+    qmap = codebooks.dynamic_map(True)
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        codes, absmax = codec.quantize_blockwise(x, qmap)
+    assert codec.resolve_backend("auto", x.device) == "torch"
+    assert torch.equal(codes, codec.quantize_blockwise(x, qmap, backend="torch")[0])
+    with pytest.raises(UsageError, match="backend 'native' is unavailable: no C compiler"):
+        codec.quantize_blockwise(x, qmap, backend="native")
+    assert list(fresh_build.iterdir()) == []
+
+
+def test_ckptq_native_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("CKPTQ_NATIVE", "0")
+    assert native.library() is None
+    assert codec.resolve_backend("auto", torch.device("cpu")) == "torch"
+    with pytest.raises(UsageError, match="CKPTQ_NATIVE=0"):
+        codec.resolve_backend("native", torch.device("cpu"))
