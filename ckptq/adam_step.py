@@ -67,13 +67,6 @@ def decode_rows(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) -
     return qmap[codes.to(torch.int64)] * absmax[:, None]
 
 
-def quantize_rows(x: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [nb, B] (transform applied) -> (codes uint8 [nb, B], absmax fp32 [nb]): the rounding contract
-    of ``ckptq.codec``, written by its reference."""
-    codes, absmax = codec.reference_codes(x.reshape(-1), thresholds, x.shape[1])
-    return codes.view(x.shape), absmax
-
-
 def step_rows(p, g, h, states, maximize: bool):
     """The fused step on whole blocks, in PyTorch: p, g [nb, B] (any float dtype), h fp32 [10].
 
@@ -93,9 +86,9 @@ def step_rows(p, g, h, states, maximize: bool):
         vmax = vmax * vmax
     p32, m, v, vmax = adam_math(p.float(), g.float(), m, s * s, vmax, h, maximize)
     s = codec.ieee_sqrt(v)  # exact fp32 v: the new divisor of the ratio
-    new = (quantize_rows(m / (s + h[9]), m_state[3]), quantize_rows(s, v_state[3]))
+    new = (codec.quantize_rows(m / (s + h[9]), m_state[3]), codec.quantize_rows(s, v_state[3]))
     if vmax is not None:
-        new += (quantize_rows(codec.ieee_sqrt(vmax), x_state[0][3]),)
+        new += (codec.quantize_rows(codec.ieee_sqrt(vmax), x_state[0][3]),)
     return p32, new
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import sys
+import warnings
 from contextlib import contextmanager
 
 import click
@@ -87,6 +88,13 @@ def main():
       ckptq expand ckpt.q8.safetensors -o ckpt_fp32.pt
     """
     _return_freed_memory()
+    warnings.formatwarning = _one_line_warning
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """Library warnings (e.g. the C kernels falling back to PyTorch) as one line, like errors."""
+    text = str(message)
+    return f"{text if text.startswith('ckptq: ') else 'ckptq: ' + text}\n".replace("ckptq: ckptq:", "ckptq:")
 
 
 @main.command()

@@ -274,6 +274,22 @@ def _quantize_span(src, codes, absmax, thresholds, table, block_size, transform,
         codes[full:], absmax[nb:] = reference_codes(x[full:], thresholds, block_size)
 
 
+def quantize_rows(x: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 blocks [nb, B] (transform applied) -> (codes uint8 [nb, B], absmax fp32 [nb]) in PyTorch on x's
+    device and thread, through the lookup table where the codebook has one (``reference_codes`` otherwise):
+    the building block of the optimizer's PyTorch step."""
+    nb, block = x.shape
+    table = _code_table(thresholds)
+    if table is None or x.numel() > _CPU_CHUNK:
+        codes, absmax = reference_codes(x.reshape(-1), thresholds, block)
+        return codes.view(nb, block), absmax
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(nb, dtype=torch.float32, device=x.device)
+    _quantize_span(x.reshape(-1), codes.view(-1), absmax, thresholds, table, block, "none",
+                   _workspace(x.device, _CPU_CHUNK))
+    return codes, absmax
+
+
 def quantize_blockwise(
     x: torch.Tensor,
     qmap: torch.Tensor,

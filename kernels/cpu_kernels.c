@@ -3,14 +3,16 @@
  * Plain C99 with no Python or torch headers, compiled on first use by ckptq/kernels/native.py
  * (`cc -O3 -march=native -ffp-contract=off -fno-math-errno`) and called through ctypes, which releases
  * the GIL: the Python side splits a tensor into chunks of whole blocks and runs them on a thread pool.
+ * Where the CPU has AVX-512 (and VBMI) the hot loops use intrinsics; scalar C does the rest and runs
+ * everywhere else.
  *
  * Every function here equals a PyTorch reference bit for bit (tests/test_native.py):
- *   ckq_quantize    <-> ckptq.codec._reference_codes (after the transform)
- *   ckq_dequantize  <-> ckptq.codec._dequantize_span
- *   ckq_adam_step   <-> ckptq.adam_step.step_rows_
- * That is why no FMA contraction is allowed (-ffp-contract=off): each product and sum is rounded to
- * fp32 on its own, in the order the reference writes it. Division and sqrt are IEEE (correctly
- * rounded) in C; gcc vectorizes both without changing a bit.
+ *   ckq_quantize    <-> ckptq.codec.reference_codes (after the transform)
+ *   ckq_dequantize  <-> ckptq.codec's PyTorch dequantize
+ *   ckq_adam_step   <-> ckptq.adam_step.step_rows
+ * That is why no FMA contraction is allowed (-ffp-contract=off, and no fma intrinsics): each product and
+ * sum is rounded to fp32 on its own, in the order the reference writes it. Division and sqrt are IEEE
+ * (correctly rounded), scalar and vector alike.
  *
  * Rounding contract (ckptq.codec): code = #{j : t[j] < y} with t the 255 codebook midpoints and
  * y = x / absmax (IEEE division; an all-zero block divides by 1). The code table makes that one lookup:
