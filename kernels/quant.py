@@ -113,13 +113,15 @@ def quantize_blockwise(
     absmax = torch.empty(n_blocks, dtype=torch.float32, device=flat.device)
     if n == 0:
         return codes, absmax
-    rows, warps = _launch_shape(block_size)
-    grid = (triton.cdiv(n_blocks, rows),)
-    _quantize_kernel[grid](
-        flat, thresholds, codes, absmax, n, n_blocks,
-        BLOCK_SIZE=block_size, ROWS=rows, SQRT=transform == "sqrt", num_warps=warps,
-    )  # fmt: skip
+    _launch(_quantize_kernel, block_size, transform, flat, thresholds, codes, absmax, n, n_blocks)
     return codes, absmax
+
+
+def _launch(kernel, block_size: int, transform: str, *args) -> None:
+    """Run a codec kernel over args (..., n, n_blocks): ROWS blocks per program."""
+    rows, warps = _launch_shape(block_size)
+    grid = (triton.cdiv(args[-1], rows),)
+    kernel[grid](*args, BLOCK_SIZE=block_size, ROWS=rows, SQRT=transform == "sqrt", num_warps=warps)
 
 
 def dequantize_blockwise(
@@ -143,10 +145,5 @@ def dequantize_blockwise(
     out = output_buffer(out, n, flat.device)
     if n == 0:
         return out
-    rows, warps = _launch_shape(block_size)
-    grid = (triton.cdiv(n_blocks, rows),)
-    _dequantize_kernel[grid](
-        flat, scales, table, out, n, n_blocks,
-        BLOCK_SIZE=block_size, ROWS=rows, SQRT=transform == "sqrt", num_warps=warps,
-    )  # fmt: skip
+    _launch(_dequantize_kernel, block_size, transform, flat, scales, table, out, n, n_blocks)
     return out
