@@ -1,7 +1,8 @@
 """The CPU codec against its contract: code = #{fp32 midpoints < x / absmax}, ties to the lower code.
 
-The fast path (lookup table + one compare, chunked over a thread pool) must equal, bit for bit, a
-plain ``torch.searchsorted`` over the midpoints, and that must be a nearest-entry rounding.
+Both CPU paths (PyTorch: lookup table + one compare; the C kernels), chunked over a thread pool, must
+equal, bit for bit, a plain ``torch.searchsorted`` over the midpoints, and that must be a nearest-entry
+rounding.
 """
 
 import pytest
@@ -10,9 +11,13 @@ import torch
 
 from ckptq import codebooks, codec
 from ckptq.errors import UsageError
+from ckptq.kernels import native
 
 MAPS = {"signed": codebooks.dynamic_map(True), "unsigned": codebooks.dynamic_map(False)}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The CPU implementations: PyTorch, and the C kernels where they build (tests/test_native.py has more).
+CPU_BACKENDS = ("torch", pytest.param("native", marks=pytest.mark.skipif(
+    native.library() is None, reason=f"C kernels unavailable: {native.why_unavailable()}")))
 
 
 def searchsorted_quantize(x, qmap, block_size, transform):
@@ -89,14 +94,15 @@ def test_lookup_table_equals_searchsorted_on_every_bucket(name):
 
 
 @pytest.mark.parametrize("name", MAPS)
-def test_edge_values_end_to_end(name):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_edge_values_end_to_end(name, backend):
     # Blocks of 256 that each contain 1.0 have absmax 1, so y == x: every edge value goes through
     # quantize_blockwise unchanged, in the bulk of a chunk and in a short last block.
     qmap = MAPS[name]
     y = edge_values(qmap)
     y = torch.cat([y, torch.zeros(-y.numel() % 255)]).view(-1, 255)
     x = torch.cat([y, torch.ones(y.shape[0], 1)], dim=1).reshape(-1)[:-100]
-    codes, absmax = codec.quantize_blockwise(x, qmap, 256)
+    codes, absmax = codec.quantize_blockwise(x, qmap, 256, backend=backend)
     full = x.numel() // 256 * 256
     assert torch.equal(absmax[:-1], torch.ones(absmax.numel() - 1))
     assert torch.equal(codes[:full].long(), torch.searchsorted(codec.midpoints(qmap), x[:full]))
@@ -110,16 +116,17 @@ def sizes(block_size):
 @pytest.mark.parametrize("block_size", codec.BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name,transform", [("signed", "none"), ("unsigned", "sqrt"), ("unsigned", "none")])
-def test_quantize_equals_searchsorted(block_size, dtype, name, transform):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_quantize_equals_searchsorted(block_size, dtype, name, transform, backend):
     qmap = MAPS[name]
     for size in sizes(block_size):
         x = sample(size if isinstance(size, int) else size[0] * size[1], name == "signed", transform, dtype)
         x = x.view(size) if isinstance(size, tuple) else x
-        codes, absmax = codec.quantize_blockwise(x, qmap, block_size, transform, "torch")
+        codes, absmax = codec.quantize_blockwise(x, qmap, block_size, transform, backend)
         ref_codes, ref_absmax = searchsorted_quantize(x, qmap, block_size, transform)
         assert codes.dtype == torch.uint8 and torch.equal(codes.long(), ref_codes), size
         assert_same_bits(absmax, ref_absmax)
-        out = codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform, "torch")
+        out = codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform, backend)
         scale = absmax.repeat_interleave(block_size)[: codes.numel()]
         ref = qmap[codes.long()] * scale
         assert_same_bits(out, ref * ref if transform == "sqrt" else ref)
@@ -147,20 +154,21 @@ def test_round_trip_error_is_within_half_a_codebook_gap(name, transform):
 
 
 @pytest.mark.parametrize("transform", codec.TRANSFORMS)
-def test_chunks_and_threads_match_quantizing_the_parts(transform):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_chunks_and_threads_match_quantizing_the_parts(transform, backend):
     # Just over one CPU chunk, with a short last block: the pool runs two chunks.
     block_size, chunk = 256, codec._CPU_CHUNK
     x = sample(chunk + 3 * block_size + 5, False, transform, torch.float32, seed=1)
     qmap = MAPS["unsigned"]
-    codes, absmax = codec.quantize_blockwise(x, qmap, block_size, transform)
-    first = codec.quantize_blockwise(x[:chunk], qmap, block_size, transform)
-    rest = codec.quantize_blockwise(x[chunk:], qmap, block_size, transform)
+    codes, absmax = codec.quantize_blockwise(x, qmap, block_size, transform, backend)
+    first = codec.quantize_blockwise(x[:chunk], qmap, block_size, transform, backend)
+    rest = codec.quantize_blockwise(x[chunk:], qmap, block_size, transform, backend)
     assert torch.equal(codes, torch.cat([first[0], rest[0]]))
     assert_same_bits(absmax, torch.cat([first[1], rest[1]]))
     ref_codes, _ = searchsorted_quantize(x, qmap, block_size, transform)
     assert torch.equal(codes.long(), ref_codes)
-    out = codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform)
-    parts = [codec.dequantize_blockwise(c, a, qmap, block_size, transform) for c, a in (first, rest)]
+    out = codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform, backend)
+    parts = [codec.dequantize_blockwise(c, a, qmap, block_size, transform, backend) for c, a in (first, rest)]
     assert_same_bits(out, torch.cat(parts))
 
 

@@ -60,7 +60,7 @@ def test_kernel_matches_reference(n, block, dtype, amsgrad, maximize, decoupled,
     eps = qstate.ratio_eps(1e-8, 0.999, 3)
 
     ref_p, ref_states = p.to(torch.float32, copy=True), [_clone(q) for q in states]
-    adam_step.adam8bit_step(ref_p, g, *ref_states, hyper, ratio_eps=eps, maximize=maximize)
+    adam_step.adam8bit_step(ref_p, g, *ref_states, hyper, ratio_eps=eps, maximize=maximize, backend="torch")
     out_p, out_states = p.clone(), [_clone(q) for q in states]
     adam8bit.adam8bit_step(out_p, g, *out_states, hyper, ratio_eps=eps, maximize=maximize)
 
@@ -81,7 +81,7 @@ def test_kernel_updates_non_contiguous_param():
     states = _states(p.numel(), 64, False, gen)
     hyper = adam_step.hyper_tensor(1e-2, 0.9, 0.999, 1e-8, 0.0, 1, True, DEVICE)
     ref_p, ref_states = p.contiguous(), [_clone(q) for q in states]
-    adam_step.adam8bit_step(ref_p, g, *ref_states, hyper, ratio_eps=1e-8)
+    adam_step.adam8bit_step(ref_p, g, *ref_states, hyper, ratio_eps=1e-8, backend="torch")
     adam8bit.adam8bit_step(p, g, *states, hyper, ratio_eps=1e-8)
     assert torch.equal(p, ref_p)
     assert torch.equal(states[0]["codes"], ref_states[0]["codes"])

@@ -39,12 +39,14 @@ def timed(fn) -> tuple[float, object]:
 
 
 def run_round(tensors, block_size: int, times: dict[str, list[float]], buffers: dict) -> None:
-    """Time each operation once for ckptq and once for bitsandbytes, alternating which goes first.
+    """Time each operation once for ckptq and once for bitsandbytes; which goes first alternates from
+    round to round (it matters: a call that follows one that freed 64 MB gets its pages faster).
     Dequantize is timed twice: into a new tensor (both libraries allocate and the kernel faults the
     pages in), and with ckptq writing into a buffer reused across rounds (``out=``; bitsandbytes' CPU
     backend has no ``out=`` kernel, so its column there is again its allocating call)."""
     import bitsandbytes.functional as bnbf
 
+    round_no = buffers["round"] = buffers.get("round", -1) + 1
     for i, (name, (x, signed, transform)) in enumerate(tensors.items()):
         buf = buffers.setdefault(name, torch.zeros(x.numel()))
         qmap = codebooks.dynamic_map(signed)
@@ -62,7 +64,7 @@ def run_round(tensors, block_size: int, times: dict[str, list[float]], buffers: 
             lambda: bnbf.dequantize_blockwise(bcodes, state))
         for j, (op, (ours, bnb)) in enumerate(ops.items()):
             order = (("ckptq", ours), ("bnb", bnb))
-            for who, fn in order if (i + j + len(times)) % 2 else order[::-1]:
+            for who, fn in order if (i + j + round_no) % 2 else order[::-1]:
                 t, result = timed(fn)
                 del result
                 times.setdefault(f"{op} {name}|{who}", []).append(t)
