@@ -30,7 +30,12 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # No FMA contraction (each fp32 operation rounded on its own, as PyTorch's eager ops do); no errno, so
 # sqrtf is the IEEE instruction. Nothing that changes results (no -ffast-math).
 _FLAGS = ["-O3", "-std=c99", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
-_ARCH_FLAGS = (["-march=native"], [])  # tried in this order
+
+def _arch_flags() -> tuple[list[str], list[str]]:
+    """-march for this CPU (``$CKPTQ_NATIVE_MARCH`` overrides ``native``: the tests build a portable,
+    non-AVX-512 variant with it), then no -march at all where the compiler refuses that."""
+    return [f"-march={os.environ.get('CKPTQ_NATIVE_MARCH') or 'native'}"], []
+
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -67,7 +72,7 @@ def _cpu_signature() -> str:
 def _build(compiler: str, target: Path) -> str | None:
     """Compile SOURCE into target atomically; None on success, else the compiler's complaint."""
     error = "no error output"
-    for arch in _ARCH_FLAGS:
+    for arch in _arch_flags():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
@@ -88,7 +93,8 @@ def _load() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         return _unavailable(f"no C compiler ({compiler!r} not found; set CC)")
-    key = hashlib.sha256(b"\0".join(s.encode() for s in (SOURCE.read_text(), compiler, " ".join(_FLAGS), _cpu_signature())))
+    flags = " ".join(_FLAGS + _arch_flags()[0])
+    key = hashlib.sha256(b"\0".join(s.encode() for s in (SOURCE.read_text(), compiler, flags, _cpu_signature())))
     target = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():

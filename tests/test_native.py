@@ -6,6 +6,9 @@ sizes that span several chunks and end in a short block, every input dtype, spec
 bucket edge of the code table. Also: the build cache, and the fallback to PyTorch without a compiler.
 """
 
+import os
+import platform
+
 import pytest
 import torch
 
@@ -24,6 +27,28 @@ CODEBOOKS = {
 }
 # several chunks of the C path (at least 64K elements each), and a short last block
 SIZES = (1, 63, 4097, 3 * 65536 + 77)
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def build(request, tmp_path_factory):
+    """Each equality test runs against the build for this CPU (AVX-512 paths where it has them) and
+    against a portable x86-64-v2 build (scalar C only), from a cache folder of its own."""
+    if request.param == "portable":
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("the portable build is x86-64-v2")
+        saved = {k: os.environ.get(k) for k in ("CKPTQ_NATIVE_MARCH", "CKPTQ_CACHE_DIR")}
+        os.environ.update(CKPTQ_NATIVE_MARCH="x86-64-v2", CKPTQ_CACHE_DIR=str(tmp_path_factory.mktemp("portable")))
+        native._load.cache_clear()
+        assert native.library() is not None, native.why_unavailable()
+        yield request.param
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        native._load.cache_clear()
+    else:
+        yield request.param
 
 
 def _both(fn):
@@ -53,7 +78,7 @@ def _special(n: int, signed: bool, gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", sorted(CODEBOOKS))
-def test_code_table_equals_searchsorted_on_every_bucket_edge(name):
+def test_code_table_equals_searchsorted_on_every_bucket_edge(name, build):
     """Both ends of every 2^16-float bucket in [-1, 1], every threshold +-1 ulp, and NaN: each value
     sits in a block whose absmax is exactly 1, so y = x and the table meets every edge case."""
     qmap = CODEBOOKS[name]
@@ -79,7 +104,7 @@ def test_code_table_equals_searchsorted_on_every_bucket_edge(name):
 @pytest.mark.parametrize("block", (64, 256, 4096))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("signed,transform", ((True, "none"), (False, "sqrt"), (False, "none")))
-def test_quantize_and_dequantize_match_the_torch_path(n, block, dtype, signed, transform):
+def test_quantize_and_dequantize_match_the_torch_path(n, block, dtype, signed, transform, build):
     gen = torch.Generator().manual_seed(n + block)
     x = _special(n, signed, gen).to(dtype)
     qmap = codebooks.dynamic_map(signed)
@@ -111,7 +136,7 @@ def _run(cls, p0: torch.Tensor, grads, backend: str, **kw):
     (AdamW8bit, {"amsgrad": True, "maximize": True, "block_size": 64}),
     (AdamW8bit, {"block_size": 4096, "betas": (0.8, 0.95), "eps": 1e-6}),
 ))
-def test_adam_step_matches_the_torch_path(n, dtype, cls, kw):
+def test_adam_step_matches_the_torch_path(n, dtype, cls, kw, build):
     """Three steps (one with zero gradients in places) from the same start: parameters, codes and scales equal."""
     gen = torch.Generator().manual_seed(n)
     scale = 10.0 ** torch.empty(n).uniform_(-7, 2, generator=gen)  # fp16 subnormals up to large values
@@ -127,7 +152,7 @@ def test_adam_step_matches_the_torch_path(n, dtype, cls, kw):
             assert q["transform"] == sb[key]["transform"] and q.get("eps") == sb[key].get("eps")
 
 
-def test_adam_step_with_nan_and_inf_gradients_matches():
+def test_adam_step_with_nan_and_inf_gradients_matches(build):
     n = 5000
     gen = torch.Generator().manual_seed(3)
     p0 = torch.randn(n, generator=gen)
