@@ -101,37 +101,20 @@ def step_rows_(p, g, h, states, maximize: bool) -> None:
         state[1].copy_(absmax)
 
 
-def _padded_rows(x: torch.Tensor, rows: int, block: int, fill) -> torch.Tensor:
-    pad = rows * block - x.numel()
-    return torch.nn.functional.pad(x, (0, pad), value=fill).view(rows, block) if pad else x.view(rows, block)
-
-
 def _run_chunk(p, g, h, qstates, encode, start: int, end: int, maximize: bool) -> None:
-    """Step elements [start, end) of flat p/g/codes in place, a short last block zero-padded to a whole
-    one (padding decodes to 0, so it never changes a real block's absmax) and copied back."""
+    """Step elements [start, end) of flat p/g/codes in place: the whole blocks as [rows, B] and a short
+    last block on its own as [1, length] (no padding: padding would take part in the block's math)."""
     block = qstates[0]["block_size"]
-    b0, rows = start // block, -(-(end - start) // block)
-    states = tuple(
-        (
-            _padded_rows(q["codes"][start:end], rows, block, _zero_code(q["qmap"])),
-            _padded_rows(q["absmax"][b0 : b0 + rows], rows, 1, 0.0).view(-1),
-            q["qmap"],
-            midpoints(e),
-            q["transform"],
+    full = start + (end - start) // block * block
+    for lo, hi, width in ((start, full, block), (full, end, end - full)):
+        if hi == lo:
+            continue
+        rows, b0 = (hi - lo) // width, lo // block
+        states = tuple(
+            (q["codes"][lo:hi].view(rows, width), q["absmax"][b0 : b0 + rows], q["qmap"], midpoints(e), q["transform"])
+            for q, e in zip(qstates, encode)
         )
-        for q, e in zip(qstates, encode)
-    )
-    p_rows = _padded_rows(p[start:end], rows, block, 0.0)
-    step_rows_(p_rows, _padded_rows(g[start:end], rows, block, 0.0), h, states, maximize)
-    if rows * block != end - start:
-        p[start:end] = p_rows.view(-1)[: end - start]
-        for q, (codes, absmax, *_) in zip(qstates, states):
-            q["codes"][start:end] = codes.view(-1)[: end - start]
-            q["absmax"][b0 : b0 + rows] = absmax
-
-
-def _zero_code(qmap: torch.Tensor) -> int:
-    return int(torch.nonzero(qmap == 0)[0, 0])
+        step_rows_(p[lo:hi].view(rows, width), g[lo:hi].view(rows, width), h, states, maximize)
 
 
 def encode_qmap(q: dict, key: str) -> torch.Tensor:
@@ -164,22 +147,37 @@ def mark_ratio(exp_avg: dict, qmap: torch.Tensor, ratio_eps: float) -> None:
     exp_avg.update(qmap=qmap, transform=qstate.RATIO_TRANSFORM, eps=float(ratio_eps), divisor="exp_avg_sq")
 
 
+def _native_can_step(p: torch.Tensor, g: torch.Tensor, qstates) -> bool:
+    """Everything the C kernel reads and writes lies where it expects: CPU, contiguous, fp32/bf16/fp16
+    param and grad of n elements, per state n uint8 codes, one fp32 scale per block, a 256-entry codebook."""
+    n, block = p.numel(), qstates[0]["block_size"]
+    if block not in codec.BLOCK_SIZES or g.numel() != n:
+        return False
+    tensors = [p, g] + [q[k] for q in qstates for k in ("codes", "absmax", "qmap")]
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return False
+    if p.dtype not in native.DTYPE_CODES or g.dtype not in native.DTYPE_CODES:
+        return False
+    return all(
+        q["codes"].dtype == torch.uint8 and q["codes"].numel() == n and q["absmax"].dtype == torch.float32
+        and q["absmax"].numel() == codec.num_blocks(n, block) and q["qmap"].numel() == 256
+        for q in qstates
+    )
+
+
 def _native_step(p, g, qstates, encode, h, maximize: bool, backend: str) -> bool:
     """Run the step with the C kernel (``ckptq.kernels.cpu_kernels.c``, ``ckq_adam_step``) when it can:
     CPU tensors, fp32/bf16/fp16 param and grad, flat contiguous states, codebooks with a code table.
     Returns False (nothing touched) where it cannot; the PyTorch path below then runs, with the same bits."""
-    if backend not in ("auto", "native") or p.device.type != "cpu":
+    if backend not in ("auto", "native") or not _native_can_step(p, g, qstates):
         return False
     lib = native.library()
     dtypes = native.DTYPE_CODES
-    if lib is None or p.dtype not in dtypes or g.dtype not in dtypes:
-        return False
-    if not all(q["codes"].is_contiguous() and q["absmax"].is_contiguous() for q in qstates):
+    if lib is None:
         return False
     tables = [native.code_table(midpoints(e)) for e in encode]
     if any(t is None for t in tables):
         return False
-    g = g.contiguous()
     block = qstates[0]["block_size"]
     ratio = qstates[0]["transform"] == qstate.RATIO_TRANSFORM
     decode = [q["qmap"].to(torch.float32).contiguous() for q in qstates]
@@ -189,9 +187,9 @@ def _native_step(p, g, qstates, encode, h, maximize: bool, backend: str) -> bool
         states = [(q["codes"].data_ptr() + start, q["absmax"].data_ptr() + 4 * (start // block), d.data_ptr(),
                    t.data_ptr()) for q, d, t in zip(qstates, decode, tables)]
         m, v, x = states + [(None,) * 4] * (3 - len(states))
-        lib.ckq_adam_step(p.data_ptr() + start * p.element_size(), dtypes[p.dtype],
-                          g.data_ptr() + start * g.element_size(), dtypes[g.dtype], stop - start, block,
-                          *m, ratio, *v, *x, h.data_ptr(), maximize)
+        native.check(lib.ckq_adam_step(p.data_ptr() + start * p.element_size(), dtypes[p.dtype],
+                                       g.data_ptr() + start * g.element_size(), dtypes[g.dtype], stop - start, block,
+                                       *m, ratio, *v, *x, h.data_ptr(), maximize))
 
     codec._for_each_chunk(run, n, p.device, codec.native_chunk(n), workspace=False)
     return True
@@ -212,7 +210,7 @@ def adam8bit_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper, *, ra
     encode = [encode_qmap(q, k) for q, k in zip(qstates, keys)]
     h = ratio_hyper(hyper, exp_avg, ratio_eps)
     flat = param.data if param.is_contiguous() else param.data.contiguous()
-    p, g = flat.view(-1), grad.reshape(-1)
+    p, g = flat.view(-1), grad.reshape(-1).contiguous()
     if not _native_step(p, g, qstates, encode, h, maximize, backend):
 
         def run(start: int, end: int, _ws) -> None:

@@ -55,6 +55,30 @@ def check_block_size(block_size: int) -> int:
     return block_size
 
 
+def check_codebook(qmap: torch.Tensor) -> None:
+    """UsageError unless ``qmap`` is a 1-D float tensor of 256 entries."""
+    if not isinstance(qmap, torch.Tensor) or not qmap.is_floating_point() or qmap.shape != (256,):
+        got = f"{qmap.dtype} {tuple(qmap.shape)}" if isinstance(qmap, torch.Tensor) else type(qmap).__name__
+        raise UsageError(f"codebook must be a float tensor of 256 entries, got {got}")
+
+
+def check_quantized(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor, block_size: int) -> None:
+    """UsageError unless codes are uint8, absmax holds one float scale per block of ``block_size`` codes on the
+    same device, and ``qmap`` is a 256-entry codebook: what every dequantize path relies on."""
+    check_block_size(block_size)
+    check_codebook(qmap)
+    if codes.dtype != torch.uint8:
+        raise UsageError(f"codes must be uint8, got {codes.dtype}")
+    n_blocks = num_blocks(codes.numel(), block_size)
+    if not absmax.is_floating_point() or absmax.numel() != n_blocks:
+        raise UsageError(
+            f"absmax must be float with {n_blocks} entries for {codes.numel()} codes in blocks of {block_size}, "
+            f"got {absmax.dtype} with {absmax.numel()}; pass the absmax that quantize_blockwise returned"
+        )
+    if absmax.device != codes.device:
+        raise UsageError(f"codes are on {codes.device} but absmax is on {absmax.device}; move them together")
+
+
 def num_blocks(numel: int, block_size: int) -> int:
     return (numel + block_size - 1) // block_size
 
@@ -304,7 +328,9 @@ def quantize_blockwise(
     (callers keep such tensors exact); ``transform="sqrt"`` requires ``x >= 0``.
     """
     check_block_size(block_size)
+    check_codebook(qmap)
     _check_transform(transform)
+    qmap = qmap.to(torch.float32)
     resolved = resolve_backend(backend, x.device)
     if resolved == "triton":
         from .kernels import quant
@@ -324,8 +350,9 @@ def quantize_blockwise(
         if native_table is not None:
             src = flat.data_ptr() + start * flat.element_size()
             b0 = start // block_size
-            lib.ckq_quantize(src, native.DTYPE_CODES[flat.dtype], stop - start, block_size, transform == "sqrt",
-                             native_table.data_ptr(), codes.data_ptr() + start, absmax.data_ptr() + 4 * b0)
+            native.check(lib.ckq_quantize(src, native.DTYPE_CODES[flat.dtype], stop - start, block_size,
+                                          transform == "sqrt", native_table.data_ptr(), codes.data_ptr() + start,
+                                          absmax.data_ptr() + 4 * b0))
             return
         c, a = codes[start:stop], absmax[start // block_size : num_blocks(stop, block_size)]
         if table is None:
@@ -423,8 +450,9 @@ def dequantize_blockwise(
     ``out`` (a contiguous fp32 tensor of ``codes.numel()`` elements on the codes' device) the result
     is written there: reusing a buffer saves the page faults of a fresh allocation.
     """
-    check_block_size(block_size)
+    check_quantized(codes, absmax, qmap, block_size)
     _check_transform(transform)
+    qmap = qmap.to(torch.float32)
     resolved = resolve_backend(backend, codes.device)
     if resolved == "triton":
         from .kernels import quant
@@ -440,8 +468,8 @@ def dequantize_blockwise(
     def span(start: int, stop: int, ws: _Workspace) -> None:
         a = absmax[start // block_size : num_blocks(stop, block_size)]
         if lib is not None:
-            lib.ckq_dequantize(flat.data_ptr() + start, a.data_ptr(), qmap.data_ptr(), stop - start, block_size,
-                               transform == "sqrt", out.data_ptr() + 4 * start, fresh)
+            native.check(lib.ckq_dequantize(flat.data_ptr() + start, a.data_ptr(), qmap.data_ptr(), stop - start,
+                                            block_size, transform == "sqrt", out.data_ptr() + 4 * start, fresh))
             return
         _dequantize_span(flat[start:stop], a, qmap, out[start:stop], block_size, transform, ws)
 

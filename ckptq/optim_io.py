@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from . import qstate
-from .errors import FormatError, StateMismatchError
+from . import codec, qstate
+from .errors import FormatError, StateMismatchError, UsageError
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -99,6 +99,10 @@ def _copy_qstate(value: dict, device) -> dict:
 def _check_shape(p: torch.Tensor, pid, key: str, value) -> None:
     if qstate.is_qstate(value):
         qstate.check_qstate(value)
+        try:
+            codec.check_quantized(value["codes"], value["absmax"], value["qmap"], value["block_size"])
+        except (UsageError, KeyError) as e:
+            raise StateMismatchError(f"state {key!r} of parameter {pid} is malformed: {e}") from None
         shape, n_codes = tuple(value["shape"]), value["codes"].numel()
     elif isinstance(value, torch.Tensor):
         shape, n_codes = tuple(value.shape), value.numel()

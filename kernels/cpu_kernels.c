@@ -36,7 +36,8 @@
 #define VEC 0
 #endif
 
-#define MAX_BLOCK 4096
+#define MAX_BLOCK 4096  /* the largest block size; the exported functions return -1 for others */
+#define BAD_BLOCK(block) ((block) < 1 || (block) > MAX_BLOCK)
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
@@ -141,7 +142,7 @@ static inline void encode_block(const float *x, int len, float absmax, const int
 }
 
 #if VEC
-#ifdef __AVX512VBMI__
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
 /* A 256-entry fp32 codebook split into its four byte planes, 4 x 64 bytes each, for decode64. */
 typedef struct { __m512i plane[4][4]; } planes_t;
 
@@ -194,15 +195,17 @@ static inline __m512 gather_codebook(const uint8_t *codes, const float *qmap) {
 #endif
 
 /* Quantize elements [0, n) of src (dtype F32/BF16/F16) into codes [n] and absmax [ceil(n / block)]. */
-void ckq_quantize(const void *src, int dtype, int64_t n, int64_t block, int sqrt_transform,
+int ckq_quantize(const void *src, int dtype, int64_t n, int64_t block, int sqrt_transform,
                   const int32_t *table, uint8_t *codes, float *absmax) {
-    float buf[MAX_BLOCK];
+    if (BAD_BLOCK(block)) return -1;
+    float buf[block];  /* C99 VLA: a block's values, at most 16 KB */
     for (int64_t b = 0, off = 0; off < n; b++, off += block) {
         int len = (int)(n - off < block ? n - off : block);
         load_block(src, off, len, dtype, sqrt_transform, buf);
         absmax[b] = block_absmax(buf, len);
         encode_block(buf, len, absmax[b], table, codes + off);
     }
+    return 0;
 }
 
 /* Fault in the pages of [p, p + bytes) for writing in one call (Linux 5.14+; a no-op elsewhere or on
@@ -219,8 +222,9 @@ static void prefault(void *p, int64_t bytes) {
 
 /* out[i] = qmap[codes[i]] * absmax[i / block], then squared for the sqrt transform; fresh_out: out is
  * newly mapped memory, prefault it. */
-void ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap, int64_t n, int64_t block,
+int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap, int64_t n, int64_t block,
                     int sqrt_transform, float *out, int fresh_out) {
+    if (BAD_BLOCK(block)) return -1;
     if (fresh_out) prefault(out, n * 4);
 #if DECODE64
     planes_t planes;
@@ -254,6 +258,7 @@ void ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap
             o[i] = sqrt_transform ? v * v : v;
         }
     }
+    return 0;
 }
 
 /* Hyperparameters, fp32 [10], in ckptq.adam_step.HYPER_FIELDS + RATIO_FIELDS order. */
@@ -273,7 +278,7 @@ static inline void step16(const vstep_t *k, __m512 s, __m512 m, __m512 xs, const
                           float *mb, float *sb, float *xb) {
     if (k->ratio) m = _mm512_mul_ps(m, _mm512_add_ps(s, k->dec_eps));
     __m512 gi = _mm512_loadu_ps(gf), pi = _mm512_loadu_ps(pf);
-    if (k->maximize) gi = _mm512_xor_ps(gi, _mm512_set1_ps(-0.0f));
+    if (k->maximize) gi = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gi), _mm512_set1_epi32(INT32_MIN)));
     gi = _mm512_add_ps(gi, _mm512_mul_ps(k->l2, pi));
     m = _mm512_add_ps(m, _mm512_mul_ps(k->omb1, _mm512_sub_ps(gi, m)));
     __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(s, s), k->beta2), _mm512_mul_ps(k->omb2, _mm512_mul_ps(gi, gi)));
@@ -295,12 +300,15 @@ static inline void step16(const vstep_t *k, __m512 s, __m512 m, __m512 xs, const
 /* The fused step on elements [0, n) (whole blocks but the last): param p (dtype pdtype) in place,
  * grad g (gdtype), first moment m (a ratio state when m_ratio), second moment v (sqrt transform), and
  * with amsgrad (x.codes != NULL) max_exp_avg_sq x (sqrt transform). Operation order as step_rows. */
-void ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int64_t block,
+int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int64_t block,
                    uint8_t *m_codes, float *m_absmax, const float *m_decode, const int32_t *m_table, int m_ratio,
                    uint8_t *v_codes, float *v_absmax, const float *v_decode, const int32_t *v_table,
                    uint8_t *x_codes, float *x_absmax, const float *x_decode, const int32_t *x_table,
                    const float *h, int maximize) {
-    float pb[MAX_BLOCK], gb[MAX_BLOCK], mb[MAX_BLOCK], sb[MAX_BLOCK], xb[MAX_BLOCK];
+    if (BAD_BLOCK(block)) return -1;
+    /* one block each of param, grad (other dtypes than fp32), new ratio, sqrt(v), sqrt(vmax): C99 VLAs,
+     * 5 KB at the default block size, 80 KB at 4096 */
+    float pb[block], gb[block], mb[block], sb[block], xb[block];
     const float decay = h[DECAY], l2 = h[L2], omb1 = h[OMB1], beta2 = h[BETA2], omb2 = h[OMB2], eps = h[EPS];
     const float neg_step = h[NEG_STEP], bc2_sqrt = h[BC2_SQRT], dec_eps = h[DECODE_EPS], enc_eps = h[ENCODE_EPS];
     const int amsgrad = x_codes != 0;
@@ -387,4 +395,5 @@ void ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, in
             encode_block(xb, len, x_absmax[b], x_table, x_codes + off);
         }
     }
+    return 0;
 }

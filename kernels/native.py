@@ -17,6 +17,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -25,6 +26,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from ckptq.errors import UsageError
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # No FMA contraction (each fp32 operation rounded on its own, as PyTorch's eager ops do); no errno, so
@@ -69,46 +72,81 @@ def _cpu_signature() -> str:
     return "\n".join(parts)
 
 
-def _build(compiler: str, target: Path) -> str | None:
+def _compiler() -> list[str] | None:
+    """``$CC`` split like a shell would (``ccache gcc`` works), else ``cc``; None if not on PATH."""
+    cmd = shlex.split(os.environ.get("CC") or "cc")
+    return cmd if cmd and shutil.which(cmd[0]) else None
+
+
+def _compiler_version(cmd: list[str]) -> str:
+    try:
+        done = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=60)
+        return (done.stdout.splitlines() or [""])[0]
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _build(cmd: list[str], target: Path) -> str | None:
     """Compile SOURCE into target atomically; None on success, else the compiler's complaint."""
-    error = "no error output"
-    for arch in _arch_flags():
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    errors = []
+    for i, arch in enumerate(_arch_flags()):
+        fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-build-", suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            cmd = [compiler, *_FLAGS, *arch, "-o", tmp, str(SOURCE), "-lm"]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            done = subprocess.run([*cmd, *_FLAGS, *arch, "-o", tmp, str(SOURCE), "-lm"],
+                                  capture_output=True, text=True, timeout=300)
             if done.returncode == 0:
+                os.chmod(tmp, 0o755)  # mkstemp creates 0600: others sharing the cache folder must load it too
                 os.replace(tmp, target)
+                if i:
+                    warnings.warn(f"ckptq: built the C CPU kernels without {' '.join(_arch_flags()[0])} "
+                                  f"({errors[0]}); they run, slower", RuntimeWarning, stacklevel=4)
                 return None
-            error = (done.stderr.strip().splitlines() or [error])[-1]
+            errors.append((done.stderr.strip().splitlines() or ["no error output"])[-1])
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    return error
+    return errors[-1]
+
+
+def build_path(cmd: list[str]) -> Path:
+    """Where the build for this source, compiler (and version), flags and CPU lives in the cache."""
+    parts = (SOURCE.read_text(), " ".join(cmd), _compiler_version(cmd), " ".join(_FLAGS + _arch_flags()[0]),
+             _cpu_signature())
+    return cache_dir() / f"cpu_kernels-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
 
 
 @functools.lru_cache(maxsize=1)
 def _load() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        return _unavailable(f"no C compiler ({compiler!r} not found; set CC)")
-    flags = " ".join(_FLAGS + _arch_flags()[0])
-    key = hashlib.sha256(b"\0".join(s.encode() for s in (SOURCE.read_text(), compiler, flags, _cpu_signature())))
-    target = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    cmd = _compiler()
+    if cmd is None:
+        return _unavailable(f"no C compiler ({os.environ.get('CC') or 'cc'!r} not found; set CC)")
+    target = build_path(cmd)
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
-            error = _build(compiler, target)
+            error = _build(cmd, target)
             if error is not None:
                 return _unavailable(f"compiling {SOURCE.name} failed: {error}")
-        lib = ctypes.CDLL(str(target))
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError:  # unreadable (another user's build) or damaged: build our own copy once
+            error = _build(cmd, target)
+            if error is not None:
+                return _unavailable(f"compiling {SOURCE.name} failed: {error}")
+            lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
-        return _unavailable(f"{type(exc).__name__}: {exc}")
+        return _unavailable(f"{type(exc).__name__}: {exc}; set CKPTQ_CACHE_DIR to a writable folder")
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return lib
+
+
+def check(rc: int) -> None:
+    """The kernels return -1 for a block size they cannot hold (callers validate first)."""
+    if rc != 0:
+        raise UsageError(f"the C kernels refused their arguments (code {rc}); block sizes are 64..4096")
 
 
 _why: list[str] = []

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ckptq.codec import TRANSFORMS, check_block_size, midpoints, num_blocks, output_buffer
+from ckptq.codec import TRANSFORMS, check_block_size, check_codebook, check_quantized, midpoints, num_blocks, output_buffer
 from ckptq.errors import UsageError
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -92,8 +92,9 @@ def _check_common(qmap: torch.Tensor, block_size: int, transform: str) -> None:
     check_block_size(block_size)
     if transform not in TRANSFORMS:
         raise UsageError(f"transform {transform!r} is not one of {', '.join(TRANSFORMS)}")
-    if qmap.dtype != torch.float32 or qmap.shape != (256,):
-        raise UsageError(f"codebook must be a float32 tensor of 256 entries, got {qmap.dtype} {tuple(qmap.shape)}")
+    check_codebook(qmap)
+    if qmap.dtype != torch.float32:
+        raise UsageError(f"codebook must be float32 for the Triton kernels, got {qmap.dtype}")
 
 
 def quantize_blockwise(
@@ -131,16 +132,10 @@ def dequantize_blockwise(
     """Triton twin of ``ckptq.codec.dequantize_blockwise``: fp32 ``[codes.numel()]`` (into ``out``
     when given: a contiguous fp32 tensor of that many elements on the same device)."""
     _check_common(qmap, block_size, transform)
-    if codes.dtype != torch.uint8:
-        raise UsageError(f"codes must be uint8, got {codes.dtype}")
+    check_quantized(codes, absmax, qmap, block_size)
     flat = codes.reshape(-1).contiguous()
     n, n_blocks = flat.numel(), num_blocks(codes.numel(), block_size)
-    if absmax.dtype != torch.float32 or absmax.numel() != n_blocks:
-        raise UsageError(
-            f"absmax must be float32 with {n_blocks} entries for {n} codes in blocks of {block_size}, "
-            f"got {absmax.dtype} with {absmax.numel()}; pass the absmax that quantize_blockwise returned"
-        )
-    scales = absmax.reshape(-1).contiguous()
+    scales = absmax.reshape(-1).to(torch.float32).contiguous()
     table = qmap.to(flat.device).contiguous()
     out = output_buffer(out, n, flat.device)
     if n == 0:

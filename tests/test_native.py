@@ -29,15 +29,29 @@ CODEBOOKS = {
 SIZES = (1, 63, 4097, 3 * 65536 + 77)
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {w for line in f if line.startswith("flags") for w in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+# -march of each extra build, and the CPU flags it needs to run here
+BUILDS = {"portable": ("x86-64-v2", set()), "avx512-no-vbmi": ("skylake-avx512", {"avx512f", "avx512bw", "avx512dq"})}
+
+
+@pytest.fixture(scope="module", params=["native", "portable", "avx512-no-vbmi"])
 def build(request, tmp_path_factory):
-    """Each equality test runs against the build for this CPU (AVX-512 paths where it has them) and
-    against a portable x86-64-v2 build (scalar C only), from a cache folder of its own."""
-    if request.param == "portable":
-        if platform.machine() not in ("x86_64", "AMD64"):
-            pytest.skip("the portable build is x86-64-v2")
+    """Each equality test runs against the build for this CPU (AVX-512 and VBMI paths where it has them),
+    a portable x86-64-v2 build (scalar C only) and an AVX-512 build without VBMI (16-lane gathers for
+    the codebook), each from a cache folder of its own."""
+    if request.param != "native":
+        march, needs = BUILDS[request.param]
+        if platform.machine() not in ("x86_64", "AMD64") or not needs <= _cpu_flags():
+            pytest.skip(f"the {request.param} build needs an x86-64 CPU with {sorted(needs) or 'SSE4.2'}")
         saved = {k: os.environ.get(k) for k in ("CKPTQ_NATIVE_MARCH", "CKPTQ_CACHE_DIR")}
-        os.environ.update(CKPTQ_NATIVE_MARCH="x86-64-v2", CKPTQ_CACHE_DIR=str(tmp_path_factory.mktemp("portable")))
+        os.environ.update(CKPTQ_NATIVE_MARCH=march, CKPTQ_CACHE_DIR=str(tmp_path_factory.mktemp(request.param)))
         native._load.cache_clear()
         assert native.library() is not None, native.why_unavailable()
         yield request.param
@@ -121,6 +135,8 @@ def test_quantize_and_dequantize_match_the_torch_path(n, block, dtype, signed, t
 
 def _run(cls, p0: torch.Tensor, grads, backend: str, **kw):
     p = torch.nn.Parameter(p0.clone())
+    if grads[0].dtype != p.dtype:
+        p.grad_dtype = grads[0].dtype  # e.g. a bf16 param with an fp32 gradient (master-grad setups)
     opt = cls([p], lr=1e-2, backend=backend, **kw)
     for g in grads:
         p.grad = g.clone()
@@ -128,8 +144,8 @@ def _run(cls, p0: torch.Tensor, grads, backend: str, **kw):
     return p.detach(), opt.state[p]
 
 
-@pytest.mark.parametrize("n", SIZES[1:])
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("n", SIZES[1:] + (3 * 256 + 48,))  # the last: a 48-element block (16-lane loop)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16, "bf16-param-fp32-grad"))
 @pytest.mark.parametrize("cls,kw", (
     (AdamW8bit, {}),
     (Adam8bit, {"weight_decay": 0.1}),
@@ -140,8 +156,9 @@ def test_adam_step_matches_the_torch_path(n, dtype, cls, kw, build):
     """Three steps (one with zero gradients in places) from the same start: parameters, codes and scales equal."""
     gen = torch.Generator().manual_seed(n)
     scale = 10.0 ** torch.empty(n).uniform_(-7, 2, generator=gen)  # fp16 subnormals up to large values
-    p0 = (torch.randn(n, generator=gen) * scale).to(dtype)
-    grads = [(torch.randn(n, generator=gen) * 1e-2).to(dtype) for _ in range(3)]
+    pdtype, gdtype = (torch.bfloat16, torch.float32) if dtype == "bf16-param-fp32-grad" else (dtype, dtype)
+    p0 = (torch.randn(n, generator=gen) * scale).to(pdtype)
+    grads = [(torch.randn(n, generator=gen) * 1e-2).to(gdtype) for _ in range(3)]
     grads[1][::7] = 0
     (pa, sa), (pb, sb) = _both(lambda b: _run(cls, p0, grads, b, min_size=64, **kw))
     _assert_same(pa, pb)
@@ -152,13 +169,17 @@ def test_adam_step_matches_the_torch_path(n, dtype, cls, kw, build):
             assert q["transform"] == sb[key]["transform"] and q.get("eps") == sb[key].get("eps")
 
 
-def test_adam_step_with_nan_and_inf_gradients_matches(build):
-    n = 5000
+@pytest.mark.parametrize("n,block", ((5000, 256), (202, 64)))
+def test_adam_step_with_nan_and_inf_gradients_matches(n, block, build):
+    """NaN and Inf gradients, and huge ones whose v overflows to +inf in a short last block (whose
+    scale then is +inf: the PyTorch path must not let padding turn it into NaN)."""
     gen = torch.Generator().manual_seed(3)
     p0 = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen) * 1e-3
-    g[10], g[700] = float("nan"), float("inf")
-    (pa, sa), (pb, sb) = _both(lambda b: _run(AdamW8bit, p0, [g, g * 0.5], b, min_size=64, amsgrad=True))
+    g[10], g[n // 2] = float("nan"), float("inf")
+    g[-10:] = 1e20
+    (pa, sa), (pb, sb) = _both(lambda b: _run(AdamW8bit, p0, [g, g * 0.5], b, min_size=64, amsgrad=True,
+                                              block_size=block))
     _assert_same(pa, pb)
     for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
         assert torch.equal(sa[key]["codes"], sb[key]["codes"])
@@ -179,6 +200,7 @@ def test_build_goes_to_the_cache_once(fresh_build):
     assert native.library() is not None
     built = list(fresh_build.iterdir())
     assert len(built) == 1 and built[0].name.startswith("cpu_kernels-") and built[0].suffix == ".so"
+    assert built[0].stat().st_mode & 0o044 == 0o044  # others sharing the cache folder can load it
     stamp = built[0].stat().st_mtime_ns
     native._load.cache_clear()
     assert native.library() is not None
@@ -204,3 +226,41 @@ def test_ckptq_native_0_turns_it_off(monkeypatch):
     assert codec.resolve_backend("auto", torch.device("cpu")) == "torch"
     with pytest.raises(UsageError, match="CKPTQ_NATIVE=0"):
         codec.resolve_backend("native", torch.device("cpu"))
+
+
+def test_cc_with_arguments_and_an_unreadable_build(fresh_build, monkeypatch):
+    """CC is split like a shell would ("ccache gcc"); a cached build this user cannot load is rebuilt."""
+    monkeypatch.setenv("CC", "env cc")
+    target = native.build_path(native._compiler())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(b"not a shared object")  # what dlopen makes of a build it cannot read
+    assert native.library() is not None, native.why_unavailable()
+    assert target.stat().st_size > 1000
+    x = torch.randn(3000)
+    qmap = codebooks.dynamic_map(True)
+    assert torch.equal(*(codec.quantize_blockwise(x, qmap, backend=b)[0] for b in ("torch", "native")))
+
+
+def test_malformed_states_never_reach_the_kernel():
+    """What the C kernel would read or write out of bounds is refused before: a short absmax or an
+    unsupported block size in a loaded state dict, a short absmax / wrong codes dtype / short codebook
+    in dequantize."""
+    from ckptq.errors import StateMismatchError
+
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = AdamW8bit([p], min_size=64)
+    p.grad = torch.randn(5000)
+    opt.step()
+    good = opt.state_dict()
+    for key, bad in (("absmax", lambda q: q["absmax"][:3]), ("block_size", lambda q: 8192)):
+        sd = {"state": {0: {**good["state"][0], "exp_avg_sq": {**good["state"][0]["exp_avg_sq"], key: bad(good["state"][0]["exp_avg_sq"])}}},
+              "param_groups": good["param_groups"]}
+        with pytest.raises(StateMismatchError, match="malformed"):
+            AdamW8bit([p], min_size=64).load_state_dict(sd)
+    q = good["state"][0]["exp_avg_sq"]
+    for args, match in (((q["codes"], q["absmax"][:3], q["qmap"]), "absmax"),
+                        ((q["codes"].int(), q["absmax"], q["qmap"]), "uint8"),
+                        ((q["codes"], q["absmax"], q["qmap"][:16]), "codebook")):
+        for backend in ("torch", "native"):
+            with pytest.raises(UsageError, match=match):
+                codec.dequantize_blockwise(*args, 256, "sqrt", backend)
