@@ -3,8 +3,8 @@
 The CPU path of ``ckptq.codec`` and ``ckptq.adam_step`` runs these when they are available and the
 pure-PyTorch code otherwise; both give the same bits (tests/test_native.py). The source is compiled
 with the system C compiler (``$CC``, else ``cc``) for this machine's CPU into a cache folder
-(``$CKPTQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckptq`` or ``~/.cache/ckptq``), once per source, compiler and
-CPU: about a second. ``CKPTQ_NATIVE=0`` turns it off. No compiler, a failed build or a read-only cache
+(``$CKPTQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckptq`` or ``~/.cache/ckptq``), once per source, compiler
+(and version), flags and CPU: about a second. ``CKPTQ_NATIVE=0`` turns it off. No compiler, a failed build or a read-only cache
 means PyTorch, with one warning that says why.
 
 ctypes releases the GIL for the length of a call, so the callers run chunks of a tensor on a thread pool.
@@ -34,10 +34,12 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # sqrtf is the IEEE instruction. Nothing that changes results (no -ffast-math).
 _FLAGS = ["-O3", "-std=c99", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
 
+
 def _arch_flags() -> tuple[list[str], list[str]]:
     """-march for this CPU (``$CKPTQ_NATIVE_MARCH`` overrides ``native``: the tests build a portable,
     non-AVX-512 variant with it), then no -march at all where the compiler refuses that."""
     return [f"-march={os.environ.get('CKPTQ_NATIVE_MARCH') or 'native'}"], []
+
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -170,10 +172,6 @@ def library() -> ctypes.CDLL | None:
         return None
     with _lock:  # one build even when pool threads ask at once
         return _load()
-
-
-def ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 @functools.lru_cache(maxsize=16)
