@@ -22,6 +22,7 @@ import torch
 from . import codec, qstate
 from .kernels import native
 from .codec import midpoints
+from .errors import UsageError
 
 # Scalars of one step, host-computed in float64 and rounded once to fp32 so that every backend sees
 # the same values: fp32 [8] in this order.
@@ -101,7 +102,7 @@ def step_rows_(p, g, h, states, maximize: bool) -> None:
         state[1].copy_(absmax)
 
 
-def _run_chunk(p, g, h, qstates, encode, start: int, end: int, maximize: bool) -> None:
+def _run_chunk(p, g, h, qstates, thresholds, start: int, end: int, maximize: bool) -> None:
     """Step elements [start, end) of flat p/g/codes in place: the whole blocks as [rows, B] and a short
     last block on its own as [1, length] (no padding: padding would take part in the block's math)."""
     block = qstates[0]["block_size"]
@@ -111,8 +112,8 @@ def _run_chunk(p, g, h, qstates, encode, start: int, end: int, maximize: bool) -
             continue
         rows, b0 = (hi - lo) // width, lo // block
         states = tuple(
-            (q["codes"][lo:hi].view(rows, width), q["absmax"][b0 : b0 + rows], q["qmap"], midpoints(e), q["transform"])
-            for q, e in zip(qstates, encode)
+            (q["codes"][lo:hi].view(rows, width), q["absmax"][b0 : b0 + rows], q["qmap"], t, q["transform"])
+            for q, t in zip(qstates, thresholds)
         )
         step_rows_(p[lo:hi].view(rows, width), g[lo:hi].view(rows, width), h, states, maximize)
 
@@ -149,39 +150,38 @@ def mark_ratio(exp_avg: dict, qmap: torch.Tensor, ratio_eps: float) -> None:
 
 def _native_can_step(p: torch.Tensor, g: torch.Tensor, qstates) -> bool:
     """Everything the C kernel reads and writes lies where it expects: CPU, contiguous, fp32/bf16/fp16
-    param and grad of n elements, per state n uint8 codes, one fp32 scale per block, a 256-entry codebook."""
-    n, block = p.numel(), qstates[0]["block_size"]
-    if block not in codec.BLOCK_SIZES or g.numel() != n:
-        return False
+    param and grad of n elements, per state n uint8 codes with one fp32 scale per block and a 256-entry
+    codebook (``codec.check_quantized``)."""
+    n = p.numel()
     tensors = [p, g] + [q[k] for q in qstates for k in ("codes", "absmax", "qmap")]
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+    if g.numel() != n or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         return False
     if p.dtype not in native.DTYPE_CODES or g.dtype not in native.DTYPE_CODES:
         return False
-    return all(
-        q["codes"].dtype == torch.uint8 and q["codes"].numel() == n and q["absmax"].dtype == torch.float32
-        and q["absmax"].numel() == codec.num_blocks(n, block) and q["qmap"].numel() == 256
-        for q in qstates
-    )
+    try:
+        for q in qstates:
+            codec.check_quantized(q["codes"], q["absmax"], q["qmap"], q["block_size"])
+    except UsageError:
+        return False
+    return all(q["codes"].numel() == n and q["absmax"].dtype == torch.float32 for q in qstates)
 
 
-def _native_step(p, g, qstates, encode, h, maximize: bool, backend: str) -> bool:
+def _native_step(p, g, qstates, thresholds, h, maximize: bool, backend: str) -> bool:
     """Run the step with the C kernel (``ckptq.kernels.cpu_kernels.c``, ``ckq_adam_step``) when it can:
     CPU tensors, fp32/bf16/fp16 param and grad, flat contiguous states, codebooks with a code table.
     Returns False (nothing touched) where it cannot; the PyTorch path below then runs, with the same bits."""
     if backend not in ("auto", "native") or not _native_can_step(p, g, qstates):
         return False
     lib = native.library()
-    dtypes = native.DTYPE_CODES
     if lib is None:
         return False
-    tables = [native.code_table(midpoints(e)) for e in encode]
+    tables = [native.code_table(t) for t in thresholds]
     if any(t is None for t in tables):
         return False
     block = qstates[0]["block_size"]
     ratio = qstates[0]["transform"] == qstate.RATIO_TRANSFORM
     decode = [q["qmap"].to(torch.float32).contiguous() for q in qstates]
-    n = p.numel()
+    dtypes, n = native.DTYPE_CODES, p.numel()
 
     def run(start: int, stop: int, _ws) -> None:
         states = [(q["codes"].data_ptr() + start, q["absmax"].data_ptr() + 4 * (start // block), d.data_ptr(),
@@ -208,14 +208,15 @@ def adam8bit_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper, *, ra
     qstates = check_states(exp_avg, exp_avg_sq, max_exp_avg_sq)
     keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     encode = [encode_qmap(q, k) for q, k in zip(qstates, keys)]
+    thresholds = [midpoints(e) for e in encode]  # of the codebooks the new codes use
     h = ratio_hyper(hyper, exp_avg, ratio_eps)
     flat = param.data if param.is_contiguous() else param.data.contiguous()
     p, g = flat.view(-1), grad.reshape(-1).contiguous()
-    if not _native_step(p, g, qstates, encode, h, maximize, backend):
+    if not _native_step(p, g, qstates, thresholds, h, maximize, backend):
 
         def run(start: int, end: int, _ws) -> None:
             with torch.no_grad():  # grad mode is per thread: pool workers run without it, as step() does
-                _run_chunk(p, g, h, qstates, encode, start, end, maximize)
+                _run_chunk(p, g, h, qstates, thresholds, start, end, maximize)
 
         # Chunks touch disjoint blocks and torch ops release the GIL: on the CPU they run on codec's pool
         # of single-threaded workers (an OpenMP team per small op costs a barrier each).

@@ -198,9 +198,14 @@ def _worker_init() -> None:
     torch.set_num_threads(1)  # per-thread under OpenMP: the chunks are the parallelism, no nested teams
 
 
+def _workers() -> int:
+    """CPU threads for chunked work: torch's thread count, at most one per core."""
+    return max(1, min(os.cpu_count() or 1, torch.get_num_threads()))
+
+
 def _pool() -> ThreadPoolExecutor | None:
     """A small thread pool for CPU chunks (torch ops release the GIL), rebuilt after a fork."""
-    workers = min(os.cpu_count() or 1, torch.get_num_threads())
+    workers = _workers()
     if workers < 2:
         return None
     key = (os.getpid(), workers)
@@ -213,8 +218,7 @@ def _pool() -> ThreadPoolExecutor | None:
 def native_chunk(n: int) -> int:
     """Elements per call of the C kernels: about four chunks per worker for balance, whole 4096-blocks,
     between 64K and 2M elements (larger chunks measured faster on fresh output: fewer, larger prefaults)."""
-    workers = max(1, min(os.cpu_count() or 1, torch.get_num_threads()))
-    per = -(-n // (4 * workers))
+    per = -(-n // (4 * _workers()))
     return min(_NATIVE_CHUNK_MAX, max(_NATIVE_CHUNK_MIN, -(-per // 4096) * 4096))
 
 

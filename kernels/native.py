@@ -125,20 +125,22 @@ def _load() -> ctypes.CDLL | None:
         return _unavailable(f"no C compiler ({os.environ.get('CC') or 'cc'!r} not found; set CC)")
     target = build_path(cmd)
     try:
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            error = _build(cmd, target)
-            if error is not None:
-                return _unavailable(f"compiling {SOURCE.name} failed: {error}")
-        try:
-            lib = ctypes.CDLL(str(target))
-        except OSError:  # unreadable (another user's build) or damaged: build our own copy once
-            error = _build(cmd, target)
-            if error is not None:
-                return _unavailable(f"compiling {SOURCE.name} failed: {error}")
-            lib = ctypes.CDLL(str(target))
+        if target.exists():
+            try:
+                return _bind(ctypes.CDLL(str(target)))
+            except OSError:
+                pass  # unreadable (another user's build) or damaged: build our own copy
+        target.parent.mkdir(parents=True, exist_ok=True)
+        error = _build(cmd, target)
+        if error is not None:
+            return _unavailable(f"compiling {SOURCE.name} failed: {error}")
+        return _bind(ctypes.CDLL(str(target)))
     except (OSError, subprocess.SubprocessError) as exc:
         return _unavailable(f"{type(exc).__name__}: {exc}; set CKPTQ_CACHE_DIR to a writable folder")
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the exported functions' signatures (every one returns 0, or -1 for a bad block size)."""
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int

@@ -6,7 +6,6 @@ sizes that span several chunks and end in a short block, every input dtype, spec
 bucket edge of the code table. Also: the build cache, and the fallback to PyTorch without a compiler.
 """
 
-import os
 import platform
 
 import pytest
@@ -50,16 +49,12 @@ def build(request, tmp_path_factory):
         march, needs = BUILDS[request.param]
         if platform.machine() not in ("x86_64", "AMD64") or not needs <= _cpu_flags():
             pytest.skip(f"the {request.param} build needs an x86-64 CPU with {sorted(needs) or 'SSE4.2'}")
-        saved = {k: os.environ.get(k) for k in ("CKPTQ_NATIVE_MARCH", "CKPTQ_CACHE_DIR")}
-        os.environ.update(CKPTQ_NATIVE_MARCH=march, CKPTQ_CACHE_DIR=str(tmp_path_factory.mktemp(request.param)))
-        native._load.cache_clear()
-        assert native.library() is not None, native.why_unavailable()
-        yield request.param
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("CKPTQ_NATIVE_MARCH", march)
+            mp.setenv("CKPTQ_CACHE_DIR", str(tmp_path_factory.mktemp(request.param)))
+            native._load.cache_clear()
+            assert native.library() is not None, native.why_unavailable()
+            yield request.param
         native._load.cache_clear()
     else:
         yield request.param
