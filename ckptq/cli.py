@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import click
 
-from . import __version__, codec
+from . import __version__, ops
 from .errors import CkptqError
 from .format import Compression, parse_size
 
@@ -100,7 +100,7 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 @main.command()
 @click.argument("src", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", help="Output path (default: SRC with .q8.safetensors beside it).")
-@click.option("--block-size", default=codec.DEFAULT_BLOCK_SIZE, show_default=True, type=int,
+@click.option("--block-size", default=ops.DEFAULT_BLOCK_SIZE, show_default=True, type=int,
               help="Values per absmax scale: a power of two, 64..4096.")
 @click.option("--min-size", default=4096, show_default=True, type=int,
               help="States with fewer elements stay exact fp32.")
@@ -157,7 +157,7 @@ def expand(src, output, no_verify, force, quiet):
 @main.command()
 @click.argument("path", type=click.Path())
 @click.option("--min-size", default=4096, show_default=True, type=int, help="For .pt input: as in convert.")
-@click.option("--block-size", default=codec.DEFAULT_BLOCK_SIZE, show_default=True, type=int,
+@click.option("--block-size", default=ops.DEFAULT_BLOCK_SIZE, show_default=True, type=int,
               help="For .pt input: as in convert.")
 @click.option("--trust", is_flag=True, help="Allow full unpickling of a .pt (only for files you trust).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")

@@ -5,9 +5,9 @@ amsgrad, ``max_exp_avg_sq``: each a qstate dict (``ckptq.qstate``: uint8 codes +
 block + codebook) for parameters with at least ``min_size`` elements, a plain fp32 tensor below.
 ``exp_avg`` is stored as the ratio m / (sqrt(v) + eps') to ``exp_avg_sq`` (``qstate``'s ratio
 transform, eps' = ``qstate.ratio_eps`` of the step), exactly as ``ckptq convert`` writes it.
-The update math lives once in ``ckptq.adam_step``; CPU parameters run the fused C kernel
-(``ckptq/kernels/cpu_kernels.c``, PyTorch where it cannot be built), CUDA parameters the fused Triton
-kernel in ``ckptq.kernels.adam8bit``. Design after torchao's low-bit optimizers (``torchao/optim``).
+A step goes ``step`` -> ``ckptq.adam.step_param`` -> ``ckptq.ops.adam8bit_step`` (one fused kernel per
+parameter: C on the CPU, Triton on CUDA, the PyTorch reference elsewhere). Design after torchao's
+low-bit optimizers (``torchao/optim``).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from . import adam_step, codec, qstate
+from . import adam, ops, qstate
 from .errors import StateMismatchError, UsageError
 from .optim_io import MOMENT_KEYS, import_state_dict
 
-BACKENDS = codec.BACKENDS
+BACKENDS = ops.BACKENDS
 
 
 class _Adam8bitBase(torch.optim.Optimizer):
@@ -47,7 +47,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
             raise UsageError(f"betas must lie in [0, 1), got {betas}")
         if backend not in BACKENDS:
             raise UsageError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-        qstate.codec.check_block_size(block_size)
+        ops.check_block_size(block_size)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
         super().__init__(params, defaults)
         self.block_size, self.min_size, self.backend = block_size, min_size, backend
@@ -73,11 +73,6 @@ class _Adam8bitBase(torch.optim.Optimizer):
         out["exp_avg"] = qstate.quantize_ratio(m, v, eps, self.block_size)
         return {k: out[k] for k in dense}
 
-    def _backend_for(self, p: torch.Tensor) -> str:
-        """triton on CUDA, native (the C kernel) on the CPU where it builds, else torch; explicit choices
-        are checked (an unavailable ``native`` raises UsageError saying why)."""
-        return codec.resolve_backend(self.backend, p.device)
-
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
@@ -99,24 +94,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
             state.update(self._init_state(p, group))
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = self._like(state["exp_avg_sq"], p)
-        state["step"] += 1
-        beta1, beta2 = group["betas"]
-        hyper = adam_step.hyper_tensor(
-            group["lr"], beta1, beta2, group["eps"], group["weight_decay"], float(state["step"]), self.decoupled, p.device
-        )
-        moments = [state.get(k) if group["amsgrad"] else None for k in MOMENT_KEYS]
-        moments[:2] = state["exp_avg"], state["exp_avg_sq"]
-        if not qstate.is_qstate(moments[0]):
-            adam_step.adam_dense_step(p, p.grad, *moments, hyper, maximize=group["maximize"])
-            return
-        kw = dict(ratio_eps=qstate.ratio_eps_for(group, state["step"]), maximize=group["maximize"])
-        backend = self._backend_for(p)
-        if backend == "triton":
-            from .kernels import adam8bit
-
-            adam8bit.adam8bit_step(p, p.grad, *moments, hyper, **kw)
-        else:
-            adam_step.adam8bit_step(p, p.grad, *moments, hyper, backend=backend, **kw)
+        adam.step_param(p, state, group, self.decoupled, self.backend)
 
     def _like(self, template, p: torch.Tensor):
         """A zero max_exp_avg_sq in the same representation as ``template`` (amsgrad turned on later)."""

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from . import codec, qstate
+from . import ops, qstate
+from .adam import MOMENT_KEYS
 from .errors import FormatError, StateMismatchError, UsageError
-
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
 
 def import_state_dict(opt, state_dict: dict):
     """Return ``(state {param: dict}, param_groups)`` for ``opt``; raises before ``opt`` changes."""
@@ -100,7 +98,7 @@ def _check_shape(p: torch.Tensor, pid, key: str, value) -> None:
     if qstate.is_qstate(value):
         qstate.check_qstate(value)
         try:
-            codec.check_quantized(value["codes"], value["absmax"], value["qmap"], value["block_size"])
+            ops.check_quantized(value["codes"], value["absmax"], value["qmap"], value["block_size"])
         except (UsageError, KeyError) as e:
             raise StateMismatchError(f"state {key!r} of parameter {pid} is malformed: {e}") from None
         shape, n_codes = tuple(value["shape"]), value["codes"].numel()

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import __version__, checkpoint, codec, format, qstate, torch_stream, tree
+from . import __version__, checkpoint, format, ops, qstate, torch_stream, tree
 from .errors import InputError, UsageError
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -109,7 +109,7 @@ def convert(
     src: str,
     dst: str | None = None,
     *,
-    block_size: int = codec.DEFAULT_BLOCK_SIZE,
+    block_size: int = ops.DEFAULT_BLOCK_SIZE,
     min_size: int = DEFAULT_MIN_SIZE,
     key: str | None = None,
     device: str = "auto",
@@ -125,7 +125,7 @@ def convert(
     Returns a :class:`ConvertReport`. The input is never modified; the output appears only complete.
     """
     t0 = time.perf_counter()
-    codec.check_block_size(block_size)
+    ops.check_block_size(block_size)
     if min_size < 1:
         raise UsageError(f"min size {min_size} must be at least 1")
     dst = dst or default_output(src)

@@ -1,6 +1,6 @@
-"""Quantized optimizer states as plain dicts.
+"""Quantized optimizer states: the ``QState`` type, its dict form, and which codebook each role gets.
 
-A quantized state is a ``dict`` (so that ``torch.load(weights_only=True)`` accepts it, and so that it
+In checkpoints and in optimizer state a quantized state is a ``dict`` (so that ``torch.load(weights_only=True)`` accepts it, and so that it
 sits under PyTorch's own state key, e.g. ``state[0]["exp_avg"]``)::
 
     {"ckptq": "blockwise",      # marks the dict; the codec name
@@ -14,6 +14,7 @@ sits under PyTorch's own state key, e.g. ``state[0]["exp_avg"]``)::
      "dtype": "float32"}        # the original tensor's dtype
 
 plus, for ``transform == "ratio"``: ``"eps": float`` and ``"divisor": "exp_avg_sq"`` (a sibling key).
+In code it is a ``QState``; ``QState.from_dict`` validates a dict and ``to_dict`` writes one.
 
 Which codebook and transform a state gets is decided by its role (the state key), see ``POLICIES``.
 
@@ -31,16 +32,17 @@ suits it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
 
-from . import codebooks, codec
-from .errors import FormatError
+from . import codebooks, ops
+from .errors import FormatError, UsageError
 
 CODEC = "blockwise"
-SUPPORTED_BITS = (8,)
+SUPPORTED_BITS = ops.SUPPORTED_BITS
 
 
 # Codebooks by name; files record the values, so a name only decides what new files get.
@@ -52,13 +54,61 @@ CODEBOOKS = {
     "power-signed-1.5": functools.partial(codebooks.power_map, True, 1.5),
 }
 RATIO_TRANSFORM = "ratio"
-TRANSFORMS = codec.TRANSFORMS + (RATIO_TRANSFORM,)
+TRANSFORMS = ops.TRANSFORMS + (RATIO_TRANSFORM,)
+_REQUIRED = ("bits", "codes", "absmax", "qmap", "block_size", "transform", "shape", "dtype")
+
+
+@dataclass
+class QState:
+    """One quantized tensor: what the dict form above holds, as a type. ``to_dict``/``from_dict`` convert."""
+
+    codes: torch.Tensor  # uint8 [numel], flat
+    absmax: torch.Tensor  # fp32 [ceil(numel / block_size)]
+    qmap: torch.Tensor  # fp32 [2**bits] codebook, ascending
+    block_size: int
+    transform: str  # one of TRANSFORMS
+    shape: tuple
+    dtype: str  # the original tensor's dtype name, e.g. "float32"
+    bits: int = 8
+    eps: float | None = None  # ratio states: eps' of the transform
+    divisor: str | None = None  # ratio states: the sibling state key of the second moment
+
+    def __post_init__(self):
+        if self.is_ratio and (not isinstance(self.eps, (int, float)) or not isinstance(self.divisor, str)):
+            raise FormatError(f"ratio state has eps {self.eps!r} and divisor {self.divisor!r}; it is corrupt")
+
+    @property
+    def is_ratio(self) -> bool:
+        return self.transform == RATIO_TRANSFORM
+
+    def to_dict(self) -> dict:
+        d = {"ckptq": CODEC, "bits": self.bits, "codes": self.codes, "absmax": self.absmax, "qmap": self.qmap,
+             "block_size": self.block_size, "transform": self.transform, "shape": tuple(self.shape), "dtype": self.dtype}
+        if self.is_ratio:
+            d |= {"eps": float(self.eps), "divisor": self.divisor}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QState":
+        """FormatError if ``d`` is not a quantized state this version can decode."""
+        check_qstate(d)
+        missing = [k for k in _REQUIRED if k not in d]
+        if missing:
+            raise FormatError(f"quantized state lacks {', '.join(missing)}; it is corrupt or incomplete")
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+    def replace(self, **changes) -> "QState":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + 4 * self.absmax.numel()
 
 
 @dataclass(frozen=True)
 class Policy:
     codebook: str  # a key of CODEBOOKS
-    transform: str  # one of codec.TRANSFORMS
+    transform: str  # one of TRANSFORMS
 
     def qmap(self) -> torch.Tensor:
         return CODEBOOKS[self.codebook]()
@@ -90,24 +140,16 @@ def is_qstate(obj) -> bool:
     return isinstance(obj, dict) and obj.get("ckptq") == CODEC and "codes" in obj
 
 
-def quantize_state(
-    t: torch.Tensor, key: str, block_size: int = codec.DEFAULT_BLOCK_SIZE, backend: str = "auto"
-) -> dict:
-    """Quantize one optimizer state tensor under the policy for its state key."""
+def quantize_state(t: torch.Tensor, key: str, block_size: int = ops.DEFAULT_BLOCK_SIZE, backend: str = "auto") -> dict:
+    """Quantize one optimizer state tensor under the policy for its state key (dict form)."""
     pol = policy_for(key)
     qmap = pol.qmap().to(t.device)
-    codes, absmax = codec.quantize_blockwise(t, qmap, block_size, pol.transform, backend)
-    return {
-        "ckptq": CODEC,
-        "bits": 8,
-        "codes": codes,
-        "absmax": absmax,
-        "qmap": qmap,
-        "block_size": block_size,
-        "transform": pol.transform,
-        "shape": tuple(t.shape),
-        "dtype": str(t.dtype).removeprefix("torch."),
-    }
+    codes, absmax = ops.quantize_blockwise(t, qmap, block_size, pol.transform, backend)
+    return QState(codes, absmax, qmap, block_size, pol.transform, tuple(t.shape), _dtype_name(t.dtype)).to_dict()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 # eps' never below this: with eps = 0, an element whose v is 0 (its m is 0 too) would give r = 0/0 = NaN
@@ -130,41 +172,40 @@ def ratio_eps_for(group: dict, step) -> float:
 _RATIO_CHUNK = 1 << 22  # elements per chunk (a multiple of every block size): bounded temporaries
 
 
-def _divisor_values(v: dict, start: int, stop: int) -> torch.Tensor:
+def _divisor_values(v: QState, start: int, stop: int) -> torch.Tensor:
     """s_q for elements [start, stop): the divisor's decoded sqrt-domain value (not squared), fp32."""
-    if v.get("transform") != "sqrt":
-        raise FormatError(f"a ratio state's divisor must use the sqrt transform, not {v.get('transform')!r}")
-    B = v["block_size"]
-    a = v["absmax"][start // B : codec.num_blocks(stop, B)]
+    if v.transform != "sqrt":
+        raise FormatError(f"a ratio state's divisor must use the sqrt transform, not {v.transform!r}")
+    B = v.block_size
+    a = v.absmax[start // B : ops.num_blocks(stop, B)]
     first = start - (start // B) * B
-    s = codec.dequantize_blockwise(v["codes"].reshape(-1)[start - first : stop], a, v["qmap"], B, "none")
+    s = ops.dequantize_blockwise(v.codes.reshape(-1)[start - first : stop], a, v.qmap, B, "none")
     return s[first:]
 
 
-def quantize_ratio(m: torch.Tensor, v: torch.Tensor, eps: float, block_size: int = codec.DEFAULT_BLOCK_SIZE,
+def quantize_ratio(m: torch.Tensor, v: torch.Tensor, eps: float, block_size: int = ops.DEFAULT_BLOCK_SIZE,
                    backend: str = "auto", divisor_key: str = "exp_avg_sq") -> dict:
-    """Quantize a first moment ``m`` as r = m / (sqrt(v) + eps), ``v`` its exact second moment."""
+    """Quantize a first moment ``m`` as r = m / (sqrt(v) + eps), ``v`` its exact second moment (dict form)."""
     if m.numel() != v.numel():
         raise FormatError(f"ratio state has {m.numel()} elements but its divisor {v.numel()}")
     vflat = v.detach().reshape(-1)
     qmap = RATIO_POLICY.qmap().to(m.device)
     flat = m.detach().reshape(-1)
     codes = torch.empty(flat.numel(), dtype=torch.uint8, device=m.device)
-    absmax = torch.empty(codec.num_blocks(flat.numel(), block_size), dtype=torch.float32, device=m.device)
+    absmax = torch.empty(ops.num_blocks(flat.numel(), block_size), dtype=torch.float32, device=m.device)
     buf = torch.empty(min(_RATIO_CHUNK, flat.numel()), dtype=torch.float32, device=m.device)
     for start in range(0, flat.numel(), _RATIO_CHUNK):
         stop = min(start + _RATIO_CHUNK, flat.numel())
-        r = codec.ieee_sqrt_into(vflat[start:stop], buf[: stop - start]).add_(eps)  # sqrt(v) + eps, in place
+        r = ops.ieee_sqrt_into(vflat[start:stop], buf[: stop - start]).add_(eps)  # sqrt(v) + eps, in place
         torch.div(flat[start:stop], r, out=r)  # r = m / (sqrt(v) + eps): IEEE division, m promoted to fp32
-        c, a = codec.quantize_blockwise(r, qmap, block_size, "none", backend)
+        c, a = ops.quantize_blockwise(r, qmap, block_size, "none", backend)
         codes[start:stop], absmax[start // block_size : start // block_size + a.numel()] = c, a
-    return {"ckptq": CODEC, "bits": 8, "codes": codes, "absmax": absmax, "qmap": qmap, "block_size": block_size,
-            "transform": RATIO_TRANSFORM, "shape": tuple(m.shape), "dtype": str(m.dtype).removeprefix("torch."),
-            "eps": float(eps), "divisor": divisor_key}
+    return QState(codes, absmax, qmap, block_size, RATIO_TRANSFORM, tuple(m.shape), _dtype_name(m.dtype),
+                  eps=float(eps), divisor=divisor_key).to_dict()
 
 
 def check_qstate(q: dict) -> None:
-    """Raise FormatError if ``q`` uses a codec or bit width this version cannot decode."""
+    """Raise FormatError if ``q`` uses a codec, bit width or transform this version cannot decode."""
     if q.get("ckptq") != CODEC or q.get("bits") not in SUPPORTED_BITS:
         raise FormatError(
             f"quantized state uses codec {q.get('ckptq')!r} with {q.get('bits')} bits, which this ckptq "
@@ -174,21 +215,38 @@ def check_qstate(q: dict) -> None:
         raise FormatError(f"quantized state uses transform {q.get('transform')!r}; upgrade ckptq")
 
 
+def _decode(q: QState, backend: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The stored values, flat fp32 (sqrt transform undone; a ratio state's raw ratios)."""
+    try:
+        return ops.dequantize_blockwise(q.codes, q.absmax, q.qmap, q.block_size,
+                                        "none" if q.is_ratio else q.transform, backend, out, q.bits)
+    except UsageError as exc:
+        raise FormatError(f"quantized state is malformed: {exc}") from None
+
+
+def _to_dense(flat: torch.Tensor, q: QState) -> torch.Tensor:
+    dtype = getattr(torch, q.dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise FormatError(f"quantized state names dtype {q.dtype!r}, not a floating-point dtype; it is corrupt")
+    return flat.view(tuple(q.shape)).to(dtype)
+
+
 def dequantize_state(q: dict, backend: str = "auto", divisor: dict | None = None) -> torch.Tensor:
     """Back to a dense tensor of the original shape and dtype. A ratio state needs its ``divisor``
     (the sibling qstate named by ``q["divisor"]``); :func:`dequantize_states` finds it for you."""
-    check_qstate(q)
-    if q["transform"] != RATIO_TRANSFORM:
-        flat = codec.dequantize_blockwise(q["codes"], q["absmax"], q["qmap"], q["block_size"], q["transform"], backend)
-        return flat.view(tuple(q["shape"])).to(getattr(torch, q["dtype"]))
+    qs = QState.from_dict(q)
+    r = _decode(qs, backend)
+    if not qs.is_ratio:
+        return _to_dense(r, qs)
     if divisor is None or not is_qstate(divisor):
-        raise FormatError(f"a ratio state needs its divisor {q.get('divisor')!r} to decode; pass the param's whole state")
-    r = codec.dequantize_blockwise(q["codes"], q["absmax"], q["qmap"], q["block_size"], "none", backend)
-    n = r.numel()
-    for start in range(0, n, _RATIO_CHUNK):
-        stop = min(start + _RATIO_CHUNK, n)
-        r[start:stop].mul_(_divisor_values(divisor, start, stop).add_(q["eps"]))  # m = r * (s_q + eps')
-    return r.view(tuple(q["shape"])).to(getattr(torch, q["dtype"]))
+        raise FormatError(f"a ratio state needs its divisor {qs.divisor!r} to decode; pass the param's whole state")
+    v = QState.from_dict(divisor)
+    if v.codes.numel() != r.numel():
+        raise FormatError(f"ratio state has {r.numel()} elements but its divisor {v.codes.numel()}")
+    for start in range(0, r.numel(), _RATIO_CHUNK):
+        stop = min(start + _RATIO_CHUNK, r.numel())
+        r[start:stop].mul_(_divisor_values(v, start, stop).add_(qs.eps))  # m = r * (s_q + eps')
+    return _to_dense(r, qs)
 
 
 def dequantize_states(pstate: dict, backend: str = "auto") -> dict:
@@ -201,4 +259,4 @@ def dequantize_states(pstate: dict, backend: str = "auto") -> dict:
 
 
 def state_nbytes(q: dict) -> int:
-    return q["codes"].numel() + 4 * q["absmax"].numel()
+    return QState.from_dict(q).nbytes

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import codec, qstate
+from . import ops, qstate
 from .checkpoint import storage_key
 from .torch_stream import contiguous_strides
 from .errors import FormatError, UsageError
@@ -183,10 +183,11 @@ class _Flattener:
             if q.divisor:
                 meta |= {"eps": q.divisor[2], "divisor": q.divisor[0]}
         else:
-            qstate.check_qstate(q)
-            numel, qmap = q["codes"].numel(), q["qmap"]
-            meta = {k: q[k] for k in ("block_size", "transform", "dtype", "eps", "divisor") if k in q}
-            meta["shape"] = list(q["shape"])
+            qs = qstate.QState.from_dict(q)
+            numel, qmap = qs.codes.numel(), qs.qmap
+            meta = {"block_size": qs.block_size, "transform": qs.transform, "dtype": qs.dtype}
+            meta |= {"eps": qs.eps, "divisor": qs.divisor} if qs.is_ratio else {}
+            meta["shape"] = list(qs.shape)
         nb = -(-numel // meta["block_size"])
         get = (lambda part: q.take(part)) if lazy else (lambda part: q[part].detach().contiguous().cpu())
         codes = self.add(_join(path, "codes"), torch.uint8, (numel,), lambda: get("codes"), "codes")
@@ -282,20 +283,19 @@ class _QRef:
 def _build_quantized(n, u: _Unflattener):
     spec = n["quantized"]
     qstate.check_qstate({"ckptq": spec.get("codec"), "bits": spec.get("bits"), "transform": spec.get("transform")})
-    if spec.get("block_size") not in codec.BLOCK_SIZES:
+    if spec.get("block_size") not in ops.BLOCK_SIZES:
         raise FormatError(f"quantized state {spec.get('codes')!r} has block size {spec.get('block_size')!r}; "
                           "the file is corrupt or newer than this ckptq")
 
     def build() -> dict:
-        q = {"ckptq": spec["codec"], "bits": spec["bits"], "codes": u.fetch(spec["codes"]),
-             "absmax": u.fetch(spec["absmax"]), "qmap": u.get(spec["qmap"]), "block_size": spec["block_size"],
-             "transform": spec["transform"], "shape": tuple(spec["shape"]), "dtype": spec["dtype"]}
-        q |= {k: spec[k] for k in ("eps", "divisor") if k in spec}
-        n = math.prod(q["shape"])
-        if q["codes"].numel() != n or q["absmax"].numel() != codec.num_blocks(n, q["block_size"]) or q["qmap"].numel() != 256:
-            raise FormatError(f"quantized state {spec['codes']!r}: codes, scales and shape {list(q['shape'])} "
+        q = qstate.QState(u.fetch(spec["codes"]), u.fetch(spec["absmax"]), u.get(spec["qmap"]), spec["block_size"],
+                          spec["transform"], tuple(spec["shape"]), spec["dtype"], spec["bits"], spec.get("eps"),
+                          spec.get("divisor"))
+        n = math.prod(q.shape)
+        if q.codes.numel() != n or q.absmax.numel() != ops.num_blocks(n, q.block_size) or q.qmap.numel() != 2**q.bits:
+            raise FormatError(f"quantized state {spec['codes']!r}: codes, scales and shape {list(q.shape)} "
                               "disagree; the file is corrupt")
-        return q
+        return q.to_dict()
 
     return _QRef(spec, build) if u.dequantize else build()
 

@@ -1,6 +1,8 @@
-"""Kernels for ckptq, installed as ``ckptq.kernels``: import them as ``from ckptq.kernels import quant``.
+"""The backend implementations of ckptq's operations, installed as ``ckptq.kernels``.
 
-``quant`` and ``adam8bit`` are the Triton (CUDA) kernels; ``cpu_kernels.c`` the C CPU kernels, built and
-loaded by ``native``. Nothing here imports triton at package import, so ``import ckptq`` keeps working
-without it; the Triton submodules import it themselves and are only loaded on the ``backend="triton"`` path.
+``ckptq.ops`` declares the operations and dispatches to one of: ``backend_torch`` (the PyTorch
+reference), ``backend_native`` (the C CPU kernels in ``cpu_kernels.c``, built and loaded by ``native``)
+and ``backend_triton`` (the Triton CUDA kernels). ``contract`` states what they take; ``lut`` and
+``cpu_runtime`` are shared by the CPU backends. Nothing here imports from ``ckptq`` above it, and nothing
+imports triton at package import: only ``backend_triton`` does, on the ``backend="triton"`` path.
 """

@@ -7,20 +7,20 @@
  * everywhere else.
  *
  * Every function here equals a PyTorch reference bit for bit (tests/test_native.py):
- *   ckq_quantize    <-> ckptq.codec.reference_codes (after the transform)
- *   ckq_dequantize  <-> ckptq.codec's PyTorch dequantize
- *   ckq_adam_step   <-> ckptq.adam_step.step_rows
+ *   ckq_quantize    <-> ckptq.kernels.backend_torch.quantize (reference_codes after the transform)
+ *   ckq_dequantize  <-> ckptq.kernels.backend_torch.dequantize
+ *   ckq_adam_step   <-> ckptq.kernels.backend_torch.adam_step (step_rows)
  * That is why no FMA contraction is allowed (-ffp-contract=off, and no fma intrinsics): each product and
  * sum is rounded to fp32 on its own, in the order the reference writes it. Division and sqrt are IEEE
  * (correctly rounded), scalar and vector alike.
  *
- * Rounding contract (ckptq.codec): code = #{j : t[j] < y} with t the 255 codebook midpoints and
+ * Rounding contract (ckptq.kernels.lut): code = #{j : t[j] < y} with t the 255 codebook midpoints and
  * y = x / absmax (IEEE division; an all-zero block divides by 1). The code table makes that one lookup:
  * the 2^16 buckets are the floats sharing their top 16 bits, indexed by (bits >> 16) + 2^15; entry
  * e = base << 17 | limit where base = #{t < every y of the bucket} and limit is the rank (the position
  * in increasing value order, 0..65535, inside the bucket) of the first y above the one threshold that may
  * lie inside the bucket (65536: none). Then code = base + (rank(y) >= limit); a NaN y gets 255, as
- * torch.searchsorted gives it. ckptq.kernels.native.code_table builds the table from the thresholds.
+ * torch.searchsorted gives it. ckptq.kernels.lut.native_code_table builds the table from the thresholds.
  */
 #define _DEFAULT_SOURCE  /* madvise under -std=c99 */
 #include <math.h>
@@ -261,7 +261,7 @@ int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap,
     return 0;
 }
 
-/* Hyperparameters, fp32 [10], in ckptq.adam_step.HYPER_FIELDS + RATIO_FIELDS order. */
+/* Hyperparameters, fp32 [10], in ckptq.kernels.contract.HYPER_FIELDS order. */
 enum { DECAY, L2, OMB1, BETA2, OMB2, EPS, NEG_STEP, BC2_SQRT, DECODE_EPS, ENCODE_EPS };
 
 #if VEC

@@ -1,7 +1,7 @@
 """The C CPU kernels (``cpu_kernels.c``): built on first use, cached, called through ctypes.
 
-The CPU path of ``ckptq.codec`` and ``ckptq.adam_step`` runs these when they are available and the
-pure-PyTorch code otherwise; both give the same bits (tests/test_native.py). The source is compiled
+``backend_native`` calls them (``ckptq.ops`` sends CPU work there when they are available, to the
+PyTorch reference otherwise; both give the same bits, tests/test_native.py). The source is compiled
 with the system C compiler (``$CC``, else ``cc``) for this machine's CPU into a cache folder
 (``$CKPTQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckptq`` or ``~/.cache/ckptq``), once per source, compiler
 (and version), flags and CPU: about a second. ``CKPTQ_NATIVE=0`` turns it off. No compiler, a failed build or a read-only cache
@@ -25,9 +25,6 @@ import threading
 import warnings
 from pathlib import Path
 
-import torch
-
-from ckptq.errors import UsageError
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # No FMA contraction (each fp32 operation rounded on its own, as PyTorch's eager ops do); no errno, so
@@ -40,8 +37,6 @@ def _arch_flags() -> tuple[list[str], list[str]]:
     non-AVX-512 variant with it), then no -march at all where the compiler refuses that."""
     return [f"-march={os.environ.get('CKPTQ_NATIVE_MARCH') or 'native'}"], []
 
-
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -147,12 +142,6 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def check(rc: int) -> None:
-    """The kernels return -1 for a block size they cannot hold (callers validate first)."""
-    if rc != 0:
-        raise UsageError(f"the C kernels refused their arguments (code {rc}); block sizes are 64..4096")
-
-
 _why: list[str] = []
 
 
@@ -174,25 +163,3 @@ def library() -> ctypes.CDLL | None:
         return None
     with _lock:  # one build even when pool threads ask at once
         return _load()
-
-
-@functools.lru_cache(maxsize=16)
-def _code_table(threshold_bytes: bytes) -> torch.Tensor | None:
-    from ckptq import codec
-
-    table = codec._code_table_cpu(threshold_bytes)
-    t = torch.frombuffer(bytearray(threshold_bytes), dtype=torch.float32)
-    if table is None or bool(((t == 0) & torch.signbit(t)).any()):
-        return None  # two thresholds in a bucket, or a -0.0 threshold: callers take PyTorch
-    bucket = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32)  # signed top 16 bits, table order
-    thr_bits = table.thr.view(torch.int32)
-    inside = (thr_bits >> 16) == bucket  # the threshold lies in the bucket (by bits: -0.0 vs +0.0 apart)
-    rank = torch.where(thr_bits < 0, thr_bits ^ 0xFFFF, thr_bits) & 0xFFFF
-    limit = torch.where(inside, rank + 1, torch.full_like(rank, 1 << 16))
-    return (table.base.to(torch.int32) << 17) | limit
-
-
-def code_table(thresholds: torch.Tensor) -> torch.Tensor | None:
-    """int32 [65536] code table of ``cpu_kernels.c`` for 255 ascending fp32 thresholds, or None where
-    a codebook needs the general search (two thresholds in one 2^16-float bucket)."""
-    return _code_table(thresholds.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())

@@ -9,9 +9,9 @@ import pytest
 import numpy as np
 import torch
 
-from ckptq import codebooks, codec
+from ckptq import codebooks, ops
 from ckptq.errors import UsageError
-from ckptq.kernels import native
+from ckptq.kernels import backend_torch, cpu_runtime, lut, native
 
 MAPS = {"signed": codebooks.dynamic_map(True), "unsigned": codebooks.dynamic_map(False)}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -25,11 +25,11 @@ def searchsorted_quantize(x, qmap, block_size, transform):
     flat = x.reshape(-1).to(torch.float32)
     if transform == "sqrt":  # IEEE-rounded sqrt (numpy's); torch's CPU fp32 sqrt is not always
         flat = torch.from_numpy(np.sqrt(flat.numpy()))
-    nb = codec.num_blocks(flat.numel(), block_size)
+    nb = ops.num_blocks(flat.numel(), block_size)
     blocks = torch.nn.functional.pad(flat, (0, nb * block_size - flat.numel())).view(nb, block_size)
     absmax = blocks.abs().amax(dim=1)
     y = blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
-    return torch.searchsorted(codec.midpoints(qmap), y).reshape(-1)[: flat.numel()], absmax
+    return torch.searchsorted(ops.midpoints(qmap), y).reshape(-1)[: flat.numel()], absmax
 
 
 def sample(n, signed, transform, dtype, seed=0):
@@ -48,7 +48,7 @@ def assert_same_bits(a, b):
 def edge_values(qmap):
     """Values in [-1, 1] where rounding can go wrong: every midpoint and its fp32 neighbours, +-0,
     subnormals, +-1, and the first/last float of every 2^16-float bucket of the lookup table."""
-    t = codec.midpoints(qmap)
+    t = ops.midpoints(qmap)
     inf = torch.tensor(float("inf"))
     mids = torch.cat([t, torch.nextafter(t, inf), torch.nextafter(t, -inf)])
     tiny = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, -1e-40, 1.1754942e-38, 1.0, -1.0])
@@ -64,7 +64,7 @@ def test_searchsorted_codes_are_nearest_entries(name):
     # midpoint (the midpoint itself is an fp32 rounding), where it is one of the two neighbours; a value
     # exactly on an fp32 midpoint goes to the lower code.
     qmap = MAPS[name]
-    t = codec.midpoints(qmap)
+    t = ops.midpoints(qmap)
     y = torch.cat([edge_values(qmap), torch.empty(20000).uniform_(-1, 1)])
     codes = torch.searchsorted(t, y)
     dist = (y.double()[:, None] - qmap.double()[None, :]).abs()  # [n, 256]
@@ -81,15 +81,15 @@ def test_searchsorted_codes_are_nearest_entries(name):
 @pytest.mark.parametrize("name", MAPS)
 def test_lookup_table_equals_searchsorted_on_every_bucket(name):
     # Both ends of all 2^16 buckets (including |y| > 1, inf and NaN), each midpoint and its neighbours.
-    t = codec.midpoints(MAPS[name])
-    table = codec._code_table(t)
+    t = ops.midpoints(MAPS[name])
+    table = lut.code_table(t)
     assert table is not None
     top = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int64) << 16
     bits = torch.cat([top, top | 0xFFFF, top | 0x8000]).to(torch.int32)
     quiet = (bits & 0x7FC00000) != 0x7F800000  # y comes out of a division: never a signalling NaN
     y = torch.cat([bits[quiet | (bits & 0x7FFFFF == 0)].view(torch.float32), edge_values(MAPS[name])])
     codes = torch.empty(y.numel(), dtype=torch.uint8)
-    codec._lookup_codes(y, table, codes, codec._Workspace(y.numel(), y.device))
+    backend_torch.lookup_codes(y, table, codes, cpu_runtime.Workspace(y.numel(), y.device))
     assert torch.equal(codes.long(), torch.searchsorted(t, y))
 
 
@@ -102,10 +102,10 @@ def test_edge_values_end_to_end(name, backend):
     y = edge_values(qmap)
     y = torch.cat([y, torch.zeros(-y.numel() % 255)]).view(-1, 255)
     x = torch.cat([y, torch.ones(y.shape[0], 1)], dim=1).reshape(-1)[:-100]
-    codes, absmax = codec.quantize_blockwise(x, qmap, 256, backend=backend)
+    codes, absmax = ops.quantize_blockwise(x, qmap, 256, backend=backend)
     full = x.numel() // 256 * 256
     assert torch.equal(absmax[:-1], torch.ones(absmax.numel() - 1))
-    assert torch.equal(codes[:full].long(), torch.searchsorted(codec.midpoints(qmap), x[:full]))
+    assert torch.equal(codes[:full].long(), torch.searchsorted(ops.midpoints(qmap), x[:full]))
     assert torch.equal(codes.long(), searchsorted_quantize(x, qmap, 256, "none")[0])
 
 
@@ -113,7 +113,7 @@ def sizes(block_size):
     return (0, 1, block_size - 1, block_size, block_size + 1, 98432, (37, 129))
 
 
-@pytest.mark.parametrize("block_size", codec.BLOCK_SIZES)
+@pytest.mark.parametrize("block_size", ops.BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name,transform", [("signed", "none"), ("unsigned", "sqrt"), ("unsigned", "none")])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -122,11 +122,11 @@ def test_quantize_equals_searchsorted(block_size, dtype, name, transform, backen
     for size in sizes(block_size):
         x = sample(size if isinstance(size, int) else size[0] * size[1], name == "signed", transform, dtype)
         x = x.view(size) if isinstance(size, tuple) else x
-        codes, absmax = codec.quantize_blockwise(x, qmap, block_size, transform, backend)
+        codes, absmax = ops.quantize_blockwise(x, qmap, block_size, transform, backend)
         ref_codes, ref_absmax = searchsorted_quantize(x, qmap, block_size, transform)
         assert codes.dtype == torch.uint8 and torch.equal(codes.long(), ref_codes), size
         assert_same_bits(absmax, ref_absmax)
-        out = codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform, backend)
+        out = ops.dequantize_blockwise(codes, absmax, qmap, block_size, transform, backend)
         scale = absmax.repeat_interleave(block_size)[: codes.numel()]
         ref = qmap[codes.long()] * scale
         assert_same_bits(out, ref * ref if transform == "sqrt" else ref)
@@ -139,8 +139,8 @@ def test_round_trip_error_is_within_half_a_codebook_gap(name, transform):
     # |x_hat - x| <= absmax * gap(c) / 2 (times (s_hat + s) * absmax for "sqrt"), plus fp32 rounding.
     qmap, block_size = MAPS[name], 256
     x = sample(1 << 18, name == "signed", transform, torch.float32, seed=3)
-    codes, absmax = codec.quantize_blockwise(x, qmap, block_size, transform)
-    x_hat = codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform)
+    codes, absmax = ops.quantize_blockwise(x, qmap, block_size, transform)
+    x_hat = ops.dequantize_blockwise(codes, absmax, qmap, block_size, transform)
     gaps = qmap[1:] - qmap[:-1]
     gap = torch.maximum(torch.cat([gaps, gaps[-1:]]), torch.cat([gaps[:1], gaps]))[codes.long()]
     scale = absmax.repeat_interleave(block_size)
@@ -153,22 +153,22 @@ def test_round_trip_error_is_within_half_a_codebook_gap(name, transform):
     assert float((x_hat - x).abs().max()) > 0  # the bound is not vacuous: rounding did happen
 
 
-@pytest.mark.parametrize("transform", codec.TRANSFORMS)
+@pytest.mark.parametrize("transform", ops.TRANSFORMS)
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_chunks_and_threads_match_quantizing_the_parts(transform, backend):
     # Just over one CPU chunk, with a short last block: the pool runs two chunks.
-    block_size, chunk = 256, codec._CPU_CHUNK
+    block_size, chunk = 256, cpu_runtime.CPU_CHUNK
     x = sample(chunk + 3 * block_size + 5, False, transform, torch.float32, seed=1)
     qmap = MAPS["unsigned"]
-    codes, absmax = codec.quantize_blockwise(x, qmap, block_size, transform, backend)
-    first = codec.quantize_blockwise(x[:chunk], qmap, block_size, transform, backend)
-    rest = codec.quantize_blockwise(x[chunk:], qmap, block_size, transform, backend)
+    codes, absmax = ops.quantize_blockwise(x, qmap, block_size, transform, backend)
+    first = ops.quantize_blockwise(x[:chunk], qmap, block_size, transform, backend)
+    rest = ops.quantize_blockwise(x[chunk:], qmap, block_size, transform, backend)
     assert torch.equal(codes, torch.cat([first[0], rest[0]]))
     assert_same_bits(absmax, torch.cat([first[1], rest[1]]))
     ref_codes, _ = searchsorted_quantize(x, qmap, block_size, transform)
     assert torch.equal(codes.long(), ref_codes)
-    out = codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform, backend)
-    parts = [codec.dequantize_blockwise(c, a, qmap, block_size, transform, backend) for c, a in (first, rest)]
+    out = ops.dequantize_blockwise(codes, absmax, qmap, block_size, transform, backend)
+    parts = [ops.dequantize_blockwise(c, a, qmap, block_size, transform, backend) for c, a in (first, rest)]
     assert_same_bits(out, torch.cat(parts))
 
 
@@ -177,13 +177,13 @@ def test_special_blocks():
     # quantizes to the code of 1.0; a non-contiguous input equals its contiguous copy.
     qmap = MAPS["signed"]
     x = torch.cat([torch.zeros(256), -torch.zeros(256), torch.full((256,), -3.0), torch.randn(256)])
-    codes, absmax = codec.quantize_blockwise(x, qmap, 256)
+    codes, absmax = ops.quantize_blockwise(x, qmap, 256)
     zero_code = int((qmap == 0).nonzero())
     assert torch.equal(codes[:512], torch.full((512,), zero_code, dtype=torch.uint8))
     assert_same_bits(absmax[:2], torch.zeros(2))
     assert torch.equal(codes[512:768], torch.zeros(256, dtype=torch.uint8))  # -1.0 is code 0
     m = torch.randn(300, 700).t()
-    assert torch.equal(codec.quantize_blockwise(m, qmap)[0], codec.quantize_blockwise(m.contiguous(), qmap)[0])
+    assert torch.equal(ops.quantize_blockwise(m, qmap)[0], ops.quantize_blockwise(m.contiguous(), qmap)[0])
 
 
 def test_codebook_without_table_falls_back_to_searchsorted():
@@ -191,60 +191,60 @@ def test_codebook_without_table_falls_back_to_searchsorted():
     qmap = torch.linspace(-1, 1, 256)
     qmap[128:131] = torch.tensor([0.5, 0.5 + 2**-20, 0.5 + 2**-19])
     qmap = qmap.sort().values
-    assert codec._code_table(codec.midpoints(qmap)) is None
+    assert lut.code_table(ops.midpoints(qmap)) is None
     x = torch.randn(5000)
-    codes, absmax = codec.quantize_blockwise(x, qmap, 256)
+    codes, absmax = ops.quantize_blockwise(x, qmap, 256)
     assert torch.equal(codes.long(), searchsorted_quantize(x, qmap, 256, "none")[0])
 
 
 def test_bad_arguments_raise_usage_errors():
     with pytest.raises(UsageError, match="block size 100"):
-        codec.quantize_blockwise(torch.randn(10), MAPS["signed"], 100)
+        ops.quantize_blockwise(torch.randn(10), MAPS["signed"], 100)
     with pytest.raises(UsageError, match="transform 'log'"):
-        codec.dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.ones(1), MAPS["signed"], 256, "log")
+        ops.dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.ones(1), MAPS["signed"], 256, "log")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_torch_backend_on_cuda_matches_cpu():
     x = sample(1 << 20, True, "none", torch.float32)
     qmap = MAPS["signed"]
-    cpu = codec.quantize_blockwise(x, qmap, 256, "none", "torch")
-    gpu = codec.quantize_blockwise(x.cuda(), qmap.cuda(), 256, "none", "torch")
+    cpu = ops.quantize_blockwise(x, qmap, 256, "none", "torch")
+    gpu = ops.quantize_blockwise(x.cuda(), qmap.cuda(), 256, "none", "torch")
     assert torch.equal(cpu[0], gpu[0].cpu()) and torch.equal(cpu[1], gpu[1].cpu())
-    out = codec.dequantize_blockwise(gpu[0], gpu[1], qmap.cuda(), 256, "none", "torch")
-    assert torch.equal(out.cpu(), codec.dequantize_blockwise(*cpu, qmap, 256, "none", "torch"))
+    out = ops.dequantize_blockwise(gpu[0], gpu[1], qmap.cuda(), 256, "none", "torch")
+    assert torch.equal(out.cpu(), ops.dequantize_blockwise(*cpu, qmap, 256, "none", "torch"))
 
 
 def test_dequantize_into_out_buffer():
     x = torch.randn(5000) * 1e-3
     qmap = MAPS["signed"]
-    codes, absmax = codec.quantize_blockwise(x, qmap, 256)
+    codes, absmax = ops.quantize_blockwise(x, qmap, 256)
     out = torch.full((5000,), float("nan"))
-    got = codec.dequantize_blockwise(codes, absmax, qmap, 256, out=out)
-    assert got.data_ptr() == out.data_ptr() and torch.equal(out, codec.dequantize_blockwise(codes, absmax, qmap, 256))
+    got = ops.dequantize_blockwise(codes, absmax, qmap, 256, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, ops.dequantize_blockwise(codes, absmax, qmap, 256))
     with pytest.raises(UsageError, match="out must be"):
-        codec.dequantize_blockwise(codes, absmax, qmap, 256, out=torch.empty(4999))
+        ops.dequantize_blockwise(codes, absmax, qmap, 256, out=torch.empty(4999))
 
 
 def test_pair_gather_handles_odd_and_unaligned_code_views():
     x = torch.randn(4099) * 1e-3
     qmap = MAPS["signed"]
-    codes, absmax = codec.quantize_blockwise(x, qmap, 64)
+    codes, absmax = ops.quantize_blockwise(x, qmap, 64)
     ref = qmap[codes.long()] * absmax.repeat_interleave(64)[:4099]
-    assert torch.equal(codec.dequantize_blockwise(codes, absmax, qmap, 64), ref)  # odd count
+    assert torch.equal(ops.dequantize_blockwise(codes, absmax, qmap, 64), ref)  # odd count
     shifted = torch.empty(4100, dtype=torch.uint8)[1:]  # storage offset 1: not 2-byte aligned
     shifted.copy_(codes)
-    assert torch.equal(codec.dequantize_blockwise(shifted, absmax, qmap, 64), ref)
+    assert torch.equal(ops.dequantize_blockwise(shifted, absmax, qmap, 64), ref)
 
 
 def test_large_outputs_on_huge_page_buffers_are_ordinary_tensors():
-    """Past codec._HUGE_MIN_BYTES outputs live in a THP-advised mapping: same values, usable as usual."""
-    n = (codec._HUGE_MIN_BYTES // 4) + 1001
+    """Past cpu_runtime.HUGE_MIN_BYTES outputs live in a THP-advised mapping: same values, usable as usual."""
+    n = (cpu_runtime.HUGE_MIN_BYTES // 4) + 1001
     x = torch.randn(n) * 1e-3
     qmap = MAPS["signed"]
-    codes, absmax = codec.quantize_blockwise(x, qmap, 256)
-    y = codec.dequantize_blockwise(codes, absmax, qmap, 256)
-    small = codec.dequantize_blockwise(codes[:4096], absmax[:16], qmap, 256)  # torch.empty path
+    codes, absmax = ops.quantize_blockwise(x, qmap, 256)
+    y = ops.dequantize_blockwise(codes, absmax, qmap, 256)
+    small = ops.dequantize_blockwise(codes[:4096], absmax[:16], qmap, 256)  # torch.empty path
     assert torch.equal(y[:4096], small) and y.shape == (n,) and y.dtype == torch.float32
     y.mul_(2).add_(1)  # writable
     assert torch.equal(torch.load(_save_load(y), weights_only=True), y)

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 import ckptq
-from ckptq import codebooks, codec
+from ckptq import codebooks, ops
 from test_format import assert_same
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v1.safetensors")
@@ -24,7 +24,7 @@ INFO = {"created_by": "golden"}
 
 def _q(x, signed, transform, block_size):
     qmap = codebooks.dynamic_map(signed)
-    codes, absmax = codec.quantize_blockwise(x, qmap, block_size, transform)
+    codes, absmax = ops.quantize_blockwise(x, qmap, block_size, transform)
     return {"ckptq": "blockwise", "bits": 8, "codes": codes, "absmax": absmax, "qmap": qmap,
             "block_size": block_size, "transform": transform, "shape": tuple(x.shape), "dtype": "float32"}
 

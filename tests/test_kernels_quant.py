@@ -16,9 +16,8 @@ if DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from ckptq import codebooks, codec  # noqa: E402
+from ckptq import codebooks, ops  # noqa: E402
 from ckptq.errors import UsageError  # noqa: E402
-from ckptq.kernels import quant  # noqa: E402
 
 BLOCK_SIZES = (64, 256, 4096)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -46,13 +45,13 @@ def _kernel(fn, *tensors_then_args):
 
 
 def _assert_matches_reference(x, qmap, block_size, transform):
-    codes, absmax = _kernel(codec.quantize_blockwise, x, qmap, block_size, transform, "triton")
-    ref_codes, ref_absmax = codec.quantize_blockwise(x, qmap, block_size, transform, backend="torch")
+    codes, absmax = _kernel(ops.quantize_blockwise, x, qmap, block_size, transform, "triton")
+    ref_codes, ref_absmax = ops.quantize_blockwise(x, qmap, block_size, transform, backend="torch")
     assert codes.dtype == torch.uint8 and absmax.dtype == torch.float32
     assert torch.equal(codes, ref_codes), f"{int((codes != ref_codes).sum())} codes differ"
     _assert_same_bits(absmax, ref_absmax, "scales")
-    out = _kernel(codec.dequantize_blockwise, codes, absmax, qmap, block_size, transform, "triton")
-    ref_out = codec.dequantize_blockwise(ref_codes, ref_absmax, qmap, block_size, transform, backend="torch")
+    out = _kernel(ops.dequantize_blockwise, codes, absmax, qmap, block_size, transform, "triton")
+    ref_out = ops.dequantize_blockwise(ref_codes, ref_absmax, qmap, block_size, transform, backend="torch")
     _assert_same_bits(out, ref_out, "decoded values")
 
 
@@ -75,7 +74,7 @@ def test_all_zero_blocks_get_scale_zero_and_the_code_of_zero(transform):
     x[768:1024] = -0.0
     x[1280:] = 0.0  # the short last block
     qmap = codebooks.dynamic_map(False)
-    codes, absmax = _kernel(quant.quantize_blockwise, x, qmap, 256, transform)
+    codes, absmax = _kernel(ops.quantize_blockwise, x, qmap, 256, transform, "triton")
     assert torch.equal(absmax[[1, 3, 5]], torch.zeros(3))
     zero_code = int((qmap == 0).nonzero())
     assert bool((codes[256:512] == zero_code).all()) and bool((codes[1280:] == zero_code).all())
@@ -89,11 +88,11 @@ def test_ties_on_midpoints_go_to_the_lower_code(signed, scale):
     # One block per probe set: [absmax, t[j]*absmax, just below, just above]; power-of-two scales keep
     # y = x / absmax exactly on (or one ulp beside) the midpoint.
     qmap = codebooks.dynamic_map(signed)
-    t = codec.midpoints(qmap)  # [255]
+    t = ops.midpoints(qmap)  # [255]
     probes = torch.cat([t, torch.nextafter(t, torch.tensor(-2.0)), torch.nextafter(t, torch.tensor(2.0))])
     block = torch.cat([torch.ones(1), probes, torch.zeros(1024 - 1 - probes.numel())])
     x = block * scale
-    codes, _ = _kernel(quant.quantize_blockwise, x, qmap, 1024, "none")
+    codes, _ = _kernel(ops.quantize_blockwise, x, qmap, 1024, "none", "triton")
     expected = (t[None, :] < block[:, None]).sum(dim=1)  # brute-force #{t < y}
     assert torch.equal(codes.long(), expected)
     _assert_matches_reference(x, qmap, 1024, "none")
@@ -116,23 +115,23 @@ def test_non_contiguous_input_is_read_and_not_modified():
 
 def test_empty_input():
     qmap = codebooks.dynamic_map(True)
-    codes, absmax = _kernel(quant.quantize_blockwise, torch.empty(0), qmap, 256, "none")
+    codes, absmax = _kernel(ops.quantize_blockwise, torch.empty(0), qmap, 256, "none", "triton")
     assert codes.shape == (0,) and absmax.shape == (0,)
-    assert _kernel(quant.dequantize_blockwise, codes, absmax, qmap, 256, "none").shape == (0,)
+    assert _kernel(ops.dequantize_blockwise, codes, absmax, qmap, 256, "none", "triton").shape == (0,)
 
 
 def test_bad_arguments_raise_usage_errors():
     qmap, x = codebooks.dynamic_map(True), torch.ones(300)
     with pytest.raises(UsageError, match="int32"):
-        quant.quantize_blockwise(x.int(), qmap, 256, "none")
+        ops.quantize_blockwise(x.int(), qmap, 256, "none", backend="triton")
     with pytest.raises(UsageError, match="block size"):
-        quant.quantize_blockwise(x, qmap, 100, "none")
+        ops.quantize_blockwise(x, qmap, 100, "none", backend="triton")
     with pytest.raises(UsageError, match="codebook"):
-        quant.quantize_blockwise(x, qmap[:255], 256, "none")
+        ops.quantize_blockwise(x, qmap[:255], 256, "none", backend="triton")
     with pytest.raises(UsageError, match="transform"):
-        quant.quantize_blockwise(x, qmap, 256, "log")
-    codes, absmax = quant.quantize_blockwise(x, qmap, 256, "none")
+        ops.quantize_blockwise(x, qmap, 256, "log", backend="triton")
+    codes, absmax = ops.quantize_blockwise(x, qmap, 256, "none", backend="triton")
     with pytest.raises(UsageError, match="absmax"):
-        quant.dequantize_blockwise(codes, absmax[:1], qmap, 256, "none")
+        ops.dequantize_blockwise(codes, absmax[:1], qmap, 256, "none", backend="triton")
     with pytest.raises(UsageError, match="uint8"):
-        quant.dequantize_blockwise(codes.int(), absmax, qmap, 256, "none")
+        ops.dequantize_blockwise(codes.int(), absmax, qmap, 256, "none", backend="triton")

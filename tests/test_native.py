@@ -1,7 +1,7 @@
 """The C CPU kernels (ckptq/kernels/cpu_kernels.c) against their PyTorch references, bit for bit.
 
-quantize/dequantize against ckptq.codec's torch path (which tests/test_codec.py checks against the
-plain rounding contract), the fused Adam step against adam_step.step_rows (backend="torch"), on irregular
+quantize/dequantize against ckptq.ops' torch backend (which tests/test_codec.py checks against the
+plain rounding contract), the fused Adam step against backend_torch.adam_step (backend="torch"), on irregular
 sizes that span several chunks and end in a short block, every input dtype, special values, and every
 bucket edge of the code table. Also: the build cache, and the fallback to PyTorch without a compiler.
 """
@@ -11,7 +11,8 @@ import platform
 import pytest
 import torch
 
-from ckptq import codebooks, codec, qstate
+from ckptq import codebooks, ops, qstate
+from ckptq.kernels import backend_torch, lut
 from ckptq.errors import UsageError
 from ckptq.kernels import native
 from ckptq.optim import Adam8bit, AdamW8bit
@@ -91,8 +92,8 @@ def test_code_table_equals_searchsorted_on_every_bucket_edge(name, build):
     """Both ends of every 2^16-float bucket in [-1, 1], every threshold +-1 ulp, and NaN: each value
     sits in a block whose absmax is exactly 1, so y = x and the table meets every edge case."""
     qmap = CODEBOOKS[name]
-    t = codec.midpoints(qmap)
-    lo, hi = codec._bucket_bounds()
+    t = ops.midpoints(qmap)
+    lo, hi = lut.bucket_bounds()
     y = torch.cat([lo, hi, t, torch.nextafter(t, torch.tensor(2.0)), torch.nextafter(t, torch.tensor(-2.0)),
                    torch.tensor([float("nan"), -0.0, 0.0])])
     y = y[~(y.abs() > 1)]  # keeps NaN
@@ -103,8 +104,8 @@ def test_code_table_equals_searchsorted_on_every_bucket_edge(name, build):
     body = torch.zeros(n_blocks * per)
     body[: y.numel()] = y
     x = torch.cat([torch.ones(n_blocks, 1), body.view(n_blocks, per)], dim=1).view(-1)
-    codes, absmax = codec.quantize_blockwise(x, qmap, 64, backend="native")
-    ref, _ = codec.reference_codes(x, t, 64)
+    codes, absmax = ops.quantize_blockwise(x, qmap, 64, backend="native")
+    ref, _ = backend_torch.reference_codes(x, t, 64)
     assert torch.equal(codes, ref)
     assert torch.equal(absmax.isnan(), torch.isnan(x.view(-1, 64)).any(1))
 
@@ -117,13 +118,13 @@ def test_quantize_and_dequantize_match_the_torch_path(n, block, dtype, signed, t
     gen = torch.Generator().manual_seed(n + block)
     x = _special(n, signed, gen).to(dtype)
     qmap = codebooks.dynamic_map(signed)
-    (c1, a1), (c2, a2) = _both(lambda b: codec.quantize_blockwise(x, qmap, block, transform, b))
+    (c1, a1), (c2, a2) = _both(lambda b: ops.quantize_blockwise(x, qmap, block, transform, b))
     assert torch.equal(c1, c2)
     _assert_same(a1, a2)
-    d1, d2 = _both(lambda b: codec.dequantize_blockwise(c1, a1, qmap, block, transform, b))
+    d1, d2 = _both(lambda b: ops.dequantize_blockwise(c1, a1, qmap, block, transform, b))
     _assert_same(d1, d2)
     out = torch.full((n,), 7.0)
-    d3 = codec.dequantize_blockwise(c1, a1, qmap, block, transform, "native", out=out)
+    d3 = ops.dequantize_blockwise(c1, a1, qmap, block, transform, "native", out=out)
     assert d3.data_ptr() == out.data_ptr()
     _assert_same(d1, d3)
 
@@ -207,20 +208,20 @@ def test_without_a_compiler_the_torch_path_runs_with_one_warning(fresh_build, mo
     x = torch.randn(10000)
     qmap = codebooks.dynamic_map(True)
     with pytest.warns(RuntimeWarning, match="no C compiler"):
-        codes, absmax = codec.quantize_blockwise(x, qmap)
-    assert codec.resolve_backend("auto", x.device) == "torch"
-    assert torch.equal(codes, codec.quantize_blockwise(x, qmap, backend="torch")[0])
+        codes, absmax = ops.quantize_blockwise(x, qmap)
+    assert ops.resolve_backend("auto", x.device) == "torch"
+    assert torch.equal(codes, ops.quantize_blockwise(x, qmap, backend="torch")[0])
     with pytest.raises(UsageError, match="backend 'native' is unavailable: no C compiler"):
-        codec.quantize_blockwise(x, qmap, backend="native")
+        ops.quantize_blockwise(x, qmap, backend="native")
     assert list(fresh_build.iterdir()) == []
 
 
 def test_ckptq_native_0_turns_it_off(monkeypatch):
     monkeypatch.setenv("CKPTQ_NATIVE", "0")
     assert native.library() is None
-    assert codec.resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert ops.resolve_backend("auto", torch.device("cpu")) == "torch"
     with pytest.raises(UsageError, match="CKPTQ_NATIVE=0"):
-        codec.resolve_backend("native", torch.device("cpu"))
+        ops.resolve_backend("native", torch.device("cpu"))
 
 
 def test_cc_with_arguments_and_an_unreadable_build(fresh_build, monkeypatch):
@@ -233,7 +234,7 @@ def test_cc_with_arguments_and_an_unreadable_build(fresh_build, monkeypatch):
     assert target.stat().st_size > 1000
     x = torch.randn(3000)
     qmap = codebooks.dynamic_map(True)
-    assert torch.equal(*(codec.quantize_blockwise(x, qmap, backend=b)[0] for b in ("torch", "native")))
+    assert torch.equal(*(ops.quantize_blockwise(x, qmap, backend=b)[0] for b in ("torch", "native")))
 
 
 def test_malformed_states_never_reach_the_kernel():
@@ -258,4 +259,4 @@ def test_malformed_states_never_reach_the_kernel():
                         ((q["codes"], q["absmax"], q["qmap"][:16]), "codebook")):
         for backend in ("torch", "native"):
             with pytest.raises(UsageError, match=match):
-                codec.dequantize_blockwise(*args, 256, "sqrt", backend)
+                ops.dequantize_blockwise(*args, 256, "sqrt", backend)

@@ -279,13 +279,13 @@ def test_mismatched_state_dict_raises_before_changing_state():
 
 
 def test_chunks_on_the_pool_match_one_thread(monkeypatch):
-    from ckptq import adam_step, codec
+    from ckptq.kernels import backend_torch, cpu_runtime
 
-    n = 3 * adam_step.CHUNK_ELEMENTS + 100
+    n = 3 * backend_torch.STEP_CHUNK + 100
     a, b = _params(((n,),)), _params(((n,),))
     pooled, serial = AdamW8bit(a, backend="torch"), AdamW8bit(b, backend="torch")
     pa = _run(pooled, a, [0, 1])
-    monkeypatch.setattr(codec, "_pool", lambda: None)
+    monkeypatch.setattr(cpu_runtime, "_pool", lambda: None)
     pb = _run(serial, b, [0, 1])
     assert torch.equal(pa[0], pb[0])
     for key in ("exp_avg", "exp_avg_sq"):

@@ -3,7 +3,7 @@
 One run, interleaved rounds (ckptq and bitsandbytes alternate on the same tensors, so load from other
 processes hits both alike); prints medians and ratios as a markdown table.
 
-    PYTHONPATH=. python tools/bench_codec.py --numel 16777216 --rounds 7
+    PYTHONPATH=. python tools/bench_ops.py --numel 16777216 --rounds 7
 
 Tensors: an Adam first moment (randn * 1e-3; ckptq: signed map) and a second moment spread over six
 decades (randn^2 * 10^U(-8, -2); ckptq: sqrt transform + unsigned map, as ``ckptq.qstate`` stores it).
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ckptq import codebooks, codec
+from ckptq import codebooks, ops
 
 
 def make_tensors(numel: int, seed: int) -> dict[str, tuple[torch.Tensor, bool, str]]:
@@ -51,16 +51,16 @@ def run_round(tensors, block_size: int, times: dict[str, list[float]], buffers: 
         buf = buffers.setdefault(name, torch.zeros(x.numel()))
         qmap = codebooks.dynamic_map(signed)
         ops = {
-            "quantize": (lambda: codec.quantize_blockwise(x, qmap, block_size, transform),
+            "quantize": (lambda: ops.quantize_blockwise(x, qmap, block_size, transform),
                          lambda: bnbf.quantize_blockwise(x, blocksize=block_size)),
         }
         codes, absmax = ops["quantize"][0]()
         bcodes, state = ops["quantize"][1]()
         ops["dequantize, new tensor"] = (
-            lambda: codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform),
+            lambda: ops.dequantize_blockwise(codes, absmax, qmap, block_size, transform),
             lambda: bnbf.dequantize_blockwise(bcodes, state))
         ops["dequantize, ckptq out= reused"] = (
-            lambda: codec.dequantize_blockwise(codes, absmax, qmap, block_size, transform, out=buf),
+            lambda: ops.dequantize_blockwise(codes, absmax, qmap, block_size, transform, out=buf),
             lambda: bnbf.dequantize_blockwise(bcodes, state))
         for j, (op, (ours, bnb)) in enumerate(ops.items()):
             order = (("ckptq", ours), ("bnb", bnb))
@@ -83,7 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=1 << 24, help="elements per tensor (default 16M)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds, interleaved (default 7)")
-    parser.add_argument("--block-size", type=int, default=codec.DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--block-size", type=int, default=ops.DEFAULT_BLOCK_SIZE)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     import bitsandbytes

@@ -1,0 +1,70 @@
+"""The C backend: ``cpu_kernels.c`` (built and loaded by ``native``) called through ctypes on chunks of
+whole blocks, on the CPU pool (ctypes releases the GIL for the length of a call).
+
+Signatures and contract in ``contract``; results equal ``backend_torch`` bit for bit. ``ckptq.ops`` sends
+work here only where the kernels can take it: CPU tensors of ``contract.KERNEL_DTYPES``, codebooks with
+a code table (``usable``), the library loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu_runtime, lut, native
+from .contract import KERNEL_DTYPES, StepFlags, StepState
+
+
+def available() -> bool:
+    return native.library() is not None
+
+
+def why_unavailable() -> str:
+    return native.why_unavailable()
+
+
+def usable(thresholds: torch.Tensor) -> bool:
+    """Whether the C kernels can write codes on the codebook of these thresholds (a code table exists)."""
+    return lut.native_code_table(thresholds) is not None
+
+
+def _check(rc: int) -> None:
+    # The kernels return -1 only for a block size outside 1..4096, which ckptq.ops never passes.
+    if rc != 0:
+        raise RuntimeError(f"ckptq internal error: the C kernels refused their arguments (code {rc})")
+
+
+def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax) -> None:
+    lib, table = native.library(), lut.native_code_table(thresholds)
+    dtype, size = KERNEL_DTYPES[src.dtype], src.element_size()
+
+    def span(start: int, stop: int) -> None:
+        _check(lib.ckq_quantize(src.data_ptr() + start * size, dtype, stop - start, block_size, sqrt,
+                                table.data_ptr(), codes.data_ptr() + start, absmax.data_ptr() + 4 * (start // block_size)))
+
+    cpu_runtime.for_each_chunk(span, src.numel(), cpu_runtime.native_chunk(src.numel()), src.device)
+
+
+def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool) -> None:
+    lib = native.library()
+
+    def span(start: int, stop: int) -> None:
+        _check(lib.ckq_dequantize(codes.data_ptr() + start, absmax.data_ptr() + 4 * (start // block_size),
+                                  qmap.data_ptr(), stop - start, block_size, sqrt, out.data_ptr() + 4 * start, fresh))
+
+    cpu_runtime.for_each_chunk(span, codes.numel(), cpu_runtime.native_chunk(codes.numel()), codes.device)
+
+
+def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
+    lib, block = native.library(), flags.block_size
+    tables = [lut.native_code_table(s.thresholds) for s in states]
+    n = p.numel()
+
+    def span(start: int, stop: int) -> None:
+        ptrs = [(s.codes.data_ptr() + start, s.absmax.data_ptr() + 4 * (start // block), s.qmap.data_ptr(),
+                 t.data_ptr()) for s, t in zip(states, tables)]
+        m, v, x = ptrs + [(None,) * 4] * (3 - len(ptrs))
+        _check(lib.ckq_adam_step(p.data_ptr() + start * p.element_size(), KERNEL_DTYPES[p.dtype],
+                                 g.data_ptr() + start * g.element_size(), KERNEL_DTYPES[g.dtype], stop - start, block,
+                                 *m, flags.ratio, *v, *x, h.data_ptr(), flags.maximize))
+
+    cpu_runtime.for_each_chunk(span, n, cpu_runtime.native_chunk(n), p.device)

@@ -1,0 +1,240 @@
+"""The PyTorch backend: the reference of every operation, and the path wherever C and Triton are not.
+
+Signatures and contract in ``contract``. Blockwise 8-bit quantization after Dettmers et al., "8-bit
+Optimizers via Block-wise Quantization" (ICLR 2022): a flat tensor is cut into blocks of ``block_size``
+values (the last may be short), each divided by its absmax (an fp32 scale), and each normalized value
+rounded to the nearest codebook entry under the rounding contract of ``lut``. An all-zero block gets
+absmax 0 and the code of 0; the ``sqrt`` transform stores sqrt(x) (second moments) and decodes s * s.
+
+The Adam step follows ``torch.optim.AdamW`` / ``Adam`` (single-tensor path) and torchao's
+``single_param_adam``: per block it decodes the second moment (s = qmap[code] * absmax, v = s * s) and
+the first (m = r * (s + eps') for ratio codes, qmap[code] * absmax for plain ones), runs the update in
+fp32 (``adam_math``), and requantizes with new block scales: v as sqrt(v), m as the ratio
+r = m / (sqrt(v) + eps_new) with the new exact v. The C and Triton kernels equal this bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import cpu_runtime, lut
+from .contract import StepFlags, StepState, num_blocks
+
+STEP_CHUNK = 1 << 18  # elements per chunk of the step (whole blocks for every block size): 1 MB temporaries
+
+
+def ieee_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """sqrt(x) as a new fp32 tensor, correctly rounded (see ``ieee_sqrt_into``)."""
+    return ieee_sqrt_into(x, torch.empty(x.shape, dtype=torch.float32, device=x.device))
+
+
+def ieee_sqrt_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = sqrt(x) in fp32, correctly rounded (as the kernels' sqrt_rn); x any float dtype, out fp32.
+    torch's CPU fp32 sqrt is 1 ulp off on ~20% of inputs, numpy's is IEEE, and so is CUDA's sqrtf."""
+    if out.device.type != "cpu":
+        return torch.sqrt(x.float(), out=out)
+    if x.dtype != torch.float32:
+        x = out.copy_(x)
+    np.sqrt(x.numpy(), out=out.numpy())
+    return out
+
+
+def reference_codes(x: torch.Tensor, thresholds: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rounding contract written out plainly. x: fp32 [n] (transform already applied).
+    Returns codes uint8 [n] and absmax fp32 [ceil(n / block_size)]."""
+    n = x.numel()
+    nb = num_blocks(n, block_size)
+    blocks = torch.nn.functional.pad(x, (0, nb * block_size - n)).view(nb, block_size)  # zeros never win absmax
+    absmax = blocks.abs().amax(dim=1)  # [nb]
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    y = blocks / safe[:, None]  # IEEE division, as the kernels do
+    codes = torch.searchsorted(thresholds, y, right=False, out_int32=True)  # #{t < y}
+    return codes.view(-1)[:n].to(torch.uint8), absmax
+
+
+def _as_fp32(src: torch.Tensor, buf: torch.Tensor, sqrt: bool) -> torch.Tensor:
+    """src: [n] any float dtype -> fp32 [n], sqrt applied; uses buf [n] unless src can be used as is."""
+    if sqrt:
+        return ieee_sqrt_into(src, buf)
+    return buf.copy_(src) if src.dtype != torch.float32 else src
+
+
+def _absmax_rows(blocks: torch.Tensor, out: torch.Tensor, nonnegative: bool = False) -> None:
+    """out[i] = max |blocks[i, :]| for blocks [nb, B], NaN if the row holds one. Two reductions beat abs() +
+    amax (no full temp), and sqrt outputs (``nonnegative``: >= 0, -0.0 or NaN) need only the max; abs_
+    turns a -0.0 from an all-zero block into the +0.0 that abs().amax gives."""
+    torch.amax(blocks, dim=1, out=out)
+    if not nonnegative:
+        torch.maximum(out, torch.amin(blocks, dim=1).neg_(), out=out)
+    out.abs_()
+
+
+def lookup_codes(y: torch.Tensor, table: lut.CodeTable, codes: torch.Tensor, ws: cpu_runtime.Workspace) -> None:
+    """codes [n] uint8 = #{t < y} for y fp32 [n], via the code table (see ``lut``)."""
+    n = y.numel()
+    idx = torch.bitwise_right_shift(y.view(torch.int32), 16, out=ws.idx[:n]).add_(lut.SIGN_FLIP)
+    torch.index_select(table.base, 0, idx, out=codes)
+    thr = torch.index_select(table.thr, 0, idx, out=ws.x[:n])
+    codes.add_(torch.gt(y, thr, out=ws.gt[:n]))
+
+
+def _quantize_span(src, codes, absmax, thresholds, table, block_size, sqrt, ws) -> None:
+    """Quantize src [n] into codes [n] and absmax [ceil(n / B)] (views of the outputs); n <= chunk."""
+    n = src.numel()
+    x = _as_fp32(src, ws.x[:n], sqrt)
+    if table is None:
+        codes[:], absmax[:] = reference_codes(x, thresholds, block_size)
+        return
+    full = n - n % block_size
+    nb = full // block_size
+    if nb:
+        blocks = x[:full].view(nb, block_size)
+        _absmax_rows(blocks, absmax[:nb], nonnegative=sqrt)
+        safe = torch.where(absmax[:nb] > 0, absmax[:nb], 1.0)
+        y = torch.div(blocks, safe[:, None], out=ws.y[:full].view(nb, block_size)).view(-1)
+        lookup_codes(y, table, codes[:full], ws)
+    if full < n:  # the tensor's last, short block
+        codes[full:], absmax[nb:] = reference_codes(x[full:], thresholds, block_size)
+
+
+def _chunk(device: torch.device) -> int:
+    return cpu_runtime.CPU_CHUNK if device.type == "cpu" else cpu_runtime.DEVICE_CHUNK
+
+
+def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax) -> None:
+    """Blockwise quantize (contract in ``contract``), in chunks of whole blocks on the CPU pool."""
+    table = lut.code_table(thresholds)
+    n, chunk = src.numel(), _chunk(src.device)
+
+    def span(start: int, stop: int) -> None:
+        ws = cpu_runtime.workspace(src.device, min(chunk, n))
+        _quantize_span(src[start:stop], codes[start:stop], absmax[start // block_size : num_blocks(stop, block_size)],
+                       thresholds, table, block_size, sqrt, ws)
+
+    cpu_runtime.for_each_chunk(span, n, chunk, src.device)
+
+
+def quantize_rows(x: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 blocks [nb, B] (transform applied) -> (codes uint8 [nb, B], absmax fp32 [nb]) on x's device and
+    thread, through the code table where the codebook has one: the building block of the step."""
+    nb, block = x.shape
+    table = lut.code_table(thresholds)
+    if table is None or x.numel() > cpu_runtime.CPU_CHUNK:
+        codes, absmax = reference_codes(x.reshape(-1), thresholds, block)
+        return codes.view(nb, block), absmax
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(nb, dtype=torch.float32, device=x.device)
+    _quantize_span(x.reshape(-1), codes.view(-1), absmax, thresholds, table, block, False,
+                   cpu_runtime.workspace(x.device, cpu_runtime.CPU_CHUNK))
+    return codes, absmax
+
+
+def _gather_codes(codes: torch.Tensor, qmap: torch.Tensor, out: torch.Tensor, ws: cpu_runtime.Workspace) -> None:
+    """out [n] = qmap[codes] for codes uint8 [n]; two codes per gather on the CPU when aligned."""
+    n = codes.numel()
+    if codes.device.type == "cpu" and n % 2 == 0 and codes.storage_offset() % 2 == 0:
+        idx = ws.idx[: n // 2].copy_(codes.view(torch.int16)).bitwise_and_(0xFFFF)  # sign-extended -> 0..65535
+        torch.index_select(lut.pair_table(qmap), 0, idx, out=out.view(torch.float64))
+        return
+    idx = ws.idx[:n].copy_(codes)  # index_select takes int32 indices: no int64 temporary
+    torch.index_select(qmap, 0, idx, out=out)
+
+
+def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool) -> None:
+    """out = qmap[codes] * absmax[block], squared for ``sqrt`` (contract in ``contract``)."""
+    n, chunk = codes.numel(), _chunk(codes.device)
+
+    def span(start: int, stop: int) -> None:
+        ws = cpu_runtime.workspace(codes.device, min(chunk, n))
+        c, o = codes[start:stop], out[start:stop]
+        _gather_codes(c, qmap, o, ws)
+        a = absmax[start // block_size : num_blocks(stop, block_size)]
+        full = (stop - start) - (stop - start) % block_size
+        o[:full].view(-1, block_size).mul_(a[: full // block_size, None])
+        if full < stop - start:
+            o[full:].mul_(a[full // block_size])
+        if sqrt:
+            o.mul_(o)  # v * v in fp32, as the kernels do
+
+    cpu_runtime.for_each_chunk(span, n, chunk, codes.device)
+
+
+def adam_math(p, g, m, v, vmax, h, maximize: bool):
+    """One Adam(W) update on fp32 tensors of one shape; ``h``: fp32 [>= 8] (``contract.HYPER_FIELDS``).
+    Returns ``(p, m, v, vmax)``; ``vmax`` is None without amsgrad. Decoupled decay (AdamW) is
+    ``h[0] = 1 - lr*wd``, L2 decay (Adam) is ``h[1] = wd``; the unused one is the identity (x*1, x+0*p)."""
+    if maximize:
+        g = -g
+    g = g + h[1] * p
+    m = m + h[2] * (g - m)  # torch's lerp(m, g, 1 - beta1) for weights < 0.5
+    v = v * h[3] + h[4] * (g * g)
+    if vmax is not None:
+        vmax = torch.maximum(vmax, v)
+    denom = ieee_sqrt(v if vmax is None else vmax) / h[7] + h[5]
+    p = p * h[0] + h[6] * (m / denom)
+    return p, m, v, vmax
+
+
+def _decode_rows(s: StepState) -> torch.Tensor:
+    """codes uint8 [nb, B], absmax fp32 [nb] -> qmap[code] * absmax, fp32 [nb, B] (no transform)."""
+    return s.qmap[s.codes.to(torch.int64)] * s.absmax[:, None]
+
+
+def step_rows(p, g, h, states: tuple[StepState, ...], ratio: bool, maximize: bool):
+    """The fused step on whole blocks: p, g [nb, B] (any float dtype), states with codes [nb, B].
+    Returns (p fp32 [nb, B], ((codes, absmax), ...)): the new values, in the order of ``states``."""
+    m_state, v_state, *x_state = states
+    s = _decode_rows(v_state)  # sqrt(v) as stored
+    m = _decode_rows(m_state)
+    if ratio:
+        m = m * (s + h[8])  # m = r * (s_q + eps'), in this order (ckptq.qstate decodes the same way)
+    vmax = None
+    if x_state:
+        vmax = _decode_rows(x_state[0])
+        vmax = vmax * vmax
+    p32, m, v, vmax = adam_math(p.float(), g.float(), m, s * s, vmax, h, maximize)
+    s = ieee_sqrt(v)  # exact fp32 v: the new divisor of the ratio
+    new = (quantize_rows(m / (s + h[9]), m_state.thresholds), quantize_rows(s, v_state.thresholds))
+    if vmax is not None:
+        new += (quantize_rows(ieee_sqrt(vmax), x_state[0].thresholds),)
+    return p32, new
+
+
+def _step_span(p, g, h, states, flags: StepFlags, lo: int, hi: int, width: int) -> None:
+    """Step elements [lo, hi) as rows of ``width`` (whole blocks, or one short last block), in place."""
+    rows, b0 = (hi - lo) // width, lo // flags.block_size
+    views = tuple(StepState(s.codes[lo:hi].view(rows, width), s.absmax[b0 : b0 + rows], s.qmap, s.thresholds)
+                  for s in states)
+    p_new, new = step_rows(p[lo:hi].view(rows, width), g[lo:hi].view(rows, width), h, views, flags.ratio,
+                           flags.maximize)
+    p[lo:hi].view(rows, width).copy_(p_new)
+    for view, (codes, absmax) in zip(views, new):
+        view.codes.copy_(codes)
+        view.absmax.copy_(absmax)
+
+
+def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
+    """The fused 8-bit Adam(W) step in chunks of whole blocks (contract in ``contract``). A short last
+    block is stepped on its own as [1, length]: padding would take part in the block's math."""
+    block = flags.block_size
+
+    def run(start: int, end: int) -> None:
+        full = start + (end - start) // block * block
+        with torch.no_grad():  # grad mode is per thread: pool workers run without it, as step() does
+            if full > start:
+                _step_span(p, g, h, states, flags, start, full, block)
+            if end > full:
+                _step_span(p, g, h, states, flags, full, end, end - full)
+
+    cpu_runtime.for_each_chunk(run, p.numel(), STEP_CHUNK, p.device)
+
+
+def adam_dense_step(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, h, maximize: bool) -> None:
+    """The same update for parameters whose moments are plain fp32 tensors, in place."""
+    p32, m, v, vmax = adam_math(p.float(), g.float(), exp_avg, exp_avg_sq, max_exp_avg_sq, h, maximize)
+    p.copy_(p32)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    if max_exp_avg_sq is not None:
+        max_exp_avg_sq.copy_(vmax)

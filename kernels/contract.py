@@ -1,0 +1,62 @@
+"""What every backend implementation of an operation takes, and the little they share.
+
+``ckptq.ops`` declares the operations (blockwise quantize, dequantize, the fused 8-bit Adam step),
+validates their inputs and picks the backend once; the backend modules beside this one
+(``backend_torch``: the PyTorch reference, ``backend_native``: the C CPU kernels, ``backend_triton``:
+the Triton CUDA kernels) then receive flat, contiguous, already-checked tensors and plain flags, with
+identical signatures::
+
+    quantize(src, thresholds, block_size, sqrt, codes, absmax) -> None
+        src         [n] float (float32/bfloat16/float16; the PyTorch backend takes any float dtype)
+        thresholds  fp32 [255] ascending: midpoints of the codebook (see ``midpoints``)
+        codes       uint8 [n] out;  absmax  fp32 [num_blocks(n, block_size)] out
+    dequantize(codes, absmax, qmap, block_size, sqrt, out, fresh) -> None
+        qmap        fp32 [256] codebook;  out  fp32 [n] out (``fresh``: newly allocated memory)
+    adam_step(p, g, states, h, flags) -> None
+        p [n] param (updated in place), g [n] grad, states: 2 or 3 ``StepState`` (exp_avg, exp_avg_sq,
+        max_exp_avg_sq), h fp32 [10] (``HYPER_FIELDS``), flags: ``StepFlags``
+
+Nothing in this package imports from ``ckptq`` above it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# Parameter/gradient/input dtypes the C and Triton kernels read natively, with the C kernels' enum value
+# (cpu_kernels.c: F32 = 0, BF16 = 1, F16 = 2). Other float dtypes are converted or go to the reference.
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+# The scalars of one Adam step, host-computed in float64 and rounded once to fp32 so that every backend
+# sees the same values: fp32 [10] in this order. decay = 1 - lr*wd for AdamW (else 1), l2 = wd for Adam
+# (else 0), neg_step_size = -lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t); decode_eps / encode_eps:
+# eps' of the ratio transform the first moment's codes were written with / are written with now.
+HYPER_FIELDS = ("decay", "l2", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "neg_step_size", "bc2_sqrt",
+                "decode_eps", "encode_eps")
+
+
+class StepState(NamedTuple):
+    """One quantized moment as the step kernels see it (all flat, contiguous, on the param's device)."""
+
+    codes: torch.Tensor  # uint8 [n], rewritten in place
+    absmax: torch.Tensor  # fp32 [num_blocks(n, block_size)], rewritten in place
+    qmap: torch.Tensor  # fp32 [256]: the codebook the stored codes refer to
+    thresholds: torch.Tensor  # fp32 [255]: midpoints of the codebook the new codes are written with
+
+
+class StepFlags(NamedTuple):
+    block_size: int  # one quantization block size for every state of the param
+    ratio: bool  # exp_avg's stored codes are ratios m / (sqrt(v) + decode_eps); else plain values
+    maximize: bool
+
+
+def num_blocks(n: int, block_size: int) -> int:
+    return (n + block_size - 1) // block_size
+
+
+def midpoints(qmap: torch.Tensor) -> torch.Tensor:
+    """Decision thresholds between neighbouring codebook entries: fp32 [len(qmap) - 1]."""
+    q = qmap.to(torch.float32)
+    return (q[:-1] + q[1:]) / 2.0
