@@ -35,9 +35,22 @@ def _unsafe_message(path: str, e: Exception) -> str:
     except Exception:
         needs = []
     if needs:
-        return (f"{path} needs arbitrary unpickling of {', '.join(needs[:5])}; if you trust the file, "
-                f"pass --trust (Python: trust=True)")
+        return (f"{path} needs arbitrary unpickling of {', '.join(needs[:5])}, which torch.load(weights_only=True) "
+                "refuses; ckptq keeps tensors, containers, numbers and strings only, so re-save the checkpoint "
+                "with such objects as dicts or strings (e.g. vars(args)); `ckptq info --trust` shows a file you trust")
     return f"{path} is not a readable torch checkpoint: {str(e).splitlines()[0]}"
+
+
+def is_torch_file(path: str) -> bool:
+    """A torch.save file: a zip archive (torch >= 1.6) or a legacy pickle (protocol 2 magic)."""
+    if not os.path.isfile(path):  # never open a FIFO or a device to sniff it
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head == b"PK\x03\x04" or head[:2] == b"\x80\x02"
 
 
 def is_optimizer_state(obj: Any) -> bool:

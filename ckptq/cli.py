@@ -134,8 +134,8 @@ def convert(src, output, block_size, min_size, key, device, compress, level, thr
         click.echo(f"wrote {', '.join(r.outputs)}: {_mb(r.output_bytes)} from {_mb(r.source_bytes)} "
                    f"({r.ratio:.2f}x smaller) in {r.seconds:.1f} s; {r.quantized} states 8-bit, "
                    f"{r.kept_small} small kept exact")
-        if r.kept_nonfinite:
-            click.echo(f"warning: kept exact (NaN/Inf inside): {', '.join(r.nonfinite_names[:5])}", err=True)
+        for line in r.warnings:
+            click.echo(f"warning: {line}", err=True)
 
 
 @main.command()
@@ -159,13 +159,14 @@ def expand(src, output, no_verify, force, quiet):
 @click.option("--min-size", default=4096, show_default=True, type=int, help="For .pt input: as in convert.")
 @click.option("--block-size", default=ops.DEFAULT_BLOCK_SIZE, show_default=True, type=int,
               help="For .pt input: as in convert.")
+@click.option("--key", help="For .pt input: as in convert.")
 @click.option("--trust", is_flag=True, help="Allow full unpickling of a .pt (only for files you trust).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def info(path, min_size, block_size, trust, as_json):
+def info(path, min_size, block_size, key, trust, as_json):
     """Show what is inside a torch checkpoint or a converted file: roles, sizes, savings, options."""
     from .info import info as run
 
-    r = _run(run, path, min_size=min_size, block_size=block_size, trust=trust)
+    r = _run(run, path, key=key, min_size=min_size, block_size=block_size, trust=trust)
     click.echo(json.dumps(r, indent=1) if as_json else _format_info(r))
 
 
@@ -175,6 +176,7 @@ def _format_info(r: dict) -> str:
     if r["kind"] == "torch":
         lines.append(f"  optimizers: {r['optimizers']}")
         lines.append(f"  convert would write ~{_mb(r['estimated_bytes'])} ({r['estimated_ratio']:.2f}x smaller)")
+        lines += [f"  warning: {w}" for w in r["warnings"]]
     else:
         opts = r["options"]
         lines.append(f"  format version {r['format_version']}, block size {opts.get('block_size')}, "

@@ -99,6 +99,17 @@ def shard_paths(path: str, n: int) -> list[str]:
     return [f"{stem}-{i:05d}-of-{n:05d}{SUFFIX}" for i in range(1, n + 1)]
 
 
+def _metadata(skeleton: Any, info: dict) -> tuple[dict, dict]:
+    base = {"format": "pt", "ckptq.format": FORMAT_NAME, "ckptq.version": str(FORMAT_VERSION)}
+    return base, {"ckptq.skeleton": json.dumps(skeleton, separators=(",", ":")), "ckptq.info": json.dumps(info)}
+
+
+def planned_bytes(skeleton: Any, stored: list[tree.Stored], info: dict) -> int:
+    """The size ``write`` gives these tensors as one uncompressed file (what ``ckptq info`` predicts)."""
+    base, top = _metadata(skeleton, info)
+    return 8 + safetensors_io.reserved_header_bytes(stored, {**base, **top}) + sum(s.nbytes for s in stored)
+
+
 def write(
     path: str,
     skeleton: Any,
@@ -111,8 +122,7 @@ def write(
     on_tensor: Callable[[tree.Stored], None] | None = None,
 ) -> list[str]:
     """Write a converted checkpoint; returns the paths written (the file, or index + shards)."""
-    base = {"format": "pt", "ckptq.format": FORMAT_NAME, "ckptq.version": str(FORMAT_VERSION)}
-    top = {"ckptq.skeleton": json.dumps(skeleton, separators=(",", ":")), "ckptq.info": json.dumps(info)}
+    base, top = _metadata(skeleton, info)
     shards = shard_plan(stored, max_shard_size)
     encode = _encoder(compression)
     if len(shards) == 1:

@@ -8,20 +8,24 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, format
-from .pipeline import DEFAULT_MIN_SIZE
+from . import checkpoint, format, ops, pipeline, qstate, tree
+from .errors import UsageError
 
 
 def _role_row() -> dict:
     return {"tensors": 0, "elements": 0, "fp32_bytes": 0, "stored_bytes": 0}
 
 
-def info(path: str, *, min_size: int = DEFAULT_MIN_SIZE, block_size: int = 256, trust: bool = False) -> dict:
+def info(path: str, *, key: str | None = None, min_size: int = pipeline.DEFAULT_MIN_SIZE,
+         block_size: int = ops.DEFAULT_BLOCK_SIZE, trust: bool = False) -> dict:
     """A JSON-able report. For a converted file: roles, sizes, savings, options used. For a torch
     checkpoint: its optimizers and what ``convert`` with these options would store."""
     if os.path.isdir(path) or path.endswith((format.SUFFIX, ".json")) or format.is_safetensors(path):
         return _info_converted(path)
-    return _info_torch(path, min_size, block_size, trust)
+    ops.check_block_size(block_size)
+    if min_size < 1:
+        raise UsageError(f"min size {min_size} must be at least 1")
+    return _info_torch(path, key, min_size, block_size, trust)
 
 
 def _info_converted(path: str) -> dict:
@@ -77,36 +81,35 @@ def _quantized_parts(skeleton: Any):
             yield q["codes"], q["absmax"], q["qmap"]
 
 
-def _info_torch(path: str, min_size: int, block_size: int, trust: bool) -> dict:
+def _info_torch(path: str, key: str | None, min_size: int, block_size: int, trust: bool) -> dict:
+    """What ``convert`` with these options would store: the same plan (``pipeline.mark_states``), and the
+    sizes of exactly the tensors its writer would write (quantized states are not computed)."""
     obj = checkpoint.load_torch(path, trust=trust)
-    found = checkpoint.find_optimizers(obj)
+    report = pipeline.ConvertReport(path, [], os.path.getsize(path), 0)
+    marked = pipeline.mark_states(obj, key, block_size, min_size, "auto", "cpu", report)
     roles: dict[str, dict] = defaultdict(_role_row)
-    quantized_ids = set()
-    for f in found:
-        for pstate in f.state_dict["state"].values():
-            for name, t in pstate.items() if isinstance(pstate, dict) else ():
-                if name != "step" and checkpoint.is_quantizable(t, min_size) and t.is_floating_point():
-                    row = roles[str(name)]
-                    row["tensors"] += 1
-                    row["elements"] += t.numel()
-                    row["fp32_bytes"] += t.numel() * t.element_size()
-                    row["stored_bytes"] += t.numel() + 4 * -(-t.numel() // block_size)
-                    quantized_ids.add(id(t))
+    for d in marked.quantized:
+        row = roles[d.key]
+        row["tensors"] += 1
+        row["elements"] += d.tensor.numel()
+        row["fp32_bytes"] += d.tensor.numel() * d.tensor.element_size()
+        row["stored_bytes"] += d.tensor.numel() + 4 * -(-d.tensor.numel() // block_size)
+    skeleton, stored = tree.flatten(obj)
     exact = _role_row()
-    seen = set()
-    for t in checkpoint.iter_tensors(obj):
-        k = checkpoint.storage_key(t)
-        if id(t) not in quantized_ids and k not in seen:
-            seen.add(k)
+    for s in stored:
+        if s.role in ("exact", "codebook"):
             exact["tensors"] += 1
-            exact["stored_bytes"] += t.untyped_storage().nbytes()
-    size = os.path.getsize(path)
-    estimate = exact["stored_bytes"] + sum(r["stored_bytes"] for r in roles.values())
-    if not found and not roles:
-        opt_note = "no optimizer state dict found"
-    else:
-        opt_note = ", ".join("/".join(map(str, f.path)) or "<root>" for f in found)
-    return {"kind": "torch", "path": path, "bytes": size, "optimizers": opt_note,
-            "options": {"min_size": min_size, "block_size": block_size}, "quantized": dict(roles),
-            "exact": exact, "estimated_bytes": estimate, "estimated_ratio": size / max(estimate, 1)}
-
+            exact["stored_bytes"] += s.nbytes
+    meta = pipeline.convert_info(report, block_size, min_size) | {"stored_bytes": sum(s.nbytes for s in stored)}
+    estimate = format.planned_bytes(skeleton, stored, meta)
+    found = ", ".join("/".join(map(str, f.path)) or "<root>" for f in marked.optimizers)
+    note = None if report.quantized or not marked.optimizers else pipeline.nothing_to_quantize(marked, min_size)
+    already = qstate.count_qstates(obj)
+    if already:
+        note = (f"holds {already} ckptq 8-bit states already (e.g. saved from AdamW8bit): `ckptq expand` turns them "
+                "into fp32 state; AdamW8bit.load_state_dict and ckptq.load read them as they are")
+    return {"kind": "torch", "path": path, "bytes": report.source_bytes,
+            "optimizers": found or "no optimizer state dict found", "options": {"min_size": min_size,
+            "block_size": block_size, "key": key}, "quantized": dict(roles), "exact": exact,
+            "estimated_bytes": estimate, "estimated_ratio": report.source_bytes / max(estimate, 1),
+            "already_8bit": already, "warnings": report.warnings + ([note] if note else [])}

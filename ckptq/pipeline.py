@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from . import __version__, checkpoint, format, ops, qstate, torch_stream, tree
+from . import __version__, checkpoint, format, ops, plan, qstate, torch_stream, tree
 from .errors import InputError, UsageError
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -31,6 +32,7 @@ class ConvertReport:
     kept_nonfinite: int = 0  # states holding NaN/Inf, stored exact
     kept_shared: int = 0  # states sharing storage with another tensor, stored exact
     nonfinite_names: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # states kept exact, or not stored as ratios, and why
     seconds: float = 0.0
 
     @property
@@ -49,60 +51,52 @@ def default_output(src: str) -> str:
 
 
 def default_expanded(src: str) -> str:
-    """``ckpt.q8.safetensors`` -> ``ckpt.fp32.pt``."""
+    """``ckpt.q8.safetensors`` -> ``ckpt.fp32.pt``; ``optimizer.pt`` (a torch.save file) -> ``optimizer.fp32.pt``."""
     base = os.path.basename(src.rstrip("/"))
-    for suffix in (format.INDEX_SUFFIX, format.SUFFIX):
+    for suffix in (format.INDEX_SUFFIX, format.SUFFIX, ".pt", ".pth", ".bin"):
         base = base.removesuffix(suffix)
     return os.path.join(os.path.dirname(src), base.removesuffix(".q8") + ".fp32.pt")
 
 
-def _mark_states(obj: Any, key: str | None, block_size: int, min_size: int, backend: str, device: str,
-                 report: ConvertReport) -> None:
-    """Replace each quantizable optimizer state tensor by a lazy PendingQuant, in place."""
-    shared = checkpoint.shared_storages(obj)
-    found = checkpoint.find_optimizers(obj, key)
-    report.optimizers = len(found)
-    for f in found:
-        groups = {pid: g for g in f.state_dict["param_groups"] if isinstance(g, dict) for pid in g.get("params", [])}
-        for pid, pstate in f.state_dict["state"].items():
-            if not isinstance(pstate, dict):
-                continue
-            _mark_param(pstate, groups.get(pid, {}), f.path + ("state", pid), block_size, min_size, backend,
-                        device, shared, report)
-        report.quantized += sum(isinstance(v, tree.PendingQuant) for st in f.state_dict["state"].values()
-                                if isinstance(st, dict) for v in st.values())
+def mark_states(obj: Any, key: str | None, block_size: int, min_size: int, backend: str, device: str,
+                report: ConvertReport) -> plan.Plan:
+    """Replace each optimizer state tensor the plan stores 8-bit by a lazy PendingQuant, in place; fill
+    the report's counts. ``info`` runs the same, so that it shows what convert would do."""
+    p = plan.make_plan(obj, key, min_size)
+    for d in p.quantized:
+        _node(obj, d.path)[d.key] = tree.PendingQuant(d.tensor, d.key, block_size, backend, divisor=d.divisor,
+                                                      device=device)
+    report.optimizers = len(p.optimizers)
+    report.quantized = len(p.quantized)
+    report.kept_small = len(p.kept("below min_size"))
+    report.kept_shared = len(p.kept("shares storage"))
+    report.kept_nonfinite = len(p.kept("holds NaN/Inf"))
+    report.nonfinite_names = [d.name for d in p.kept("holds NaN/Inf")]
+    report.warnings = p.warnings()
+    return p
 
 
-def _mark_param(pstate: dict, group: dict, path: tuple, block_size: int, min_size: int, backend: str,
-                device: str, shared: set, report: ConvertReport) -> None:
-    for name, t in list(pstate.items()):
-        if not isinstance(t, torch.Tensor) or name == "step" or not t.is_floating_point():
-            continue
-        if not checkpoint.is_quantizable(t, min_size):
-            report.kept_small += 1
-        elif checkpoint.storage_key(t) in shared:
-            report.kept_shared += 1
-        elif not _all_finite(t):
-            report.kept_nonfinite += 1
-            report.nonfinite_names.append("/".join(map(str, path + (name,))))
-        else:
-            pstate[name] = tree.PendingQuant(t, name, block_size, backend, device=device)
-    # a first moment whose second moment is quantized too is stored relative to it (qstate docstring)
-    for m_key, v_key in qstate.RATIO_PAIRS.items():
-        m, v = pstate.get(m_key), pstate.get(v_key)
-        if isinstance(m, tree.PendingQuant) and isinstance(v, tree.PendingQuant) and m.tensor.shape == v.tensor.shape:
-            m.divisor = (v_key, v.tensor, qstate.ratio_eps_for(group, pstate.get("step", 0)))
+def _node(obj: Any, path: tuple) -> Any:
+    for k in path:
+        obj = obj[k]
+    return obj
+
+
+def nothing_to_quantize(p: plan.Plan, min_size: int) -> str:
+    """Why a plan stores nothing 8-bit, and what to do."""
+    reasons = Counter(d.exact for d in p.decisions)
+    if set(reasons) <= {"not an Adam moment"}:
+        keys = sorted({d.key for d in p.decisions})
+        return (f"the optimizer state holds no Adam moments to store 8-bit (found: {', '.join(keys) or 'no tensors'}); "
+                "ckptq converts Adam/AdamW state (exp_avg, exp_avg_sq), nothing else")
+    why = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()) if r != "not an Adam moment")
+    hint = f"; lower --min-size (now {min_size})" if reasons.get("below min_size") else ""
+    return f"none of the Adam moments can be stored 8-bit ({why}){hint}"
 
 
 def _not_the_input(src: str, dst: str) -> None:
     if os.path.realpath(dst) == os.path.realpath(src):
         raise UsageError(f"output {dst} is the input; choose another -o path")
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    # min and max propagate NaN and reach +-Inf: one reduction pass, no full-size bool temporary
-    lo, hi = torch.aminmax(t.detach().reshape(-1))
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def convert(
@@ -139,17 +133,25 @@ def convert(
     device = _quant_device(device)
     obj = checkpoint.load_torch(src, trust=trust)  # memory-mapped on the CPU; states visit `device` one at a time
     report = ConvertReport(src, [], os.path.getsize(src), 0)
-    _mark_states(obj, key, block_size, min_size, backend, device, report)
+    marked = mark_states(obj, key, block_size, min_size, backend, device, report)
     if report.optimizers == 0:
         raise InputError(f"{src}: no optimizer state dict (a dict with 'state' and 'param_groups') found; "
                          "name it with --key if it is stored differently")
-    info = {"created_by": f"ckptq {__version__}", "source": os.path.basename(src), "source_bytes": report.source_bytes,
-            "block_size": block_size, "min_size": min_size, "quantized": report.quantized}
+    if not report.quantized:
+        raise InputError(f"{src}: {nothing_to_quantize(marked, min_size)}")
+    info = convert_info(report, block_size, min_size)
     report.outputs = save(obj, dst, info=info, force=force, compression=compression,
                           max_shard_size=max_shard_size, progress=progress)
     report.output_bytes = sum(os.path.getsize(p) for p in report.outputs)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def convert_info(report: ConvertReport, block_size: int, min_size: int) -> dict:
+    """The ``ckptq.info`` metadata of a converted file (``save`` adds ``stored_bytes``)."""
+    return {"created_by": f"ckptq {__version__}", "source": os.path.basename(report.source),
+            "source_bytes": report.source_bytes, "block_size": block_size, "min_size": min_size,
+            "quantized": report.quantized}
 
 
 def _quant_device(device: str) -> str:
@@ -193,7 +195,13 @@ def save(
 
 def load(path: str, *, dequantize: bool = False, verify: bool = True) -> Any:
     """Read a converted checkpoint (file, index, or folder). Quantized states stay qstate dicts (what
-    ``ckptq.optim.AdamW8bit.load_state_dict`` takes) unless ``dequantize=True``."""
+    ``ckptq.optim.AdamW8bit.load_state_dict`` takes) unless ``dequantize=True``. A torch.save file (e.g. an
+    ``optimizer.pt`` that Trainer wrote from AdamW8bit's state) is read with ``torch.load(weights_only=True)``."""
+    if checkpoint.is_torch_file(path):
+        obj = checkpoint.load_torch(path)
+        if dequantize:
+            qstate.decode_qstates(obj)
+        return obj
     return format.Converted(path, verify).read(dequantize)
 
 
@@ -210,6 +218,8 @@ def expand(src: str, dst: str | None = None, *, force: bool = False, verify: boo
     """Converted file -> ordinary torch.save checkpoint with fp32 (original dtype) states."""
     t0 = time.perf_counter()
     dst = dst or default_expanded(src)
+    if checkpoint.is_torch_file(src):
+        return _expand_torch(src, dst, force, progress, t0)
     conv = format.Converted(src, verify)
     for f in conv.files:
         _not_the_input(f, dst)
@@ -217,4 +227,18 @@ def expand(src: str, dst: str | None = None, *, force: bool = False, verify: boo
     with format.atomic_outputs([dst], force) as (tmp,):
         torch_stream.save(obj, tmp, progress)
     conv.close()
+    return ExpandReport(src, dst, os.path.getsize(dst), time.perf_counter() - t0)
+
+
+def _expand_torch(src: str, dst: str, force: bool, progress: Progress | None, t0: float) -> ExpandReport:
+    """A torch.save file holding ckptq 8-bit states (Trainer or accelerate saving AdamW8bit's state dict):
+    the same file with every state decoded to fp32."""
+    _not_the_input(src, dst)
+    obj = checkpoint.load_torch(src)
+    if not qstate.count_qstates(obj):
+        raise InputError(f"{src} is a torch.save checkpoint without ckptq 8-bit states: it is already expanded "
+                         "(torch.load reads it; `ckptq convert` shrinks it)")
+    qstate.decode_qstates(obj)
+    with format.atomic_outputs([dst], force) as (tmp,):
+        torch_stream.save(obj, tmp, progress)
     return ExpandReport(src, dst, os.path.getsize(dst), time.perf_counter() - t0)

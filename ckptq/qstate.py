@@ -258,5 +258,26 @@ def dequantize_states(pstate: dict, backend: str = "auto") -> dict:
     return out
 
 
+def count_qstates(obj) -> int:
+    """How many quantized states a loaded object holds, anywhere inside its dicts and lists."""
+    if is_qstate(obj):
+        return 1
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(count_qstates(v) for v in values)
+
+
+def decode_qstates(obj, backend: str = "auto") -> None:
+    """Decode, in place, every quantized state inside a loaded object (dicts and lists) to a dense tensor,
+    ratio states through their sibling: what an fp32 optimizer loads."""
+    if isinstance(obj, dict):
+        if any(is_qstate(v) for v in obj.values()):
+            obj.update(dequantize_states(obj, backend))
+        values = obj.values()
+    else:
+        values = obj if isinstance(obj, (list, tuple)) else ()
+    for v in values:
+        decode_qstates(v, backend)
+
+
 def state_nbytes(q: dict) -> int:
     return QState.from_dict(q).nbytes

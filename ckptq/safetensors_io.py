@@ -62,6 +62,15 @@ def _header_bytes(header: dict) -> bytes:
     return json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def reserved_header_bytes(stored: list[Stored], metadata: dict[str, str], compressing: bool = False) -> int:
+    """The header space ``write_file`` reserves: an uncompressed file is 8 + this + the tensors' bytes."""
+    slack = 512 * len(stored) if compressing else 0
+    table = {s.name: _table_entry(s, "0" * 8, {"codec": "raw"}) for s in stored}
+    plan = {s.name: _entry(s, None if not compressing else Encoded(b"", {"codec": "?"}), _BIG, _BIG) for s in stored}
+    reserve = len(_header_bytes({"__metadata__": {**metadata, "ckptq.tensors": json.dumps(table)}, **plan})) + slack
+    return (reserve + 4096 + 7) // 8 * 8
+
+
 def write_file(
     path: str,
     stored: list[Stored],
@@ -72,12 +81,8 @@ def write_file(
     """Write ``stored`` to ``path`` (the caller makes it atomic). ``metadata`` values are str; the
     writer adds ``ckptq.tensors``: per tensor the logical dtype and shape, the codec, and the crc32 of
     the bytes on disk. Returns that table."""
-    compressing = encode is not None
-    slack = 512 * len(stored) if compressing else 0
     table = {s.name: _table_entry(s, "0" * 8, {"codec": "raw"}) for s in stored}
-    plan = {s.name: _entry(s, None if not compressing else Encoded(b"", {"codec": "?"}), _BIG, _BIG) for s in stored}
-    reserve = len(_header_bytes({"__metadata__": {**metadata, "ckptq.tensors": json.dumps(table)}, **plan})) + slack
-    reserve = (reserve + 4096 + 7) // 8 * 8
+    reserve = reserved_header_bytes(stored, metadata, compressing=encode is not None)
     with open(path, "wb") as f:
         f.seek(8 + reserve)
         header = _stream(f, stored, table, encode, on_tensor)

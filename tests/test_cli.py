@@ -33,9 +33,12 @@ def test_convert_info_expand(trained_ckpt, tmp_path):
 
 def test_convert_json_report_and_options(trained_ckpt, tmp_path):
     path, _, _ = trained_ckpt
-    r = run("convert", path, "-o", tmp_path / "b.safetensors", "--block-size", 64, "--min-size", 100000, "--json")
+    r = run("convert", path, "-o", tmp_path / "b.safetensors", "--block-size", 64, "--min-size", 3000, "--json")
     rep = json.loads(r.output)
-    assert rep["quantized"] == 0 and rep["kept_small"] > 0  # nothing reaches min size
+    assert rep["quantized"] > 0 and rep["kept_small"] > 0 and rep["warnings"] == []
+    r = run("convert", path, "-o", tmp_path / "c.safetensors", "--min-size", 100000)  # nothing reaches it
+    assert r.exit_code == 3 and "below min_size); lower --min-size (now 100000)" in r.output
+    assert not (tmp_path / "c.safetensors").exists()
     r = run("convert", path, "-o", tmp_path / "k.safetensors", "--key", "optimizer", "--json")
     assert json.loads(r.output)["quantized"] >= 4
 

@@ -1,0 +1,173 @@
+"""What convert stores 8-bit, decided once (ckptq.plan) for convert and info: Adam moments only, never a
+finite value turned into NaN/Inf, clear errors for param groups no Adam could have saved, and torch.save
+files that already hold ckptq 8-bit state (Trainer after an 8-bit resume) recognised by load/info/expand."""
+
+import argparse
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptq
+from ckptq.cli import main
+from ckptq.errors import InputError
+from ckptq.info import info as ckptq_info
+from ckptq.optim import AdamW8bit
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def _adamw_state(n=8192, steps=3, seed=0, **kw):
+    torch.manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(n)), torch.nn.Parameter(torch.randn(n // 2))]
+    opt = torch.optim.AdamW(ps, lr=1e-2, **kw)
+    for _ in range(steps):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return opt.state_dict()
+
+
+def _save(tmp_path, obj, name="ckpt.pt"):
+    path = tmp_path / name
+    torch.save(obj, path)
+    return path
+
+
+def _all_finite(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return bool(torch.isfinite(obj).all()) if obj.is_floating_point() else True
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return all(_all_finite(v) for v in values)
+
+
+def test_negative_second_moment_is_kept_exact_and_nothing_becomes_nan(tmp_path):
+    sd = _adamw_state()
+    sd["state"][0]["exp_avg_sq"][5] = -1e-6
+    path = _save(tmp_path, {"optimizer": sd})
+    r = run("convert", path, "-o", tmp_path / "o.safetensors")
+    assert r.exit_code == 0 and "state/0/exp_avg_sq: negative second moment" in r.output
+    back = ckptq.load(str(tmp_path / "o.safetensors"), dequantize=True)["optimizer"]["state"]
+    assert torch.equal(back[0]["exp_avg_sq"], sd["state"][0]["exp_avg_sq"])  # exact
+    assert _all_finite(back)
+    assert not torch.equal(back[1]["exp_avg"], sd["state"][1]["exp_avg"])  # the other param still 8-bit
+
+
+def test_a_ratio_that_would_overflow_is_stored_on_its_own(tmp_path):
+    sd = _adamw_state()
+    sd["state"][0]["exp_avg"][7] = 1e31
+    sd["state"][0]["exp_avg_sq"][7] = 0.0
+    path = _save(tmp_path, {"optimizer": sd})
+    report = ckptq.convert(str(path), str(tmp_path / "o.safetensors"))
+    assert report.quantized == 4 and any("ratio to exp_avg_sq would not fit" in w for w in report.warnings)
+    q = ckptq.load(str(tmp_path / "o.safetensors"))["optimizer"]["state"][0]["exp_avg"]
+    assert q["transform"] == "none"
+    back = ckptq.load(str(tmp_path / "o.safetensors"), dequantize=True)["optimizer"]["state"]
+    assert _all_finite(back) and float(back[0]["exp_avg"][7]) == pytest.approx(1e31, rel=0.02)
+
+
+@pytest.mark.parametrize("group,message", [
+    ({"eps": float("nan")}, "eps nan"),
+    ({"eps": "x"}, "eps 'x'"),
+    ({"betas": (0.9, 1.5)}, r"betas \(0.9, 1.5\)"),
+    ({"betas": "fast"}, "betas 'fast'"),
+])
+def test_param_groups_no_adam_could_have_saved_are_clear_errors(tmp_path, group, message):
+    sd = _adamw_state()
+    sd["param_groups"][0].update(group)
+    path = _save(tmp_path, {"optimizer": sd})
+    with pytest.raises(InputError, match=f"param group 0 has {message}"):
+        ckptq.convert(str(path))
+    r = run("convert", path)
+    assert r.exit_code == 3 and len(r.output.strip().splitlines()) == 1
+    assert not list(tmp_path.glob("*.safetensors"))
+
+
+def test_a_group_without_params_and_meta_tensors_are_clear_errors(tmp_path):
+    sd = _adamw_state()
+    del sd["param_groups"][0]["params"]
+    with pytest.raises(InputError, match="param group 0 has no 'params' list"):
+        ckptq.convert(str(_save(tmp_path, {"optimizer": sd}, "a.pt")))
+    sd = _adamw_state()
+    sd["state"][0]["exp_avg"] = torch.empty(8192, device="meta")
+    with pytest.raises(InputError, match="meta tensor"):
+        ckptq_info(str(_save(tmp_path, {"optimizer": sd}, "b.pt")))
+
+
+def test_only_adam_moments_are_quantized(tmp_path):
+    """SGD's momentum next to AdamW: the AdamW moments are 8-bit, the momentum stays exact."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8192))
+    sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.randn_like(p)
+    sgd.step()
+    path = _save(tmp_path, {"adamw": _adamw_state(), "sgd": sgd.state_dict()})
+    report = ckptq.convert(str(path), str(tmp_path / "o.safetensors"))
+    assert report.optimizers == 2 and report.quantized == 4
+    back = ckptq.load(str(tmp_path / "o.safetensors"))
+    assert torch.equal(back["sgd"]["state"][0]["momentum_buffer"], sgd.state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_non_adam_optimizers_alone_are_refused_plainly(tmp_path):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(128, 96))
+    opt = torch.optim.Adafactor([p], lr=1e-2)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    path = _save(tmp_path, {"optimizer": opt.state_dict()})
+    r = run("convert", path)
+    assert r.exit_code == 3 and "holds no Adam moments to store 8-bit" in r.output and "row_var" in r.output
+    info = json.loads(run("info", path, "--json").output)
+    assert info["quantized"] == {} and "holds no Adam moments" in info["warnings"][0]
+    # transformers' Adafactor keeps eps as a tuple and has no betas: not Adam, no crash
+    sd = _adamw_state()
+    for g in sd["param_groups"]:
+        g.pop("betas")
+        g["eps"] = (1e-30, 1e-3)
+    assert run("convert", _save(tmp_path, {"optimizer": sd}, "t.pt")).exit_code == 3
+
+
+def test_info_predicts_exactly_what_convert_writes(tmp_path):
+    sd = _adamw_state()
+    path = _save(tmp_path, {"model": {"w": torch.randn(100)}, "optimizer": sd, "again": sd["state"][0]["exp_avg"]})
+    info = ckptq_info(str(path))  # exp_avg of param 0 shares storage: kept exact by both
+    report = ckptq.convert(str(path), str(tmp_path / "o.safetensors"))
+    assert info["estimated_bytes"] == report.output_bytes and report.kept_shared == 1
+    assert sum(r["tensors"] for r in info["quantized"].values()) == report.quantized == 3
+    assert run("info", path, "--block-size", 100).exit_code == 2  # as convert refuses it
+    assert ckptq_info(str(path), key="optimizer")["optimizers"] == "optimizer"
+
+
+def test_objects_ckptq_cannot_store_do_not_suggest_trust(tmp_path):
+    path = _save(tmp_path, {"args": argparse.Namespace(lr=1e-3), "optimizer": _adamw_state()})
+    r = run("convert", path)
+    assert r.exit_code == 3 and "argparse.Namespace" in r.output and "vars(args)" in r.output
+    assert "pass --trust" not in r.output
+
+
+def test_torch_save_file_holding_ckptq_state_loads_expands_and_resumes(tmp_path):
+    """What Trainer writes as optimizer.pt after an 8-bit resume: torch.save(AdamW8bit.state_dict())."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(8192)), torch.nn.Parameter(torch.randn(10))]
+    opt = AdamW8bit(ps, lr=1e-2)
+    for _ in range(3):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    path = _save(tmp_path, opt.state_dict(), "optimizer.pt")
+    assert ckptq.load(str(path))["state"][0]["exp_avg"]["ckptq"] == "blockwise"
+    dense = ckptq.load(str(path), dequantize=True)["state"][0]
+    assert dense["exp_avg"].dtype == torch.float32 and dense["exp_avg"].shape == (8192,)
+    assert json.loads(run("info", path, "--json").output)["already_8bit"] == 2
+    r = run("expand", path)
+    assert r.exit_code == 0 and (tmp_path / "optimizer.fp32.pt").exists()
+    sd = torch.load(tmp_path / "optimizer.fp32.pt", weights_only=True)
+    assert torch.equal(sd["state"][0]["exp_avg"], dense["exp_avg"])
+    torch_opt = torch.optim.AdamW(ps, lr=1e-2)
+    torch_opt.load_state_dict(sd)
+    torch_opt.step()  # resumes in fp32
+    r = run("expand", tmp_path / "optimizer.fp32.pt", "-o", tmp_path / "again.pt")
+    assert r.exit_code == 3 and "already expanded" in r.output
