@@ -133,7 +133,8 @@ def convert(src, output, block_size, min_size, key, device, compress, level, thr
     elif not quiet:
         click.echo(f"wrote {', '.join(r.outputs)}: {_mb(r.output_bytes)} from {_mb(r.source_bytes)} "
                    f"({r.ratio:.2f}x smaller) in {r.seconds:.1f} s; {r.quantized} states 8-bit, "
-                   f"{r.kept_small} small kept exact")
+                   f"{r.kept_small} small kept exact"
+                   + (f"; read {r.foreign_states} params of bitsandbytes/torchao 8-bit state" if r.foreign_states else ""))
         for line in r.warnings:
             click.echo(f"warning: {line}", err=True)
 
@@ -144,12 +145,14 @@ def convert(src, output, block_size, min_size, key, device, compress, level, thr
 @click.option("--no-verify", is_flag=True, help="Skip checksum verification (faster, unsafe).")
 @click.option("-f", "--force", is_flag=True, help="Overwrite an existing output.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, no summary.")
-def expand(src, output, no_verify, force, quiet):
-    """Turn a converted file (or shard index/folder) back into an ordinary fp32 torch.save checkpoint."""
+@click.option("--trust", is_flag=True, help="For a .pt input: allow full unpickling (torchao state needs it).")
+def expand(src, output, no_verify, force, quiet, trust):
+    """Turn a converted file (or shard index/folder), or a torch.save file holding 8-bit state (ckptq's,
+    bitsandbytes', torchao's), back into an ordinary fp32 torch.save checkpoint."""
     from .pipeline import expand as run
 
     with _progress(quiet, "expand") as progress:
-        r = _run(run, src, output, force=force, verify=not no_verify, progress=progress)
+        r = _run(run, src, output, force=force, verify=not no_verify, trust=trust, progress=progress)
     if not quiet:
         click.echo(f"wrote {r.output}: {_mb(r.output_bytes)} in {r.seconds:.1f} s")
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, format, ops, pipeline, qstate, tree
+from . import checkpoint, foreign, format, ops, pipeline, qstate, tree
 from .errors import UsageError
 
 
@@ -85,7 +85,9 @@ def _info_torch(path: str, key: str | None, min_size: int, block_size: int, trus
     """What ``convert`` with these options would store: the same plan (``pipeline.mark_states``), and the
     sizes of exactly the tensors its writer would write (quantized states are not computed)."""
     obj = checkpoint.load_torch(path, trust=trust)
+    already = qstate.count_qstates(obj)
     report = pipeline.ConvertReport(path, [], os.path.getsize(path), 0)
+    report.foreign_states = foreign.to_torch(obj)
     marked = pipeline.mark_states(obj, key, block_size, min_size, "auto", "cpu", report)
     roles: dict[str, dict] = defaultdict(_role_row)
     for d in marked.quantized:
@@ -104,7 +106,9 @@ def _info_torch(path: str, key: str | None, min_size: int, block_size: int, trus
     estimate = format.planned_bytes(skeleton, stored, meta)
     found = ", ".join("/".join(map(str, f.path)) or "<root>" for f in marked.optimizers)
     note = None if report.quantized or not marked.optimizers else pipeline.nothing_to_quantize(marked, min_size)
-    already = qstate.count_qstates(obj)
+    if report.foreign_states:
+        note = (f"{report.foreign_states} parameters hold bitsandbytes/torchao 8-bit state: convert re-encodes "
+                "it as ckptq's, expand turns it into torch AdamW's fp32 state")
     if already:
         note = (f"holds {already} ckptq 8-bit states already (e.g. saved from AdamW8bit): `ckptq expand` turns them "
                 "into fp32 state; AdamW8bit.load_state_dict and ckptq.load read them as they are")
@@ -112,4 +116,4 @@ def _info_torch(path: str, key: str | None, min_size: int, block_size: int, trus
             "optimizers": found or "no optimizer state dict found", "options": {"min_size": min_size,
             "block_size": block_size, "key": key}, "quantized": dict(roles), "exact": exact,
             "estimated_bytes": estimate, "estimated_ratio": report.source_bytes / max(estimate, 1),
-            "already_8bit": already, "warnings": report.warnings + ([note] if note else [])}
+            "already_8bit": already, "foreign_8bit": report.foreign_states, "warnings": report.warnings + ([note] if note else [])}

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import __version__, checkpoint, format, ops, plan, qstate, torch_stream, tree
+from . import __version__, checkpoint, foreign, format, ops, plan, qstate, torch_stream, tree
 from .errors import InputError, UsageError
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -33,6 +33,7 @@ class ConvertReport:
     kept_shared: int = 0  # states sharing storage with another tensor, stored exact
     nonfinite_names: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # states kept exact, or not stored as ratios, and why
+    foreign_states: int = 0  # parameters whose state was bitsandbytes' or torchao's 8-bit state
     seconds: float = 0.0
 
     @property
@@ -133,6 +134,7 @@ def convert(
     device = _quant_device(device)
     obj = checkpoint.load_torch(src, trust=trust)  # memory-mapped on the CPU; states visit `device` one at a time
     report = ConvertReport(src, [], os.path.getsize(src), 0)
+    report.foreign_states = foreign.to_torch(obj)  # bitsandbytes / torchao 8-bit state, decoded first
     marked = mark_states(obj, key, block_size, min_size, backend, device, report)
     if report.optimizers == 0:
         raise InputError(f"{src}: no optimizer state dict (a dict with 'state' and 'param_groups') found; "
@@ -213,13 +215,13 @@ class ExpandReport:
     seconds: float
 
 
-def expand(src: str, dst: str | None = None, *, force: bool = False, verify: bool = True,
+def expand(src: str, dst: str | None = None, *, force: bool = False, verify: bool = True, trust: bool = False,
            progress: Progress | None = None) -> ExpandReport:
     """Converted file -> ordinary torch.save checkpoint with fp32 (original dtype) states."""
     t0 = time.perf_counter()
     dst = dst or default_expanded(src)
     if checkpoint.is_torch_file(src):
-        return _expand_torch(src, dst, force, progress, t0)
+        return _expand_torch(src, dst, force, trust, progress, t0)
     conv = format.Converted(src, verify)
     for f in conv.files:
         _not_the_input(f, dst)
@@ -230,14 +232,14 @@ def expand(src: str, dst: str | None = None, *, force: bool = False, verify: boo
     return ExpandReport(src, dst, os.path.getsize(dst), time.perf_counter() - t0)
 
 
-def _expand_torch(src: str, dst: str, force: bool, progress: Progress | None, t0: float) -> ExpandReport:
-    """A torch.save file holding ckptq 8-bit states (Trainer or accelerate saving AdamW8bit's state dict):
-    the same file with every state decoded to fp32."""
+def _expand_torch(src: str, dst: str, force: bool, trust: bool, progress: Progress | None, t0: float) -> ExpandReport:
+    """A torch.save file holding 8-bit states (Trainer or accelerate saving AdamW8bit's state dict; a
+    bitsandbytes or torchao optimizer's): the same file with every state decoded to torch's fp32 form."""
     _not_the_input(src, dst)
-    obj = checkpoint.load_torch(src)
-    if not qstate.count_qstates(obj):
-        raise InputError(f"{src} is a torch.save checkpoint without ckptq 8-bit states: it is already expanded "
-                         "(torch.load reads it; `ckptq convert` shrinks it)")
+    obj = checkpoint.load_torch(src, trust=trust)
+    if not qstate.count_qstates(obj) + foreign.to_torch(obj):
+        raise InputError(f"{src} is a torch.save checkpoint without 8-bit states (ckptq, bitsandbytes or torchao): "
+                         "it is already expanded (torch.load reads it; `ckptq convert` shrinks it)")
     qstate.decode_qstates(obj)
     with format.atomic_outputs([dst], force) as (tmp,):
         torch_stream.save(obj, tmp, progress)
