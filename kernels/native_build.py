@@ -52,7 +52,7 @@ def private_dir(path: Path) -> Path:
             os.mkdir(p, 0o700)
             os.chmod(p, 0o700)
         except FileExistsError:
-            pass  # another process made it first; the checks below judge it like any other
+            pass  # another process made it first; untrusted() judges it like any other folder
     return Path(os.path.realpath(path))
 
 
