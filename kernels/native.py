@@ -4,8 +4,10 @@
 PyTorch reference otherwise; both give the same bits, tests/test_native.py). The source is compiled
 with the system C compiler (``$CC``, else ``cc``) for this machine's CPU into a cache folder
 (``$CKPTQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckptq`` or ``~/.cache/ckptq``), once per source, compiler
-(and version), flags and CPU: about a second. ``CKPTQ_NATIVE=0`` turns it off. No compiler, a failed build or a read-only cache
-means PyTorch, with one warning that says why.
+(and version), flags and CPU (as the compiler resolves -march for it): about a second, under a lock.
+What is loaded, and from where, is checked first (``native_build``): a cache folder others can write
+means a private build for this run only; a damaged build is rebuilt. ``CKPTQ_NATIVE=0`` turns it off.
+No compiler or a failed build means PyTorch, with one warning that says why.
 
 ctypes releases the GIL for the length of a call, so the callers run chunks of a tensor on a thread pool.
 """
@@ -25,6 +27,7 @@ import threading
 import warnings
 from pathlib import Path
 
+from . import native_build
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # No FMA contraction (each fp32 operation rounded on its own, as PyTorch's eager ops do); no errno, so
@@ -84,20 +87,20 @@ def _compiler_version(cmd: list[str]) -> str:
 
 
 def _build(cmd: list[str], target: Path) -> str | None:
-    """Compile SOURCE into target atomically; None on success, else the compiler's complaint."""
+    """Compile SOURCE and install it at target with its hash record; None on success, else the
+    compiler's complaint. The caller holds the folder's build lock, or the folder is its own."""
     errors = []
     for i, arch in enumerate(_arch_flags()):
-        fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-build-", suffix=".so", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=native_build.TEMP_PREFIX + "cpu_kernels-", suffix=".so", dir=target.parent)
         os.close(fd)
         try:
             done = subprocess.run([*cmd, *_FLAGS, *arch, "-o", tmp, str(SOURCE), "-lm"],
                                   capture_output=True, text=True, timeout=300)
             if done.returncode == 0:
-                os.chmod(tmp, 0o755)  # mkstemp creates 0600: others sharing the cache folder must load it too
-                os.replace(tmp, target)
+                native_build.install(Path(tmp), target)
                 if i:
                     warnings.warn(f"ckptq: built the C CPU kernels without {' '.join(_arch_flags()[0])} "
-                                  f"({errors[0]}); they run, slower", RuntimeWarning, stacklevel=4)
+                                  f"({errors[0]}); they run, slower", RuntimeWarning, stacklevel=5)
                 return None
             errors.append((done.stderr.strip().splitlines() or ["no error output"])[-1])
         finally:
@@ -106,32 +109,93 @@ def _build(cmd: list[str], target: Path) -> str | None:
     return errors[-1]
 
 
+def _build_name(cmd: list[str]) -> str:
+    """The file name of the build for this source, compiler (and version), flags, and CPU: both as
+    /proc/cpuinfo describes it and as the compiler resolves -march for it, so no two CPUs that differ in
+    a feature the build uses can share an entry (a shared home folder on two machines, say)."""
+    arch = _arch_flags()[0]
+    parts = (SOURCE.read_text(), " ".join(cmd), _compiler_version(cmd), " ".join(_FLAGS + arch),
+             _cpu_signature(), native_build.resolved_target(cmd, arch))
+    return f"cpu_kernels-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
+
+
 def build_path(cmd: list[str]) -> Path:
     """Where the build for this source, compiler (and version), flags and CPU lives in the cache."""
-    parts = (SOURCE.read_text(), " ".join(cmd), _compiler_version(cmd), " ".join(_FLAGS + _arch_flags()[0]),
-             _cpu_signature())
-    return cache_dir() / f"cpu_kernels-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
+    return cache_dir() / _build_name(cmd)
+
+
+_held_fds: list[int] = []  # files loaded through /proc/self/fd/N: N stays taken, so the name is never reused
+
+
+def _open(target: Path) -> tuple[ctypes.CDLL | None, str]:
+    """The library at target, bound, if it passes native_build's checks and has every kernel; else
+    (None, why). A failed check never reaches dlopen."""
+    fd, why = native_build.open_verified(target)
+    if fd is None:
+        return None, why
+    try:
+        lib = ctypes.CDLL(native_build.loadable_path(fd, target))
+    except OSError as exc:
+        os.close(fd)
+        return None, f"{target} does not load: {exc}"
+    _held_fds.append(fd)  # dlopen matches by name first: a reused /proc/self/fd/N would return this one
+    try:
+        return _bind(lib), ""
+    except AttributeError as exc:
+        return None, f"{target} lacks a kernel ({exc})"
+
+
+def _load_cached(cmd: list[str], target: Path) -> ctypes.CDLL | None:
+    """Load the cached build, or build it once under the folder's lock (processes that wait for the
+    lock load what the first one built); a build that fails the checks is rebuilt once."""
+    lib, _ = _open(target)
+    if lib is not None:
+        return lib
+    with native_build.build_lock(target.parent):
+        lib, _ = _open(target)  # built by another process while this one waited
+        if lib is not None:
+            return lib
+        error = _build(cmd, target)
+    if error is not None:
+        return _unavailable(f"compiling {SOURCE.name} failed: {error}")
+    lib, why = _open(target)
+    return lib if lib is not None else _unavailable(f"the fresh build fails its checks: {why}")
+
+
+def _load_private(cmd: list[str], refused: str) -> ctypes.CDLL | None:
+    """Build for this process only, in a fresh private folder (removed again), when the cache folder
+    cannot be used safely: a second or so per run instead of loading what others could have planted."""
+    try:
+        with native_build.private_tempdir() as folder:
+            target = folder / _build_name(cmd)
+            error = _build(cmd, target)
+            lib, why = (None, f"compiling {SOURCE.name} failed: {error}") if error else _open(target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        lib, why = None, f"{type(exc).__name__}: {exc}"
+    if lib is None:
+        return _unavailable(f"cache folder refused: {refused}; and a private build failed: {why}")
+    warnings.warn(f"ckptq: C kernel cache not used: {refused}; built the kernels for this run only "
+                  "(chmod go-w that folder, or set CKPTQ_CACHE_DIR to one only you can write)", RuntimeWarning,
+                  stacklevel=4)
+    return lib
 
 
 @functools.lru_cache(maxsize=1)
 def _load() -> ctypes.CDLL | None:
+    """From the cache folder when it is private, else built privately for this process; else None."""
+    if os.name != "posix":
+        return _unavailable("the loader's ownership checks and build lock need a POSIX system")
     cmd = _compiler()
     if cmd is None:
         return _unavailable(f"no C compiler ({os.environ.get('CC') or 'cc'!r} not found; set CC)")
-    target = build_path(cmd)
     try:
-        if target.exists():
-            try:
-                return _bind(ctypes.CDLL(str(target)))
-            except OSError:
-                pass  # unreadable (another user's build) or damaged: build our own copy
-        target.parent.mkdir(parents=True, exist_ok=True)
-        error = _build(cmd, target)
-        if error is not None:
-            return _unavailable(f"compiling {SOURCE.name} failed: {error}")
-        return _bind(ctypes.CDLL(str(target)))
+        folder = native_build.private_dir(cache_dir())
+        refused = native_build.untrusted(folder)
+        if refused is None:
+            return _load_cached(cmd, folder / _build_name(cmd))
     except (OSError, subprocess.SubprocessError) as exc:
-        return _unavailable(f"{type(exc).__name__}: {exc}; set CKPTQ_CACHE_DIR to a writable folder")
+        refused = f"{type(exc).__name__}: {exc}"
+    return _load_private(cmd, refused)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -193,14 +193,18 @@ def fresh_build(tmp_path, monkeypatch):
 
 
 def test_build_goes_to_the_cache_once(fresh_build):
+    """One library, its SHA-256 record and the build lock; none writable by others; loaded, not rebuilt."""
+    import hashlib
+
     assert native.library() is not None
-    built = list(fresh_build.iterdir())
-    assert len(built) == 1 and built[0].name.startswith("cpu_kernels-") and built[0].suffix == ".so"
-    assert built[0].stat().st_mode & 0o044 == 0o044  # others sharing the cache folder can load it
-    stamp = built[0].stat().st_mtime_ns
+    (lib,) = fresh_build.glob("cpu_kernels-*.so")
+    assert sorted(p.name for p in fresh_build.iterdir()) == sorted([lib.name, lib.name + ".sha256", "build.lock"])
+    assert all(p.stat().st_mode & 0o022 == 0 for p in fresh_build.iterdir())
+    assert (fresh_build / (lib.name + ".sha256")).read_text().strip() == hashlib.sha256(lib.read_bytes()).hexdigest()
+    stamp = lib.stat().st_mtime_ns
     native._load.cache_clear()
     assert native.library() is not None
-    assert [p.stat().st_mtime_ns for p in fresh_build.iterdir()] == [stamp]  # loaded, not rebuilt
+    assert lib.stat().st_mtime_ns == stamp  # loaded, not rebuilt
 
 
 def test_without_a_compiler_the_torch_path_runs_with_one_warning(fresh_build, monkeypatch):
