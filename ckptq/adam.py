@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops, qstate
+from . import ops, qstate, sharded
 from .errors import UsageError
 from .qstate import QState
 
@@ -33,7 +33,7 @@ def hyper_tensor(lr, beta1, beta2, eps, weight_decay, step, decoupled: bool, dev
 def _moments(exp_avg: dict, exp_avg_sq: dict, max_exp_avg_sq: dict | None) -> list[QState]:
     """The quantized moments of one step: one block size, sqrt second moments, and a first moment that is
     plain or the ratio to exp_avg_sq (``ckptq.optim_io`` requantizes anything else on load)."""
-    moments = [QState.from_dict(d) for d in (exp_avg, exp_avg_sq, max_exp_avg_sq) if d is not None]
+    moments = [QState.from_dict(sharded.unplace(d)) for d in (exp_avg, exp_avg_sq, max_exp_avg_sq) if d is not None]
     m = moments[0]
     if len({q.block_size for q in moments}) != 1 or any(q.transform != "sqrt" for q in moments[1:]) \
             or not (m.transform == "none" or (m.is_ratio and m.divisor == "exp_avg_sq")):
@@ -57,8 +57,7 @@ def step_quantized(param, grad, exp_avg: dict, exp_avg_sq: dict, max_exp_avg_sq:
     inputs = [ops.StepInput(q.codes, q.absmax, q.qmap, encode if i == 0 else q.qmap) for i, q in enumerate(moments)]
     ops.adam8bit_step(param, grad, inputs, h, block_size=m.block_size, ratio=m.is_ratio, maximize=maximize,
                       backend=backend)
-    exp_avg.update(m.replace(qmap=encode, transform=qstate.RATIO_TRANSFORM, eps=float(ratio_eps),
-                             divisor="exp_avg_sq").to_dict())
+    exp_avg.update(qmap=encode, transform=qstate.RATIO_TRANSFORM, eps=float(ratio_eps), divisor="exp_avg_sq")
 
 
 def step_param(p: torch.Tensor, state: dict, group: dict, decoupled: bool, backend: str) -> None:

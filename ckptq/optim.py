@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import adam, ops, qstate
+from . import adam, ops, qstate, sharded
 from .errors import StateMismatchError, UsageError
 from .optim_io import MOMENT_KEYS, import_state_dict
 
@@ -54,23 +54,35 @@ class _Adam8bitBase(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         keys = MOMENT_KEYS[: 3 if group["amsgrad"] else 2]
-        zeros = {k: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for k in keys}
+        zeros = {k: self._zeros(p) for k in keys}
         state = {"step": torch.tensor(0.0, dtype=torch.float32)}
-        state.update(self._quantize_moments(zeros, group, 0.0) if p.numel() >= self.min_size else zeros)
+        state.update(self._quantize_moments(zeros, group, 0.0) if self._quantized(p) else zeros)
         return state
 
+    def _quantized(self, p: torch.Tensor) -> bool:
+        """8-bit state from ``min_size`` elements of the (global) parameter; a DTensor's only where its
+        blocks can follow its shards (``ckptq.sharded``)."""
+        return p.numel() >= self.min_size and (not sharded.is_dtensor(p) or sharded.row_aligned(p, self.block_size))
+
+    @staticmethod
+    def _zeros(p: torch.Tensor) -> torch.Tensor:
+        """fp32 zeros shaped and placed like ``p`` (a DTensor for a DTensor)."""
+        return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+
     def _quantize(self, t: torch.Tensor, key: str) -> dict:
-        q = qstate.quantize_state(t.float(), key, self.block_size)
+        q = qstate.quantize_state(sharded.local(t).float(), key, self.block_size)
         q["dtype"] = "float32"  # the state is fp32 whatever the checkpoint stored
-        return q
+        return sharded.place(q, t) if sharded.is_dtensor(t) else q
 
     def _quantize_moments(self, dense: dict, group: dict, step: float) -> dict:
         """fp32 moments {key: tensor} -> qstates; exp_avg as the ratio to the exact exp_avg_sq with
-        eps' of ``step`` under ``group``'s eps/betas: the codes ``ckptq convert`` writes."""
+        eps' of ``step`` under ``group``'s eps/betas: the codes ``ckptq convert`` writes. DTensor moments
+        are quantized shard by shard into state placed like them (``ckptq.sharded``)."""
         out = {k: self._quantize(v, k) for k, v in dense.items() if k != "exp_avg"}
         eps = qstate.ratio_eps_for(group, step)
-        m, v = dense["exp_avg"].float(), dense["exp_avg_sq"].float()
-        out["exp_avg"] = qstate.quantize_ratio(m, v, eps, self.block_size)
+        m, v = dense["exp_avg"], dense["exp_avg_sq"]
+        q = qstate.quantize_ratio(sharded.local(m).float(), sharded.local(v).float(), eps, self.block_size)
+        out["exp_avg"] = sharded.place(q, m) if sharded.is_dtensor(m) else q
         return {k: out[k] for k in dense}
 
     @torch.no_grad()
@@ -98,7 +110,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
 
     def _like(self, template, p: torch.Tensor):
         """A zero max_exp_avg_sq in the same representation as ``template`` (amsgrad turned on later)."""
-        zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        zeros = self._zeros(p)
         return self._quantize(zeros, "max_exp_avg_sq") if qstate.is_qstate(template) else zeros
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops, qstate
+from . import ops, qstate, sharded
 from .adam import MOMENT_KEYS
 from .errors import FormatError, StateMismatchError, UsageError
 
@@ -89,7 +89,8 @@ def _copy_qstate(value: dict, device) -> dict:
     q = dict(value)
     for name in ("codes", "absmax", "qmap"):
         q[name] = value[name].to(device).clone()  # our steps write codes in place: never share them
-    q["codes"] = q["codes"].reshape(-1)
+    if not sharded.is_dtensor(q["codes"]):  # a DTensor keeps the parameter's shape (ckptq.sharded)
+        q["codes"] = q["codes"].reshape(-1)
     q["shape"] = tuple(value["shape"])
     return q
 

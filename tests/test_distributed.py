@@ -1,0 +1,117 @@
+"""AdamW8bit under FSDP2 with real processes (torchrun, gloo, CPU): the same bits as one process, DCP
+checkpoints that resume at another world size without changing a bit, and about 1/N of the state per
+rank. Every rank sees the same batch, so FSDP2's averaged
+gradient equals one process's gradient and results can be compared exactly."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+from ckptq.optim import AdamW8bit  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(__file__), "dist", "fsdp_worker.py")
+
+
+def torchrun(n: int, *args: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", WORKER, *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def run(tmp_path, n: int, opt: str, start: int, stop: int, load=None, save=None) -> dict:
+    out = tmp_path / f"out-{n}-{start}-{stop}.pt"
+    args = [opt, str(start), str(stop), "--out", str(out)]
+    args += ["--load", str(load)] if load else []
+    args += ["--save", str(save)] if save else []
+    torchrun(n, *args)
+    return torch.load(out, weights_only=False)
+
+
+def single_process(stop: int) -> tuple[list[float], dict]:
+    """The same model and steps in this process, without FSDP, single-threaded as each torchrun rank is
+    (OMP_NUM_THREADS=1), so that reductions run in the same order."""
+    from fsdp_worker import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Embedding(64, 256), torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256),
+            torch.nn.LayerNorm(256), torch.nn.Linear(256, 96), torch.nn.Linear(96, 10))
+        opt = AdamW8bit(model.parameters(), lr=1e-2, min_size=1024)
+        return train(model, opt, 0, stop), opt.state_dict()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _assert_same_state(full: dict, ref: dict) -> None:
+    """FSDP2's full optimizer state (FQN keys, param-shaped codes) against one process's (ids, flat codes)."""
+    assert len(full["state"]) == len(ref["state"])
+    for (fqn, st), (pid, rst) in zip(full["state"].items(), sorted(ref["state"].items())):
+        for key, v in rst.items():
+            got = st[key]
+            if isinstance(v, dict):
+                assert torch.equal(got["codes"].reshape(-1), v["codes"]), (fqn, key)
+                assert torch.equal(got["absmax"].reshape(-1), v["absmax"]), (fqn, key)
+                assert got["eps"] == v["eps"] if "eps" in v else True
+            else:
+                assert torch.equal(got, v), (fqn, key)
+
+
+def test_fsdp2_steps_give_the_bits_of_one_process(tmp_path):
+    out = run(tmp_path, 2, "adamw8bit", 0, 4)
+    losses, ref = single_process(4)
+    assert out["losses"] == losses
+    _assert_same_state(out["optim"], ref)
+    kinds = {key: type(v).__name__ for st in out["optim"]["state"].values() for key, v in st.items()}
+    assert kinds["exp_avg"] in ("dict", "Tensor") and any(isinstance(v, dict) for st in out["optim"]["state"].values()
+                                                         for v in st.values())
+
+
+def test_checkpoints_resume_at_other_world_sizes_without_changing_a_bit(tmp_path):
+    """4 -> 2 -> 1 and 1 -> 4: DCP reshards codes and scales row by row; every loss equals the run that
+    never stopped, and so does the final state."""
+    losses, ref = single_process(7)
+    a = run(tmp_path, 4, "adamw8bit", 0, 3, save=tmp_path / "w4")
+    b = run(tmp_path, 2, "adamw8bit", 3, 5, load=tmp_path / "w4", save=tmp_path / "w2")
+    c = run(tmp_path, 1, "adamw8bit", 5, 7, load=tmp_path / "w2")
+    assert a["losses"] + b["losses"] + c["losses"] == losses
+    _assert_same_state(c["optim"], ref)
+    d = run(tmp_path, 4, "adamw8bit", 3, 7, load=tmp_path / "w4")  # 4 -> 4 after a stop
+    assert d["losses"] == losses[3:]
+    # each rank holds about 1/N of the sharded state
+    assert b["local_state_bytes"] * 2 == pytest.approx(c["local_state_bytes"], rel=0.02)
+    assert a["local_state_bytes"] * 4 == pytest.approx(c["local_state_bytes"], rel=0.05)
+
+
+def test_params_whose_rows_are_not_whole_blocks_keep_fp32_dtensor_state():
+    """A [100, 96] weight sharded by rows cannot have blocks of 256 that follow its shards: fp32 state,
+    placed like the parameter, stepped on the local shard (and an 8-bit one beside it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        odd = torch.nn.Parameter(distribute_tensor(torch.randn(100, 96), mesh, [Shard(0)]))
+        even = torch.nn.Parameter(distribute_tensor(torch.randn(40, 256), mesh, [Shard(0)]))
+        opt = AdamW8bit([odd, even], lr=1e-2, min_size=1024)
+        before = odd.detach().to_local().clone()
+        for p in (odd, even):
+            p.grad = distribute_tensor(torch.randn(p.shape), mesh, [Shard(0)])
+        opt.step()
+        assert isinstance(opt.state[odd]["exp_avg"], DTensor) and opt.state[odd]["exp_avg"].dtype == torch.float32
+        assert isinstance(opt.state[even]["exp_avg"]["codes"], DTensor)
+        assert tuple(opt.state[even]["exp_avg"]["absmax"].shape) == (40, 1)
+        assert not torch.equal(odd.detach().to_local(), before)
+    finally:
+        dist.destroy_process_group()
