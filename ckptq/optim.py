@@ -70,20 +70,12 @@ class _Adam8bitBase(torch.optim.Optimizer):
         return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
 
     def _quantize(self, t: torch.Tensor, key: str) -> dict:
-        q = qstate.quantize_state(sharded.local(t).float(), key, self.block_size)
-        q["dtype"] = "float32"  # the state is fp32 whatever the checkpoint stored
-        return sharded.place(q, t) if sharded.is_dtensor(t) else q
+        return sharded.quantize(t, key, self.block_size)
 
     def _quantize_moments(self, dense: dict, group: dict, step: float) -> dict:
-        """fp32 moments {key: tensor} -> qstates; exp_avg as the ratio to the exact exp_avg_sq with
-        eps' of ``step`` under ``group``'s eps/betas: the codes ``ckptq convert`` writes. DTensor moments
-        are quantized shard by shard into state placed like them (``ckptq.sharded``)."""
-        out = {k: self._quantize(v, k) for k, v in dense.items() if k != "exp_avg"}
-        eps = qstate.ratio_eps_for(group, step)
-        m, v = dense["exp_avg"], dense["exp_avg_sq"]
-        q = qstate.quantize_ratio(sharded.local(m).float(), sharded.local(v).float(), eps, self.block_size)
-        out["exp_avg"] = sharded.place(q, m) if sharded.is_dtensor(m) else q
-        return {k: out[k] for k in dense}
+        """fp32 moments {key: tensor} -> qstates as ``ckptq convert`` writes them (``sharded.quantize_moments``;
+        DTensor moments are quantized shard by shard into state placed like them)."""
+        return sharded.quantize_moments(dense, group, step, self.block_size)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -14,7 +14,7 @@ from . import __version__, checkpoint, foreign, format, ops, plan, qstate, torch
 from .errors import InputError, UsageError
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
-DEFAULT_MIN_SIZE = 4096
+DEFAULT_MIN_SIZE = plan.DEFAULT_MIN_SIZE
 # Like transformers' save_pretrained: files stay easy to move, upload (hubs cap single files) and
 # re-read in parallel; a checkpoint under this size is one file.
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9

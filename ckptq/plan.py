@@ -23,6 +23,7 @@ import torch
 from . import checkpoint, qstate
 from .errors import InputError
 
+DEFAULT_MIN_SIZE = 4096  # smaller states stay exact: their codebooks and scales would not pay for themselves
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
 _FP32_MAX = torch.finfo(torch.float32).max

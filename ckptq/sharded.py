@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from . import qstate
+
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # a torch built without distributed
@@ -39,13 +41,19 @@ def local(t):
 def place(q: dict, like) -> dict:
     """A qstate dict quantized from ``like.to_local()`` (flat codes and scales) with its codes and scales
     turned into DTensors placed like the DTensor ``like``."""
-    rows = like.to_local().shape[0] if like.dim() else 1
     per_row = (like.numel() // like.shape[0]) // q["block_size"]
     codes = DTensor.from_local(q["codes"].view(like.to_local().shape), like.device_mesh, like.placements,
                                shape=like.shape, stride=like.stride(), run_check=False)
-    absmax = DTensor.from_local(q["absmax"].view(rows, per_row), like.device_mesh, like.placements,
-                                shape=(like.shape[0], per_row), stride=(per_row, 1), run_check=False)
+    absmax = scales_like(like, per_row)
+    absmax.to_local().copy_(q["absmax"].view(absmax.to_local().shape))
     return {**q, "codes": codes, "absmax": absmax, "shape": tuple(like.shape)}
+
+
+def scales_like(like, per_row: int):
+    """fp32 zeros for the scales of a qstate of the DTensor ``like``: [rows, per_row], placed like it."""
+    rows = like.to_local().shape[0] if like.dim() else 1
+    return DTensor.from_local(torch.zeros(rows, per_row), like.device_mesh, like.placements,
+                              shape=(like.shape[0], per_row), stride=(per_row, 1), run_check=False)
 
 
 def unplace(q: dict) -> dict:
@@ -54,3 +62,21 @@ def unplace(q: dict) -> dict:
         return q
     return {**q, "codes": q["codes"].to_local().view(-1), "absmax": q["absmax"].to_local().view(-1),
             "shape": tuple(q["codes"].to_local().shape)}
+
+
+def quantize(t, key: str, block_size: int) -> dict:
+    """fp32 state ``t`` (a tensor, or a DTensor: quantized shard by shard and placed like it) -> qstate."""
+    q = qstate.quantize_state(local(t).float(), key, block_size)
+    q["dtype"] = "float32"  # the state is fp32 whatever the checkpoint stored
+    return place(q, t) if is_dtensor(t) else q
+
+
+def quantize_moments(dense: dict, group: dict, step, block_size: int) -> dict:
+    """fp32 Adam moments {key: tensor or DTensor} -> qstates, exp_avg as the ratio to the exact exp_avg_sq
+    with eps' of ``step`` under ``group``'s eps/betas: the codes ``ckptq convert`` writes."""
+    out = {k: quantize(v, k, block_size) for k, v in dense.items() if k != "exp_avg"}
+    m, v = dense["exp_avg"], dense["exp_avg_sq"]
+    eps = qstate.ratio_eps_for(group, step)
+    q = qstate.quantize_ratio(local(m).float(), local(v).float(), eps, block_size)
+    out["exp_avg"] = place(q, m) if is_dtensor(m) else q
+    return {k: out[k] for k in dense}

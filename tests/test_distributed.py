@@ -26,18 +26,20 @@ def torchrun(n: int, *args: str) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-def run(tmp_path, n: int, opt: str, start: int, stop: int, load=None, save=None) -> dict:
-    out = tmp_path / f"out-{n}-{start}-{stop}.pt"
-    args = [opt, str(start), str(stop), "--out", str(out)]
+def run(tmp_path, n: int, opt: str, start: int, stop: int, load=None, save=None, planners=False) -> dict:
+    out = tmp_path / f"out-{n}-{opt}-{start}-{stop}.pt"
+    args = [opt, str(start), str(stop), "--out", str(out)] + (["--planners"] if planners else [])
     args += ["--load", str(load)] if load else []
     args += ["--save", str(save)] if save else []
     torchrun(n, *args)
     return torch.load(out, weights_only=False)
 
 
-def single_process(stop: int) -> tuple[list[float], dict]:
+def single_process(stop: int, opts=("adamw8bit",), switch_at: int = 0, via_8bit: bool = False):
     """The same model and steps in this process, without FSDP, single-threaded as each torchrun rank is
-    (OMP_NUM_THREADS=1), so that reductions run in the same order."""
+    (OMP_NUM_THREADS=1), so that reductions run in the same order. With two optimizers, the second takes
+    over at ``switch_at`` from the first's state dict (``via_8bit``: passed through 8-bit and back, as the
+    planner pair stores it). Returns (losses, the last optimizer's state dict)."""
     from fsdp_worker import train
 
     threads = torch.get_num_threads()
@@ -47,10 +49,32 @@ def single_process(stop: int) -> tuple[list[float], dict]:
         model = torch.nn.Sequential(
             torch.nn.Embedding(64, 256), torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256),
             torch.nn.LayerNorm(256), torch.nn.Linear(256, 96), torch.nn.Linear(96, 10))
-        opt = AdamW8bit(model.parameters(), lr=1e-2, min_size=1024)
-        return train(model, opt, 0, stop), opt.state_dict()
+        make = {"adamw8bit": lambda: AdamW8bit(model.parameters(), lr=1e-2, min_size=1024),
+                "adamw": lambda: torch.optim.AdamW(model.parameters(), lr=1e-2)}
+        opt = make[opts[0]]()
+        losses = train(model, opt, 0, switch_at if len(opts) > 1 else stop)
+        if len(opts) > 1:
+            sd = opt.state_dict()
+            opt = make[opts[1]]()
+            opt.load_state_dict(_through_8bit(sd) if via_8bit or opts[0] == "adamw8bit" else sd)
+            losses += train(model, opt, switch_at, stop)
+        return losses, opt.state_dict()
     finally:
         torch.set_num_threads(threads)
+
+
+def _through_8bit(sd: dict) -> dict:
+    """fp32 moments quantized as ckptq stores them and decoded back (8-bit ones just decoded)."""
+    from ckptq import qstate, sharded
+
+    group = sd["param_groups"][0]
+    out = {"param_groups": sd["param_groups"], "state": {}}
+    for pid, st in sd["state"].items():
+        if not qstate.is_qstate(st["exp_avg"]) and st["exp_avg"].numel() >= 1024:
+            st = {**st, **sharded.quantize_moments({k: st[k] for k in ("exp_avg", "exp_avg_sq")}, group,
+                                                   st["step"], 256)}
+        out["state"][pid] = qstate.dequantize_states(st)
+    return out
 
 
 def _assert_same_state(full: dict, ref: dict) -> None:
@@ -91,6 +115,32 @@ def test_checkpoints_resume_at_other_world_sizes_without_changing_a_bit(tmp_path
     # each rank holds about 1/N of the sharded state
     assert b["local_state_bytes"] * 2 == pytest.approx(c["local_state_bytes"], rel=0.02)
     assert a["local_state_bytes"] * 4 == pytest.approx(c["local_state_bytes"], rel=0.05)
+
+
+def test_planner_pair_stores_fp32_adamw_moments_8bit_and_reads_them_back(tmp_path):
+    """A run that keeps torch AdamW changes one argument of dcp.save: its moments are stored 8-bit (the
+    folder shrinks), and LoadPlanner gives fp32 AdamW exactly the values one process gets from 8 bits."""
+    plain = run(tmp_path, 2, "adamw", 0, 3, save=tmp_path / "plain")
+    small = run(tmp_path, 2, "adamw", 0, 3, save=tmp_path / "q8", planners=True)
+    assert small["losses"] == plain["losses"]
+    size = {d: sum(f.stat().st_size for f in (tmp_path / d).iterdir()) for d in ("plain", "q8")}
+    assert size["q8"] < 0.6 * size["plain"]
+    resumed = run(tmp_path, 2, "adamw", 3, 5, load=tmp_path / "q8", planners=True)
+    losses, ref = single_process(5, ("adamw", "adamw"), switch_at=3, via_8bit=True)
+    assert plain["losses"] + resumed["losses"] == losses
+    for (fqn, st), (pid, rst) in zip(resumed["optim"]["state"].items(), sorted(ref["state"].items())):
+        assert torch.equal(st["exp_avg_sq"], rst["exp_avg_sq"]), fqn
+
+
+def test_planner_pair_moves_checkpoints_between_fp32_and_8bit_optimizers(tmp_path):
+    """torch AdamW's fp32 folder into AdamW8bit (quantized on load, as one process would), and AdamW8bit's
+    8-bit folder into torch AdamW at another world size (decoded on load)."""
+    run(tmp_path, 2, "adamw", 0, 3, save=tmp_path / "fp32")
+    into_8bit = run(tmp_path, 2, "adamw8bit", 3, 5, load=tmp_path / "fp32", planners=True)
+    assert into_8bit["losses"] == single_process(5, ("adamw", "adamw8bit"), switch_at=3)[0][3:]
+    run(tmp_path, 2, "adamw8bit", 0, 3, save=tmp_path / "q8")
+    into_fp32 = run(tmp_path, 1, "adamw", 3, 5, load=tmp_path / "q8", planners=True)
+    assert into_fp32["losses"] == single_process(5, ("adamw8bit", "adamw"), switch_at=3)[0][3:]
 
 
 def test_params_whose_rows_are_not_whole_blocks_keep_fp32_dtensor_state():
