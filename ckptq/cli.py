@@ -98,7 +98,7 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 
 @main.command()
-@click.argument("src", type=click.Path(dir_okay=False))
+@click.argument("src", type=click.Path())
 @click.option("-o", "--output", help="Output path (default: SRC with .q8.safetensors beside it).")
 @click.option("--block-size", default=ops.DEFAULT_BLOCK_SIZE, show_default=True, type=int,
               help="Values per absmax scale: a power of two, 64..4096.")
@@ -120,7 +120,8 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def convert(src, output, block_size, min_size, key, device, compress, level, threads, max_shard_size, trust,
             force, quiet, as_json):
-    """Convert the fp32 optimizer states in SRC (a torch.save file) to 8-bit safetensors."""
+    """Convert the fp32 Adam moments in SRC to 8-bit: a torch.save file -> safetensors; a
+    torch.distributed.checkpoint folder -> a DCP folder (SRC.q8; under torchrun the ranks share the work)."""
     from .pipeline import convert as run
 
     shard = _run(parse_size, max_shard_size) or None
@@ -173,7 +174,16 @@ def info(path, min_size, block_size, key, trust, as_json):
     click.echo(json.dumps(r, indent=1) if as_json else _format_info(r))
 
 
+def _format_dcp_info(r: dict) -> str:
+    return "\n".join([f"{r['path']}  (torch.distributed.checkpoint folder, {r['keys']} keys)",
+                      f"  size: {_mb(r['bytes'])}",
+                      f"  Adam moments: {r['moments_8bit']} 8-bit, {r['moments_fp32']} fp32 ({_mb(r['fp32_moment_bytes'])})",
+                      f"  convert would store {r['convert_would_quantize']} of them 8-bit"])
+
+
 def _format_info(r: dict) -> str:
+    if r["kind"] == "dcp":
+        return _format_dcp_info(r)
     lines = [f"{r['path']}  ({'converted by ' + r['options'].get('created_by', 'ckptq') if r['kind'] == 'converted' else 'torch checkpoint'})",
              f"  size: {_mb(r['bytes'])}"]
     if r["kind"] == "torch":

@@ -96,7 +96,7 @@ def _check_groups(found: checkpoint.Found) -> bool:
     return True
 
 
-def _exact_reason(key: str, t: torch.Tensor, adam: bool, min_size: int, shared: set) -> str | None:
+def exact_reason(key: str, t: torch.Tensor, adam: bool, min_size: int, shared: set) -> str | None:
     if t.is_meta:
         raise InputError(f"state {key!r} is a meta tensor (shape only, no data); the checkpoint cannot be converted")
     if not adam or key not in ADAM_MOMENTS:
@@ -115,7 +115,7 @@ def _exact_reason(key: str, t: torch.Tensor, adam: bool, min_size: int, shared: 
     return None
 
 
-def _ratio_fits(m: torch.Tensor, v: torch.Tensor, eps: float) -> bool:
+def ratio_fits(m: torch.Tensor, v: torch.Tensor, eps: float) -> bool:
     """Whether every |m| / (sqrt(v) + eps) is finite in fp32 (sqrt(v) + eps >= eps bounds it at once)."""
     absmax = float(m.detach().abs().amax())
     if absmax / eps <= _FP32_MAX / 2:
@@ -135,7 +135,7 @@ def _pair_ratio(decisions: dict, group: dict, step: Any) -> None:
             continue
         n = _number(step) if step is not None else 0.0
         eps = qstate.ratio_eps_for(group, n) if n is not None and math.isfinite(n) and n >= 0 else float("nan")
-        if math.isfinite(eps) and eps > 0 and _ratio_fits(m.tensor, v.tensor, eps):
+        if math.isfinite(eps) and eps > 0 and ratio_fits(m.tensor, v.tensor, eps):
             m.divisor = (v_key, v.tensor, eps)
         else:
             m.note = f"its ratio to {v_key} would not fit float32 (step {step!r}); stored 8-bit on its own"
@@ -155,7 +155,7 @@ def make_plan(obj: Any, key: str | None, min_size: int) -> Plan:
             for name, t in pstate.items():
                 if isinstance(t, torch.Tensor) and name != "step" and t.is_floating_point():
                     decisions[name] = Decision(f.path + ("state", pid), name, t,
-                                               _exact_reason(name, t, adam, min_size, shared))
+                                               exact_reason(name, t, adam, min_size, shared))
             _pair_ratio(decisions, groups.get(pid, {}), pstate.get("step", 0))
             plan.decisions += decisions.values()
     return plan

@@ -165,3 +165,50 @@ def test_params_whose_rows_are_not_whole_blocks_keep_fp32_dtensor_state():
         assert not torch.equal(odd.detach().to_local(), before)
     finally:
         dist.destroy_process_group()
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from ckptq.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_convert_and_expand_dcp_folders_written_by_fsdp2(tmp_path):
+    """ckptq convert of a torch AdamW DCP folder gives the folder AdamW8bit resumes from with a plain
+    dcp.load (the codes one process writes); expand gives one torch AdamW resumes from; under torchrun the
+    ranks share the conversion and the result resumes the same."""
+    run(tmp_path, 2, "adamw", 0, 3, save=tmp_path / "fp32")
+    assert _cli("convert", tmp_path / "fp32", "--min-size", 1024).exit_code == 0
+    info = __import__("json").loads(_cli("info", tmp_path / "fp32.q8", "--json").output)
+    assert info["kind"] == "dcp" and info["moments_8bit"] == 8
+    want_8bit = single_process(5, ("adamw", "adamw8bit"), switch_at=3)[0][3:]
+    assert run(tmp_path, 2, "adamw8bit", 3, 5, load=tmp_path / "fp32.q8")["losses"] == want_8bit
+    assert _cli("expand", tmp_path / "fp32.q8").exit_code == 0
+    back = run(tmp_path, 2, "adamw", 3, 5, load=tmp_path / "fp32.q8.fp32")
+    assert back["losses"] == single_process(5, ("adamw", "adamw"), switch_at=3, via_8bit=True)[0][3:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ckptq",
+           "convert", str(tmp_path / "fp32"), "-o", str(tmp_path / "par"), "--min-size", "1024"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(f.name for f in (tmp_path / "par").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert run(tmp_path, 2, "adamw8bit", 3, 5, load=tmp_path / "par")["losses"] == want_8bit
+
+
+def test_damaged_dcp_folders_are_one_line_errors_and_leave_nothing(tmp_path):
+    import shutil
+
+    run(tmp_path, 2, "adamw", 0, 1, save=tmp_path / "ok")
+    missing = tmp_path / "missing"
+    shutil.copytree(tmp_path / "ok", missing)
+    (missing / "__1_0.distcp").unlink()
+    bad_meta = tmp_path / "badmeta"
+    shutil.copytree(tmp_path / "ok", bad_meta)
+    (bad_meta / ".metadata").write_bytes(b"not a pickle")
+    (tmp_path / "plain").mkdir()
+    for folder, words in ((missing, "cannot read"), (bad_meta, "not readable DCP metadata"),
+                          (tmp_path / "plain", "not a torch.distributed.checkpoint folder")):
+        r = _cli("convert", folder, "--min-size", 1024)
+        assert r.exit_code == 3 and words in r.output and len(r.output.strip().splitlines()) == 1, r.output
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(folder.name + ".")]
