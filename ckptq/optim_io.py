@@ -59,7 +59,7 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
     if _steppable(moments):
         out.update({k: _copy_qstate(v, p.device) for k, v in moments.items()})
         return out
-    quantized = p.numel() >= opt.min_size or any(qstate.is_qstate(v) for v in moments.values())
+    quantized = opt._quantized(p) or any(qstate.is_qstate(v) for v in moments.values())
     dense = {k: v.to(device=p.device, dtype=torch.float32) for k, v in _decoded(moments, pid).items()}
     out.update(opt._quantize_moments(dense, group, step) if quantized else {k: v.clone() for k, v in dense.items()})
     return out

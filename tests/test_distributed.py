@@ -164,6 +164,9 @@ def test_params_whose_rows_are_not_whole_blocks_keep_fp32_dtensor_state():
         assert isinstance(opt.state[even]["exp_avg"]["codes"], DTensor)
         assert tuple(opt.state[even]["exp_avg"]["absmax"].shape) == (40, 1)
         assert not torch.equal(odd.detach().to_local(), before)
+        opt.load_state_dict(opt.state_dict())  # the round trip keeps each representation
+        assert isinstance(opt.state[odd]["exp_avg"], DTensor)
+        assert isinstance(opt.state[even]["exp_avg"]["codes"], DTensor)
     finally:
         dist.destroy_process_group()
 
