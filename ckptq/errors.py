@@ -14,6 +14,11 @@ class UsageError(CkptqError):
     exit_code = 2
 
 
+class ArgumentError(UsageError, ValueError):
+    """A bad optimizer argument or param group value. Also a ``ValueError``, so code written for
+    ``torch.optim`` optimizers (``except ValueError``) catches it; the CLI still maps it to exit 2."""
+
+
 class InputError(CkptqError):
     """The input is missing, unreadable, not a checkpoint, or needs unsafe unpickling."""
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import adam_step, codec, qstate
+from . import adam_step, codec, optim_args, qstate
 from .errors import StateMismatchError, UsageError
 from .optim_io import MOMENT_KEYS, import_state_dict
 
@@ -35,22 +35,31 @@ class _Adam8bitBase(torch.optim.Optimizer):
         amsgrad=False,
         *,
         maximize=False,
+        foreach=None,
+        fused=None,
+        capturable=False,
+        differentiable=False,
         block_size=256,
         min_size=4096,
         backend="auto",
     ):
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise UsageError(f"a tensor lr must have one element, got shape {tuple(lr.shape)}")
-        if not 0.0 <= float(lr) or not 0.0 <= eps or not 0.0 <= weight_decay:
-            raise UsageError(f"lr, eps and weight_decay must be >= 0, got {float(lr)}, {eps}, {weight_decay}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise UsageError(f"betas must lie in [0, 1), got {betas}")
-        if backend not in BACKENDS:
-            raise UsageError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-        qstate.codec.check_block_size(block_size)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
-        super().__init__(params, defaults)
+        """torch.optim.Adam(W)'s arguments (``foreach``/``fused``/``capturable``/``differentiable`` as
+        ``ckptq.optim_args`` documents), plus ``block_size``/``min_size``/``backend`` for the 8-bit state.
+        Bad values raise ``ArgumentError``, a ``ValueError``, before anything is built."""
+        optim_args.check_hyper(lr, betas, eps, weight_decay)
+        optim_args.check_options(block_size, min_size, backend)
+        flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused)
+        flags.update(capturable=capturable, differentiable=differentiable)
+        optim_args.check_flags(flags)
         self.block_size, self.min_size, self.backend = block_size, min_size, backend
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``, with the group's values checked first (``ArgumentError``)."""
+        if isinstance(param_group, dict):
+            where = f"param group {len(self.param_groups)}"
+            optim_args.check_group({**self.defaults, **param_group}, where)
+        super().add_param_group(param_group)
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         keys = MOMENT_KEYS[: 3 if group["amsgrad"] else 2]
