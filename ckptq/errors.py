@@ -41,7 +41,8 @@ class ChecksumError(FormatError):
     """A tensor's bytes do not match the checksum recorded when it was written."""
 
 
-class StateMismatchError(CkptqError):
-    """An optimizer state dict does not fit the optimizer's parameters."""
+class StateMismatchError(CkptqError, ValueError):
+    """An optimizer state dict does not fit the optimizer's parameters, or holds values it cannot use.
+    Also a ``ValueError``, as torch's ``load_state_dict`` raises for a mismatched state dict."""
 
     exit_code = 6

@@ -17,9 +17,11 @@ import torch
 
 from . import adam_step, codec, optim_args, qstate
 from .errors import StateMismatchError, UsageError
+from .optim_args import GROUP_FLAGS
 from .optim_io import MOMENT_KEYS, import_state_dict
 
 BACKENDS = codec.BACKENDS
+OPTIONS = {"block_size": 256, "min_size": 4096, "backend": "auto"}  # ckptq's own, beyond torch's arguments
 
 
 class _Adam8bitBase(torch.optim.Optimizer):
@@ -60,6 +62,19 @@ class _Adam8bitBase(torch.optim.Optimizer):
             where = f"param group {len(self.param_groups)}"
             optim_args.check_group({**self.defaults, **param_group}, where)
         super().add_param_group(param_group)
+
+    def __getstate__(self) -> dict:
+        """torch keeps defaults, state and param_groups; the 8-bit options travel too (deepcopy, pickle)."""
+        return {**super().__getstate__(), **{k: getattr(self, k) for k in OPTIONS}}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for key, default in OPTIONS.items():  # objects pickled before the options travelled
+            if key not in self.__dict__:
+                setattr(self, key, default)
+        for group in self.param_groups:  # groups pickled before a flag existed, as torch's Adam does
+            for key, default in GROUP_FLAGS.items():
+                group.setdefault(key, default)
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         keys = MOMENT_KEYS[: 3 if group["amsgrad"] else 2]
@@ -138,12 +153,24 @@ class _Adam8bitBase(torch.optim.Optimizer):
         ``ckptq.load(path)["optimizer"]`` (qstates used as stored; a plain, pre-ratio exp_avg is
         re-encoded as a ratio by the next step).
 
-        Raises ``StateMismatchError`` before changing anything if groups, counts or shapes differ.
+        Raises ``StateMismatchError`` (a ``ValueError``) before changing anything if groups, counts, shapes
+        or group values are wrong. Group flags an older torch did not save (``maximize``...) are filled in
+        as torch fills them; torch's implementation flags (``foreach``, ``fused``...) stay this optimizer's.
+        Runs torch's ``register_load_state_dict_pre_hook``/``post_hook`` hooks as torch does: pre hooks on
+        a shallow copy (one may return a replacement), post hooks after the state is in place.
         """
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         state, groups = import_state_dict(self, state_dict)
         self.state.clear()
         self.state.update(state)
         self.param_groups = groups
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 class AdamW8bit(_Adam8bitBase):

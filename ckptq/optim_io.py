@@ -11,38 +11,63 @@ from __future__ import annotations
 
 import torch
 
-from . import codec, qstate
-from .errors import FormatError, StateMismatchError, UsageError
+from . import codec, optim_args, qstate
+from .errors import ArgumentError, FormatError, StateMismatchError, UsageError
+from .optim_args import GROUP_FLAGS, IMPL_FLAGS
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def import_state_dict(opt, state_dict: dict):
     """Return ``(state {param: dict}, param_groups)`` for ``opt``; raises before ``opt`` changes."""
-    saved_groups = state_dict.get("param_groups")
-    if not isinstance(saved_groups, list) or "state" not in state_dict:
-        raise StateMismatchError("not an optimizer state dict: expected keys 'state' and 'param_groups'")
+    saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
+        raise StateMismatchError("not an optimizer state dict: expected keys 'state' (a dict) and 'param_groups'")
     if len(saved_groups) != len(opt.param_groups):
         raise StateMismatchError(
             f"state dict has {len(saved_groups)} param groups but the optimizer has {len(opt.param_groups)}; "
             "build the optimizer with the same groups as the one that was saved"
         )
+    groups = [_import_group(i, group, saved) for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups))]
     id_map, group_of = {}, {}
-    for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
-        if len(group["params"]) != len(saved["params"]):
-            raise StateMismatchError(
-                f"param group {i} has {len(group['params'])} parameters but the state dict's has "
-                f"{len(saved['params'])}; pass the same parameters in the same order"
-            )
+    for group, saved in zip(groups, saved_groups):
         id_map.update(zip(saved["params"], group["params"]))
-        group_of.update((pid, {**group, **saved}) for pid in saved["params"])
+        group_of.update((pid, group) for pid in saved["params"])
     state = {}
     for pid, saved_state in state_dict["state"].items():
+        if pid not in id_map and not isinstance(pid, int):
+            state[pid] = saved_state  # state not assigned to a parameter travels as-is, as in torch
+            continue
         if pid not in id_map:
             raise StateMismatchError(f"state dict has state for parameter id {pid!r}, which no param group lists")
+        if not isinstance(saved_state, dict):
+            raise StateMismatchError(f"state of parameter {pid} is a {type(saved_state).__name__}, not a dict")
         state[id_map[pid]] = _import_param_state(opt, id_map[pid], pid, saved_state, group_of[pid])
-    groups = [{**saved, "params": group["params"]} for group, saved in zip(opt.param_groups, saved_groups)]
     return state, groups
+
+
+def _import_group(i: int, group: dict, saved) -> dict:
+    """The group to install for saved group ``i``: saved values, flags an older torch did not save filled
+    as torch fills them, torch's implementation flags and ``params`` (and ``param_names`` when the saved
+    group has none) kept from the optimizer's group ``group``. Checked like a constructor argument."""
+    where = f"param group {i} of the state dict"
+    if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+        raise StateMismatchError(f"{where} has no 'params' list of parameter ids; it is not an optimizer state dict")
+    if len(group["params"]) != len(saved["params"]):
+        raise StateMismatchError(
+            f"param group {i} has {len(group['params'])} parameters but the state dict's has "
+            f"{len(saved['params'])}; pass the same parameters in the same order"
+        )
+    new = {**GROUP_FLAGS, **saved, "params": group["params"]}
+    new.update({k: group[k] for k in IMPL_FLAGS if k in group})
+    if "param_names" in group and "param_names" not in saved:
+        new["param_names"] = group["param_names"]
+    try:
+        optim_args.check_group(new, where)
+        optim_args.check_params(group["params"], f"param group {i}")
+    except ArgumentError as e:
+        raise StateMismatchError(str(e)) from None
+    return new
 
 
 def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> dict:
@@ -52,11 +77,10 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
             f"state of parameter {pid} has keys {sorted(saved)}, expected step/exp_avg/exp_avg_sq"
             "[/max_exp_avg_sq] as torch.optim.Adam(W) writes them; convert other optimizers' state first"
         )
-    for key in MOMENT_KEYS:
-        if key in saved:
-            _check_shape(p, pid, key, saved[key])
     moments = {k: saved[k] for k in MOMENT_KEYS if k in saved}
-    step = float(saved.get("step", 0))
+    for key, value in moments.items():
+        _check_shape(p, pid, key, value)
+    step = _step_value(pid, saved.get("step", 0))
     out = {"step": torch.tensor(step, dtype=torch.float32)}
     if _steppable(moments):
         out.update({k: _copy_qstate(v, p.device) for k, v in moments.items()})
@@ -65,6 +89,15 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
     dense = {k: v.to(device=p.device, dtype=torch.float32) for k, v in _decoded(moments, pid).items()}
     out.update(opt._quantize_moments(dense, group, step) if quantized else {k: v.clone() for k, v in dense.items()})
     return out
+
+
+def _step_value(pid, step) -> float:
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_meta and not step.is_complex():
+        return float(step)
+    if isinstance(step, (int, float)) and not isinstance(step, bool):
+        return float(step)
+    shown = f"a tensor of shape {tuple(step.shape)} on {step.device}" if isinstance(step, torch.Tensor) else repr(step)
+    raise StateMismatchError(f"state 'step' of parameter {pid} is {shown}; expected a number or 1-element tensor")
 
 
 def _steppable(moments: dict) -> bool:
@@ -97,6 +130,7 @@ def _copy_qstate(value: dict, device) -> dict:
 
 
 def _check_shape(p: torch.Tensor, pid, key: str, value) -> None:
+    _check_not_meta(pid, key, value)
     if qstate.is_qstate(value):
         qstate.check_qstate(value)
         try:
@@ -112,4 +146,13 @@ def _check_shape(p: torch.Tensor, pid, key: str, value) -> None:
         raise StateMismatchError(
             f"state {key!r} of parameter {pid} has shape {shape} but the parameter has shape {tuple(p.shape)}; "
             "pass the parameters in the order the optimizer was saved with"
+        )
+
+
+def _check_not_meta(pid, key: str, value) -> None:
+    parts = [value] if isinstance(value, torch.Tensor) else list(value.values()) if isinstance(value, dict) else []
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in parts):
+        raise StateMismatchError(
+            f"state {key!r} of parameter {pid} is on the meta device and has no values; save the optimizer "
+            "after its state is materialized (meta tensors carry only shapes)"
         )

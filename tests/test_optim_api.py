@@ -1,10 +1,13 @@
 """ckptq.optim behaves like a torch.optim optimizer where users touch it: argument errors, torch's
-implementation flags. The generic torch tests are in tests/test_torch_optim_*.py."""
+implementation flags, deepcopy/pickle, load_state_dict (hooks, older dicts, bad groups, meta tensors). The generic torch tests are in tests/test_torch_optim_*.py."""
+
+import copy
+import pickle
 
 import pytest
 import torch
 
-from ckptq.errors import ArgumentError, CkptqError, UsageError
+from ckptq.errors import ArgumentError, CkptqError, StateMismatchError, UsageError
 from ckptq.optim import Adam8bit, AdamW8bit
 
 
@@ -87,3 +90,154 @@ def test_torch_flags_are_accepted_recorded_and_change_nothing(flags):
 def test_argument_error_is_a_ckptq_error():
     e = ArgumentError("x")
     assert isinstance(e, CkptqError) and isinstance(e, ValueError) and e.exit_code == UsageError.exit_code
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_keep_options_and_step_like_the_original(how):
+    params = _params()
+    opt = AdamW8bit(params, block_size=64, min_size=16, backend="torch")
+    _steps(opt, params)
+    clone = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    assert (clone.block_size, clone.min_size, clone.backend) == (64, 16, "torch")
+    clone_params = clone.param_groups[0]["params"]
+    _steps(opt, params, n=2, seed=7)
+    _steps(clone, clone_params, n=2, seed=7)
+    for a, b in zip(params, clone_params):
+        assert torch.equal(a, b)
+    assert opt.state[params[0]]["exp_avg"]["block_size"] == 64
+
+
+def test_unpickling_an_older_object_fills_options_and_flags():
+    params = _params()
+    opt = Adam8bit(params, min_size=16)
+    _steps(opt, params)
+    old = {k: opt.__getstate__()[k] for k in ("defaults", "state", "param_groups")}  # what torch pickles
+    for group in old["param_groups"]:
+        del group["maximize"], group["fused"]
+    restored = Adam8bit.__new__(Adam8bit)
+    restored.__setstate__(old)
+    assert (restored.block_size, restored.min_size, restored.backend) == (256, 4096, "auto")
+    assert restored.param_groups[0]["maximize"] is False and restored.param_groups[0]["fused"] is None
+    _steps(restored, params, n=1)
+
+
+def _trained(cls=AdamW8bit, **kwargs):
+    params = _params()
+    opt = cls(params, min_size=16, **kwargs)
+    _steps(opt, params)
+    return opt, params
+
+
+def test_load_state_dict_runs_torchs_hooks_in_order():
+    opt, params = _trained()
+    sd = opt.state_dict()
+    fresh = AdamW8bit(params, min_size=16)
+    seen = []
+
+    def replace(o, state_dict):
+        seen.append(("replace",))
+        new = copy.deepcopy(state_dict)
+        new["param_groups"][0]["lr"] = 0.5
+        return new
+
+    fresh.register_load_state_dict_pre_hook(lambda o, d: seen.append(("pre", d["param_groups"][0]["lr"], len(o.state))))
+    fresh.register_load_state_dict_pre_hook(replace, prepend=True)
+    fresh.register_load_state_dict_post_hook(lambda o: seen.append(("post", o.param_groups[0]["lr"], float(o.state[params[0]]["step"]))))
+    fresh.load_state_dict(sd)
+    assert seen == [("replace",), ("pre", 0.5, 0), ("post", 0.5, 3.0)]
+    assert sd["param_groups"][0]["lr"] == 1e-3  # the caller's dict is unchanged
+
+
+def test_older_state_dict_without_group_flags_loads_and_steps():
+    opt, params = _trained(maximize=True, amsgrad=True)
+    sd = opt.state_dict()
+    for group in sd["param_groups"]:
+        for flag in ("maximize", "amsgrad", "foreach", "fused", "capturable", "differentiable"):
+            del group[flag]
+    for state in sd["state"].values():
+        del state["max_exp_avg_sq"]
+    opt.load_state_dict(sd)
+    group = opt.param_groups[0]
+    assert group["maximize"] is False and group["amsgrad"] is False and group["fused"] is None
+    _steps(opt, params, n=1)
+
+
+def test_param_names_are_kept_when_the_state_dict_has_none():
+    model = torch.nn.Linear(4, 3)
+    opt = AdamW8bit(model.named_parameters(), min_size=1)
+    unnamed = AdamW8bit(model.parameters(), min_size=1).state_dict()
+    opt.load_state_dict(unnamed)
+    assert opt.param_groups[0]["param_names"] == ["weight", "bias"]
+
+
+def test_implementation_flags_stay_the_optimizers():
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    ref = torch.optim.AdamW([p], fused=True)
+    p.grad = torch.randn_like(p)
+    ref.step()
+    sd = ref.state_dict()
+    sd["param_groups"][0]["capturable"] = True  # saved by a CUDA-graph run: not something ckptq can do
+    opt = AdamW8bit([p])
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["capturable"] is False and opt.param_groups[0]["fused"] is None
+    _steps(opt, [p], n=1)
+
+
+BAD_GROUPS = [
+    (lambda g: g.update(betas=(0.9, 1.5)), r"param group 0 of the state dict: Invalid beta parameter at index 1"),
+    (lambda g: g.update(eps="x"), "param group 0 of the state dict: eps must be a number"),
+    (lambda g: g.update(lr="fast"), "param group 0 of the state dict: lr must be a number"),
+    (lambda g: g.pop("params"), "param group 0 of the state dict has no 'params'"),
+    (lambda g: g.pop("lr"), "param group 0 of the state dict has no 'lr'"),
+]
+
+
+@pytest.mark.parametrize("cls", [AdamW8bit, Adam8bit])
+@pytest.mark.parametrize("spoil,match", BAD_GROUPS, ids=[m for _, m in BAD_GROUPS])
+def test_bad_groups_in_a_state_dict_raise_before_anything_changes(cls, spoil, match):
+    opt, params = _trained(cls)
+    before = copy.deepcopy(opt.state_dict())
+    sd = opt.state_dict()
+    spoil(sd["param_groups"][0])
+    with pytest.raises(StateMismatchError, match=match) as info:
+        opt.load_state_dict(sd)
+    assert isinstance(info.value, ValueError)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert torch.equal(after["state"][0]["exp_avg"]["codes"], before["state"][0]["exp_avg"]["codes"])
+
+
+def test_meta_tensors_in_a_state_dict_are_refused_clearly():
+    opt, params = _trained()
+    sd = copy.deepcopy(opt.state_dict())  # state_dict() shares the live state, as torch's does
+    sd["state"][1]["exp_avg"] = sd["state"][1]["exp_avg"].to("meta")
+    with pytest.raises(StateMismatchError, match="state 'exp_avg' of parameter 1 is on the meta device"):
+        opt.load_state_dict(sd)
+    sd = copy.deepcopy(opt.state_dict())  # state_dict() shares the live state, as torch's does
+    sd["state"][0]["exp_avg_sq"] = dict(sd["state"][0]["exp_avg_sq"], codes=torch.empty(128, dtype=torch.uint8, device="meta"))
+    with pytest.raises(StateMismatchError, match="'exp_avg_sq' of parameter 0 is on the meta device"):
+        opt.load_state_dict(sd)
+    sd = copy.deepcopy(opt.state_dict())  # state_dict() shares the live state, as torch's does
+    sd["state"][0]["step"] = torch.tensor(3.0, device="meta")
+    with pytest.raises(StateMismatchError, match="state 'step' of parameter 0 is a tensor"):
+        opt.load_state_dict(sd)
+
+
+def test_meta_parameters_cannot_take_state():
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 3)
+    opt = AdamW8bit(model.parameters())
+    with pytest.raises(StateMismatchError, match="meta device.*to_empty"):
+        opt.load_state_dict(AdamW8bit(torch.nn.Linear(4, 3).parameters()).state_dict())
+
+
+def test_unknown_parameter_ids_still_raise_but_other_keys_travel():
+    opt, params = _trained()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][7] = sd["state"][0]
+    with pytest.raises(StateMismatchError, match="parameter id 7"):
+        opt.load_state_dict(sd)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"]["note"] = {"epoch": 3}
+    opt.load_state_dict(sd)
+    assert opt.state["note"] == {"epoch": 3} and opt.state_dict()["state"]["note"] == {"epoch": 3}
