@@ -111,9 +111,24 @@ class _Adam8bitBase(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
+                if p.grad is None:
+                    continue
+                if p.is_complex() and not p.grad.is_sparse:
+                    self._step_complex(p, group)
+                else:
                     self._step_param(p, group)
         return loss
+
+    def _step_complex(self, p: torch.Tensor, group: dict) -> None:
+        """A complex parameter steps as torch's Adam(W) steps it: its real view (real and imaginary parts
+        as independent reals), so its state has shape ``(*p.shape, 2)``; the state stays keyed by ``p``."""
+        real = torch.view_as_real(p)
+        real.grad = torch.view_as_real(p.grad)
+        self.state[real] = self.state[p]  # the same dict: the step updates p's state in place
+        try:
+            self._step_param(real, group)
+        finally:
+            del self.state[real]
 
     def _step_param(self, p: torch.Tensor, group: dict) -> None:
         if p.grad.is_sparse:

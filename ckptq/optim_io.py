@@ -77,7 +77,8 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
             f"state of parameter {pid} has keys {sorted(saved)}, expected step/exp_avg/exp_avg_sq"
             "[/max_exp_avg_sq] as torch.optim.Adam(W) writes them; convert other optimizers' state first"
         )
-    moments = {k: saved[k] for k in MOMENT_KEYS if k in saved}
+    p = torch.view_as_real(p) if p.is_complex() else p  # complex parameters keep real-view state, as step does
+    moments = {k: _real_view(saved[k]) for k in MOMENT_KEYS if k in saved}
     for key, value in moments.items():
         _check_shape(p, pid, key, value)
     step = _step_value(pid, saved.get("step", 0))
@@ -89,6 +90,11 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
     dense = {k: v.to(device=p.device, dtype=torch.float32) for k, v in _decoded(moments, pid).items()}
     out.update(opt._quantize_moments(dense, group, step) if quantized else {k: v.clone() for k, v in dense.items()})
     return out
+
+
+def _real_view(value):
+    """torch's Adam(W) keeps complex moments for complex parameters; ckptq keeps their real view."""
+    return torch.view_as_real(value) if isinstance(value, torch.Tensor) and value.is_complex() else value
 
 
 def _step_value(pid, step) -> float:

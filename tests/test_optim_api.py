@@ -1,5 +1,6 @@
 """ckptq.optim behaves like a torch.optim optimizer where users touch it: argument errors, torch's
-implementation flags, deepcopy/pickle, load_state_dict (hooks, older dicts, bad groups, meta tensors). The generic torch tests are in tests/test_torch_optim_*.py."""
+implementation flags, deepcopy/pickle, load_state_dict (hooks, older dicts, bad groups, meta tensors),
+complex parameters. The generic torch tests are in tests/test_torch_optim_*.py."""
 
 import copy
 import pickle
@@ -7,6 +8,7 @@ import pickle
 import pytest
 import torch
 
+from ckptq import qstate
 from ckptq.errors import ArgumentError, CkptqError, StateMismatchError, UsageError
 from ckptq.optim import Adam8bit, AdamW8bit
 
@@ -241,3 +243,38 @@ def test_unknown_parameter_ids_still_raise_but_other_keys_travel():
     sd["state"]["note"] = {"epoch": 3}
     opt.load_state_dict(sd)
     assert opt.state["note"] == {"epoch": 3} and opt.state_dict()["state"]["note"] == {"epoch": 3}
+
+
+@pytest.mark.parametrize("cls", [AdamW8bit, Adam8bit])
+@pytest.mark.parametrize("min_size", [1, 4096])
+def test_complex_parameters_step_as_their_real_view(cls, min_size):
+    gen = torch.Generator().manual_seed(0)
+    c = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.complex64, generator=gen))
+    r = torch.nn.Parameter(torch.view_as_real(c.detach()).clone())
+    opt_c, opt_r = cls([c], min_size=min_size), cls([r], min_size=min_size)
+    for _ in range(3):
+        g = torch.randn(16, 8, dtype=torch.complex64, generator=gen)
+        c.grad, r.grad = g, torch.view_as_real(g).clone()
+        opt_c.step()
+        opt_r.step()
+    assert torch.equal(torch.view_as_real(c.detach()), r.detach())  # the imaginary part moves too
+    assert c.imag.abs().min() > 0
+    state = opt_c.state[c]
+    assert (qstate.dequantize_states(state)["exp_avg"].shape if min_size == 1 else state["exp_avg"].shape) == (16, 8, 2)
+
+
+def test_complex_state_round_trips_and_imports_from_torch():
+    gen = torch.Generator().manual_seed(3)
+    c = torch.nn.Parameter(torch.randn(32, 8, dtype=torch.complex64, generator=gen))
+    ref = torch.optim.AdamW([c])
+    c.grad = torch.randn(32, 8, dtype=torch.complex64, generator=gen)
+    ref.step()  # torch keeps complex moments of c's shape
+    opt = AdamW8bit([c], min_size=1)
+    opt.load_state_dict(ref.state_dict())
+    expect = qstate.quantize_state(torch.view_as_real(ref.state[c]["exp_avg_sq"]), "exp_avg_sq", 256)
+    assert torch.equal(opt.state[c]["exp_avg_sq"]["codes"], expect["codes"])  # as ckptq convert encodes it
+    opt.step()
+    again = AdamW8bit([c], min_size=1)
+    again.load_state_dict(opt.state_dict())
+    assert torch.equal(again.state[c]["exp_avg"]["codes"], opt.state[c]["exp_avg"]["codes"])
+    again.step()
