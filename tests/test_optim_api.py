@@ -278,3 +278,21 @@ def test_complex_state_round_trips_and_imports_from_torch():
     again.load_state_dict(opt.state_dict())
     assert torch.equal(again.state[c]["exp_avg"]["codes"], opt.state[c]["exp_avg"]["codes"])
     again.step()
+
+
+def test_grad_scaler_skips_steps_with_inf_grads_and_unscales_the_rest():
+    params = _params()
+    opt = AdamW8bit(params, min_size=16, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [p.detach().clone() for p in params]
+    scaler.scale(sum((p * p).sum() for p in params)).backward()
+    params[1].grad[0] = float("inf")
+    scaler.step(opt)  # the generic path: ckptq has no fused grad_scale/found_inf step arguments
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(params, before)) and not opt.state
+    assert scaler.get_scale() == 512.0
+    opt.zero_grad()
+    scaler.scale(sum((p * p).sum() for p in params)).backward()
+    scaler.step(opt)
+    torch.testing.assert_close(params[0].grad, 2 * before[0])  # unscaled before the step
+    assert not torch.equal(params[0], before[0])
