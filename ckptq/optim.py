@@ -18,7 +18,7 @@ import torch
 from . import adam_step, codec, optim_args, qstate
 from .errors import StateMismatchError, UsageError
 from .optim_args import GROUP_FLAGS
-from .optim_io import MOMENT_KEYS, import_state_dict
+from .optim_io import MOMENT_KEYS, expand_on_load, import_state_dict, to_torch_state_dict
 
 BACKENDS = codec.BACKENDS
 OPTIONS = {"block_size": 256, "min_size": 4096, "backend": "auto"}  # ckptq's own, beyond torch's arguments
@@ -203,4 +203,4 @@ class Adam8bit(_Adam8bitBase):
     decoupled = False
 
 
-__all__ = ["AdamW8bit", "Adam8bit", "StateMismatchError"]
+__all__ = ["AdamW8bit", "Adam8bit", "StateMismatchError", "expand_on_load", "to_torch_state_dict"]

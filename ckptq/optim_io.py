@@ -162,3 +162,36 @@ def _check_not_meta(pid, key: str, value) -> None:
             f"state {key!r} of parameter {pid} is on the meta device and has no values; save the optimizer "
             "after its state is materialized (meta tensors carry only shapes)"
         )
+
+
+def to_torch_state_dict(state_dict: dict, optimizer=None) -> dict:
+    """An ``AdamW8bit``/``Adam8bit`` state dict (or ``ckptq.load(path)["optimizer"]``) as ``torch.optim.Adam(W)``
+    loads it: every 8-bit state decoded to an fp32 tensor (exp_avg through its ratio), other tensors copied
+    (torch's load keeps same-device tensors as they are: the two optimizers would share them). Given ``optimizer`` (the torch optimizer it is for), the real-view
+    states of its complex parameters become complex again, as torch keeps them."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
+        raise StateMismatchError("not an optimizer state dict: expected keys 'state' (a dict) and 'param_groups'")
+    complex_ids = set()
+    if optimizer is not None:
+        saved_ids = [pid for g in state_dict.get("param_groups", []) for pid in g.get("params", [])]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        complex_ids = {pid for pid, p in zip(saved_ids, params) if p.is_complex()}
+    state = {}
+    for pid, saved in state_dict["state"].items():
+        state[pid] = _dense_state(pid, saved, pid in complex_ids) if isinstance(saved, dict) else saved
+    return {**state_dict, "state": state}
+
+
+def _dense_state(pid, saved: dict, is_complex: bool) -> dict:
+    out = _decoded(saved, pid) if any(qstate.is_qstate(v) for v in saved.values()) else dict(saved)
+    out = {k: v.clone() if isinstance(v, torch.Tensor) and not qstate.is_qstate(saved.get(k)) else v for k, v in out.items()}
+    if is_complex:
+        out.update({k: torch.view_as_complex(out[k].contiguous()) for k in MOMENT_KEYS if k in out})
+    return out
+
+
+def expand_on_load(optimizer: torch.optim.Optimizer):
+    """Let a torch optimizer (``torch.optim.AdamW``...) load 8-bit state dicts: registers a
+    ``load_state_dict`` pre-hook that applies ``to_torch_state_dict``. Without it torch accepts such a
+    dict and fails at the first step (``'dict' object has no attribute 'lerp_'``). Returns the hook handle."""
+    return optimizer.register_load_state_dict_pre_hook(lambda opt, sd: to_torch_state_dict(sd, opt))

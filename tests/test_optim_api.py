@@ -10,7 +10,7 @@ import torch
 
 from ckptq import qstate
 from ckptq.errors import ArgumentError, CkptqError, StateMismatchError, UsageError
-from ckptq.optim import Adam8bit, AdamW8bit
+from ckptq.optim import Adam8bit, AdamW8bit, expand_on_load, to_torch_state_dict
 
 
 def _params(seed=0, shapes=((16, 8), (5,))):
@@ -296,3 +296,36 @@ def test_grad_scaler_skips_steps_with_inf_grads_and_unscales_the_rest():
     scaler.step(opt)
     torch.testing.assert_close(params[0].grad, 2 * before[0])  # unscaled before the step
     assert not torch.equal(params[0], before[0])
+
+
+def test_a_torch_optimizer_resumes_from_8bit_state_after_expanding():
+    params = _params()
+    opt = AdamW8bit(params, min_size=16, amsgrad=True)
+    _steps(opt, params)
+    sd = opt.state_dict()
+    dense = to_torch_state_dict(sd)
+    assert qstate.is_qstate(sd["state"][0]["exp_avg"])  # the argument is unchanged
+    for pid, state in dense["state"].items():
+        expect = qstate.dequantize_states(opt.state[params[pid]])
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert torch.equal(state[key], expect[key])
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ref = torch.optim.AdamW(ref_params, amsgrad=True)
+    expand_on_load(ref)
+    ref.load_state_dict(sd)  # without the hook torch accepts it and fails at step: 'dict' has no 'lerp_'
+    _steps(ref, ref_params, n=1, seed=5)
+    _steps(opt, params, n=1, seed=5)
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b)  # the same moments: the steps agree to fp32 rounding
+
+
+def test_expand_on_load_restores_complex_moments():
+    c = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.complex64))
+    opt = AdamW8bit([c], min_size=1)
+    _steps(opt, [c], n=2)
+    ref = torch.optim.AdamW([torch.nn.Parameter(c.detach().clone())])
+    expand_on_load(ref)
+    ref.load_state_dict(opt.state_dict())
+    moment = next(iter(ref.state.values()))["exp_avg"]
+    assert moment.is_complex() and moment.shape == (16, 8)
+    _steps(ref, ref.param_groups[0]["params"], n=1)
