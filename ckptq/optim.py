@@ -8,6 +8,10 @@ transform, eps' = ``qstate.ratio_eps`` of the step), exactly as ``ckptq convert`
 The update math lives once in ``ckptq.adam_step``; CPU parameters run the fused C kernel
 (``ckptq/kernels/cpu_kernels.c``, PyTorch where it cannot be built), CUDA parameters the fused Triton
 kernel in ``ckptq.kernels.adam8bit``. Design after torchao's low-bit optimizers (``torchao/optim``).
+
+Where users touch them they behave as ``torch.optim`` optimizers: torch's arguments (``ckptq.optim_args``),
+complex parameters (stepped through ``view_as_real``, as torch does), hooks, deepcopy/pickle, and
+``load_state_dict`` of older or torch-written state dicts (``ckptq.optim_io``).
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ build the new state (qstates copied as stored, fp32 moments quantized as ``ckptq
 ``torch.optim.Optimizer.load_state_dict`` cannot be reused: it casts every floating tensor to the
 parameter's dtype (uint8 codes would become floats) and turns strings nested in state dicts into
 generator reprs.
+
+The way back: ``to_torch_state_dict`` decodes an 8-bit state dict for ``torch.optim.Adam(W)``, and
+``expand_on_load`` makes a torch optimizer's ``load_state_dict`` do it itself.
 """
 
 from __future__ import annotations
@@ -165,9 +168,10 @@ def _check_not_meta(pid, key: str, value) -> None:
 
 
 def to_torch_state_dict(state_dict: dict, optimizer=None) -> dict:
-    """An ``AdamW8bit``/``Adam8bit`` state dict (or ``ckptq.load(path)["optimizer"]``) as ``torch.optim.Adam(W)``
-    loads it: every 8-bit state decoded to an fp32 tensor (exp_avg through its ratio), other tensors copied
-    (torch's load keeps same-device tensors as they are: the two optimizers would share them). Given ``optimizer`` (the torch optimizer it is for), the real-view
+    """An ``AdamW8bit``/``Adam8bit`` state dict (or ``ckptq.load(path)["optimizer"]``) as
+    ``torch.optim.Adam(W)`` loads it: every 8-bit state decoded to an fp32 tensor (exp_avg through its
+    ratio), other tensors copied (torch's load keeps same-device tensors as they are, so the two
+    optimizers would share them). Given ``optimizer`` (the torch optimizer it is for), the real-view
     states of its complex parameters become complex again, as torch keeps them."""
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
         raise StateMismatchError("not an optimizer state dict: expected keys 'state' (a dict) and 'param_groups'")
@@ -183,8 +187,8 @@ def to_torch_state_dict(state_dict: dict, optimizer=None) -> dict:
 
 
 def _dense_state(pid, saved: dict, is_complex: bool) -> dict:
-    out = _decoded(saved, pid) if any(qstate.is_qstate(v) for v in saved.values()) else dict(saved)
-    out = {k: v.clone() if isinstance(v, torch.Tensor) and not qstate.is_qstate(saved.get(k)) else v for k, v in out.items()}
+    decoded = _decoded(saved, pid) if any(qstate.is_qstate(v) for v in saved.values()) else saved
+    out = {k: v.clone() if isinstance(v, torch.Tensor) and v is saved.get(k) else v for k, v in decoded.items()}
     if is_complex:
         out.update({k: torch.view_as_complex(out[k].contiguous()) for k in MOMENT_KEYS if k in out})
     return out

@@ -144,7 +144,9 @@ def test_load_state_dict_runs_torchs_hooks_in_order():
 
     fresh.register_load_state_dict_pre_hook(lambda o, d: seen.append(("pre", d["param_groups"][0]["lr"], len(o.state))))
     fresh.register_load_state_dict_pre_hook(replace, prepend=True)
-    fresh.register_load_state_dict_post_hook(lambda o: seen.append(("post", o.param_groups[0]["lr"], float(o.state[params[0]]["step"]))))
+    fresh.register_load_state_dict_post_hook(
+        lambda o: seen.append(("post", o.param_groups[0]["lr"], float(o.state[params[0]]["step"])))
+    )
     fresh.load_state_dict(sd)
     assert seen == [("replace",), ("pre", 0.5, 0), ("post", 0.5, 3.0)]
     assert sd["param_groups"][0]["lr"] == 1e-3  # the caller's dict is unchanged
@@ -216,7 +218,8 @@ def test_meta_tensors_in_a_state_dict_are_refused_clearly():
     with pytest.raises(StateMismatchError, match="state 'exp_avg' of parameter 1 is on the meta device"):
         opt.load_state_dict(sd)
     sd = copy.deepcopy(opt.state_dict())  # state_dict() shares the live state, as torch's does
-    sd["state"][0]["exp_avg_sq"] = dict(sd["state"][0]["exp_avg_sq"], codes=torch.empty(128, dtype=torch.uint8, device="meta"))
+    meta_codes = torch.empty(128, dtype=torch.uint8, device="meta")
+    sd["state"][0]["exp_avg_sq"] = dict(sd["state"][0]["exp_avg_sq"], codes=meta_codes)
     with pytest.raises(StateMismatchError, match="'exp_avg_sq' of parameter 0 is on the meta device"):
         opt.load_state_dict(sd)
     sd = copy.deepcopy(opt.state_dict())  # state_dict() shares the live state, as torch's does

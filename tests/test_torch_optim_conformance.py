@@ -120,7 +120,9 @@ def _derived(info, flag, dtype=torch.float64):
         runs = []
         for value in (False, True):
             torch.manual_seed(1)
-            model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1), torch.nn.Sigmoid())
+            model = torch.nn.Sequential(
+                torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1), torch.nn.Sigmoid()
+            )
             model.to(dtype=dtype)
             empty = torch.empty((), dtype=dtype, requires_grad=True)
             empty.grad = torch.rand_like(empty)
