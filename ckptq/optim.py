@@ -113,6 +113,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_not_meta()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -122,6 +123,17 @@ class _Adam8bitBase(torch.optim.Optimizer):
                 else:
                     self._step_param(p, group)
         return loss
+
+    def _check_not_meta(self) -> None:
+        """Before any parameter steps: meta parameters have no values to update (a step would build
+        meta state that silently stays meta after ``module.to_empty``)."""
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.grad is not None and (p.is_meta or p.grad.is_meta):
+                    raise UsageError(
+                        f"parameter {j} of param group {i} (shape {tuple(p.shape)}) or its gradient is on the meta "
+                        "device; materialize the model (module.to_empty(device=...)) before stepping"
+                    )
 
     def _step_complex(self, p: torch.Tensor, group: dict) -> None:
         """A complex parameter steps as torch's Adam(W) steps it: its real view (real and imaginary parts

@@ -332,3 +332,15 @@ def test_expand_on_load_restores_complex_moments():
     moment = next(iter(ref.state.values()))["exp_avg"]
     assert moment.is_complex() and moment.shape == (16, 8)
     _steps(ref, ref.param_groups[0]["params"], n=1)
+
+
+def test_step_refuses_meta_parameters_before_building_state():
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 3)
+    opt = Adam8bit(model.parameters(), min_size=1)
+    with torch.device("meta"):
+        for p in model.parameters():
+            p.grad = torch.rand_like(p)
+    with pytest.raises(UsageError, match=r"parameter 0 of param group 0 \(shape \(3, 4\)\).*meta device"):
+        opt.step()
+    assert not opt.state  # nothing half-stepped, no meta state left behind
