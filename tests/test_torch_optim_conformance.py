@@ -4,19 +4,25 @@ AdamW8bit and Adam8bit, each as shipped and with ``min_size=1`` (tests/optim_con
 and state-dict tests are in tests/test_torch_optim_state.py.
 
 Not here, and why:
-- CUDA-only tests (``test_fused_large_tensor``, ``test_cpu_load_state_dict``, ``test_state_dict_with_cuda_params``,
-  ``test_mixed_device_dtype``, ``test_peak_memory_foreach``, ``test_foreach_large_tensor``,
-  ``test_set_default_dtype_works_with_foreach``, ``test_forloop_goes_right_direction_multigpu``,
-  ``test_defaults_changed_to_foreach``): no GPU in CI; the Triton path is tested in tests/test_kernels_*.py.
-- ``test_fused_does_not_step_if_foundinf``: passes ``grad_scale``/``found_inf`` to ``step``, a torch fused-kernel
-  API ckptq does not have; ``GradScaler`` takes its generic path instead (tested in tests/test_optim_api.py).
-- ``differentiable=True`` configs: refused (8-bit moments carry no autograd history).
+- CUDA-only tests and those torch itself skips on the CPU (``test_fused_large_tensor``: 64 GB,
+  ``test_cpu_load_state_dict``, ``test_state_dict_with_cuda_params``, ``test_mixed_device_dtype``,
+  ``test_peak_memory_foreach``, ``test_foreach_large_tensor``, ``test_set_default_dtype_works_with_foreach``,
+  ``test_forloop_goes_right_direction_multigpu``, ``test_defaults_changed_to_foreach``,
+  ``test_fused_cpu_matches_cuda``, ``test_fused_does_not_step_if_foundinf``): no GPU in CI; the Triton path
+  is tested in tests/test_kernels_*.py. The last one passes ``grad_scale``/``found_inf`` to torch's fused
+  kernels, which ckptq does not have; ``GradScaler``'s generic path is tested in tests/test_optim_api.py.
+- Tests for features these optimizers do not have: sparse gradients (``test_rosenbrock_sparse``), closures
+  that must be called (``test_second_order_optims_return_consistent_types``), ``differentiable=True`` configs
+  (refused: 8-bit moments carry no autograd history), and torch-only ones (``test_adamw_serialization``,
+  ``test_step_iteration``).
 """
 
 import pytest
 import torch
 from torch.nn import Parameter
+from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
 
+from ckptq.errors import UsageError
 from optim_conformance import (  # noqa: F401 (one_thread: a fixture)
     INFOS, UNSUPPORTED_ERRORS, all_optim_inputs, assert_same, check_error, error_inputs, one_thread, optim_inputs,
     optims, weight_bias,
@@ -39,11 +45,13 @@ def test_errors(info):
 
 
 @optims
+@pytest.mark.parametrize("with_lrsched", [False, True])
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_forloop_goes_right_direction(info, contiguous):
+def test_forloop_goes_right_direction(info, contiguous, with_lrsched):
     for kwargs in optim_inputs(info):
         weight, bias, x = weight_bias(contiguous=contiguous)
         opt = info.make([weight, bias], foreach=False, **kwargs)
+        scheds = [StepLR(opt, gamma=0.9, step_size=10), ReduceLROnPlateau(opt)] if with_lrsched else []
 
         def closure():
             opt.zero_grad()
@@ -53,7 +61,9 @@ def test_forloop_goes_right_direction(info, contiguous):
 
         initial = closure().item()
         for _ in range(20):
-            opt.step(closure)
+            loss = opt.step(closure)
+            for sched in scheds:
+                sched.step(loss.item()) if isinstance(sched, ReduceLROnPlateau) else sched.step()
         if kwargs.get("maximize"):
             assert closure().item() > initial, kwargs
         else:
@@ -146,8 +156,41 @@ def test_foreach_matches_forloop(info):
 
 
 @optims
-def test_fused_matches_forloop(info):
-    _derived(info, "fused")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_fused_matches_forloop(info, dtype):
+    _derived(info, "fused", dtype)
+
+
+@optims
+def test_fused_error_on_params_on_meta(info):
+    """torch raises RuntimeError for fused=True on meta parameters; ckptq refuses them for any flags, with
+    UsageError, before a step builds state that would stay on meta after ``to_empty``."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1))
+    opt = info.make(model.parameters(), fused=True)
+    with torch.device("meta"):
+        for p in model.parameters():
+            p.grad = torch.rand_like(p)
+    with pytest.raises(UsageError, match="meta device.*to_empty"):
+        opt.step()
+    assert not opt.state
+    opt.zero_grad(set_to_none=True)
+    model.to_empty(device="cpu")
+    for p in model.parameters():
+        p.grad = torch.rand_like(p)
+    opt.step()
+
+
+@optims
+def test_grads_are_never_inplaced_into(info):
+    param = torch.randn((5, 1), requires_grad=True)
+    for kwargs in all_optim_inputs(info):
+        opt = info.make([param], **kwargs)
+        param.grad = torch.rand_like(param)
+        version, before = param.grad._version, param.grad.clone()
+        for _ in range(5):
+            opt.step(lambda: torch.tensor([1.0]))
+        assert param.grad._version == version and torch.equal(param.grad, before), kwargs
 
 
 @optims
@@ -227,14 +270,15 @@ def test_non_empty_state(info):
 
 
 @optims
-def test_tensor_lr(info):
+@pytest.mark.parametrize("num_dim", [0, 1, 2])
+def test_tensor_lr(info, num_dim):
     for kwargs in all_optim_inputs(info):
         lr = kwargs.get("lr", 1e-3)
         weight, bias, x = weight_bias()
         weight_c, bias_c = Parameter(weight.detach().clone()), Parameter(bias.detach().clone())
         opt = info.make([weight, bias], **{**kwargs, "lr": lr})
-        opt_c = info.make([weight_c, bias_c], **{**kwargs, "lr": torch.tensor(lr)})
-        for _ in range(2):
+        opt_c = info.make([weight_c, bias_c], **{**kwargs, "lr": torch.tensor(lr).reshape([1] * num_dim)})
+        for _ in range(5):
             for o, w, b in ((opt, weight, bias), (opt_c, weight_c, bias_c)):
                 o.zero_grad()
                 (w.mv(x) + b).pow(2).sum().backward()

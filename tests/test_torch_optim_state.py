@@ -135,16 +135,29 @@ def test_load_state_dict_post_hook(info, with_pre_hook):
     opt.load_state_dict(opt.state_dict())  # non-parameter state keys travel as-is, as in torch
 
 
+def _named(params, named: bool):
+    return [(f"name{i}", p) for i, p in enumerate(params)] if named else params
+
+
+def _without_names(state_dict):
+    out = deepcopy(state_dict)
+    for group in out["param_groups"]:
+        group.pop("param_names", None)
+    return out
+
+
 @optims
-def test_state_dict_deterministic(info):
+@pytest.mark.parametrize("named0", [False, True])
+@pytest.mark.parametrize("named1", [False, True])
+def test_state_dict_deterministic(info, named0, named1):
     weight, bias, x = weight_bias(seed=3)
     for kwargs in all_optim_inputs(info):
-        opt = info.make([weight, bias], **kwargs)
+        opt = info.make(_named([weight, bias], named0), **kwargs)
         closure = functools.partial(_fwd_bwd, opt, weight, bias, x)
         for _ in range(10):
             opt.step(closure)
         weight_c, bias_c = Parameter(weight.detach().clone()), Parameter(bias.detach().clone())
-        opt_c = info.make([weight_c, bias_c], **kwargs)
+        opt_c = info.make(_named([weight_c, bias_c], named1), **kwargs)
         closure_c = functools.partial(_fwd_bwd, opt_c, weight_c, bias_c, x)
         opt_c.load_state_dict(deepcopy(opt.state_dict()))
         for _ in range(10):
@@ -152,9 +165,10 @@ def test_state_dict_deterministic(info):
             opt_c.step(closure_c)
             assert_same(weight.detach(), weight_c.detach())
             assert_same(bias.detach(), bias_c.detach())
-        assert_same(opt.state_dict(), opt_c.state_dict())
+        assert_same(_without_names(opt.state_dict()), _without_names(opt_c.state_dict()))
         opt_c.param_groups.extend(opt_c.param_groups)
-        assert_same(opt.state_dict()["param_groups"][-1], opt_c.state_dict()["param_groups"][-1])
+        last = [_without_names(o.state_dict())["param_groups"][-1] for o in (opt, opt_c)]
+        assert_same(*last)
 
 
 def _conv_bn():
@@ -204,10 +218,11 @@ def test_can_load_from_to_named_state_dict(info, named0, named1):
 
 
 @optims
-def test_save_load_equality_with_weights_only(info):
+@pytest.mark.parametrize("named", [False, True])
+def test_save_load_equality_with_weights_only(info, named):
     weight, bias, x = weight_bias(seed=4)
     for kwargs in all_optim_inputs(info):
-        opt = info.make([weight, bias], **kwargs)
+        opt = info.make(_named([weight, bias], named), **kwargs)
         for _ in range(3):
             opt.step(functools.partial(_fwd_bwd, opt, weight, bias, x))
         sd = opt.state_dict()
