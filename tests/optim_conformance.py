@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
-from copy import deepcopy
 
 import pytest
 import torch
@@ -89,7 +87,7 @@ def error_inputs() -> list[ErrorInput]:
     that ``UNSUPPORTED_ERRORS`` explains."""
     p, p2 = Parameter(torch.randn(1, 1)), Parameter(torch.randn(1, 1))
     tb = (torch.tensor(0.9), torch.tensor(0.99))
-    out = [
+    return [
         ErrorInput(p, {}, TypeError, "params argument given to the optimizer should be an iterable", "param type"),
         ErrorInput([p, p], {}, UserWarning, ".*a parameter group with duplicate parameters.*", "duplicates"),
         ErrorInput([{"params": p}, {"params": p}], {}, ValueError, "some parameters appear in more than one", "dup"),
@@ -104,7 +102,6 @@ def error_inputs() -> list[ErrorInput]:
         ErrorInput(None, dict(lr=1e-2, betas=(0.9, tb[1])), ValueError, "betas must be either both floats", "b"),
         ErrorInput(None, dict(lr=1e-2, betas=(tb[0], 0.99)), ValueError, "betas must be either both floats", "b"),
     ]
-    return out
 
 
 # torch's error inputs ckptq does not reproduce, and why (the README lists them too)
@@ -152,12 +149,3 @@ def weight_bias(dtype=torch.float32, contiguous=True, seed=0):
         b = torch.randn((10, 2), generator=gen, dtype=dtype)[..., 0]
     return Parameter(w), Parameter(b), torch.randn(5, generator=gen, dtype=dtype)
 
-
-def quiet(fn, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return fn(*args, **kwargs)
-
-
-def copy_sd(opt):
-    return deepcopy(opt.state_dict())
