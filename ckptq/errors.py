@@ -14,6 +14,11 @@ class UsageError(CkptqError):
     exit_code = 2
 
 
+class ArgumentError(UsageError, ValueError):
+    """A bad optimizer argument or param group value. Also a ``ValueError``, so code written for
+    ``torch.optim`` optimizers (``except ValueError``) catches it; the CLI still maps it to exit 2."""
+
+
 class InputError(CkptqError):
     """The input is missing, unreadable, not a checkpoint, or needs unsafe unpickling."""
 
@@ -36,7 +41,8 @@ class ChecksumError(FormatError):
     """A tensor's bytes do not match the checksum recorded when it was written."""
 
 
-class StateMismatchError(CkptqError):
-    """An optimizer state dict does not fit the optimizer's parameters."""
+class StateMismatchError(CkptqError, ValueError):
+    """An optimizer state dict does not fit the optimizer's parameters, or holds values it cannot use.
+    Also a ``ValueError``, as torch's ``load_state_dict`` raises for a mismatched state dict."""
 
     exit_code = 6

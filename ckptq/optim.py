@@ -8,6 +8,10 @@ transform, eps' = ``qstate.ratio_eps`` of the step), exactly as ``ckptq convert`
 A step goes ``step`` -> ``ckptq.adam.step_param`` -> ``ckptq.ops.adam8bit_step`` (one fused kernel per
 parameter: C on the CPU, Triton on CUDA, the PyTorch reference elsewhere). Design after torchao's
 low-bit optimizers (``torchao/optim``).
+
+Where users touch them they behave as ``torch.optim`` optimizers: torch's arguments (``ckptq.optim_args``),
+complex parameters (stepped through ``view_as_real``, as torch does), hooks, deepcopy/pickle, and
+``load_state_dict`` of older or torch-written state dicts (``ckptq.optim_io``).
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from . import adam, ops, qstate, sharded
+from . import adam, ops, optim_args, qstate, sharded
 from .errors import StateMismatchError, UsageError
-from .optim_io import MOMENT_KEYS, import_state_dict
+from .optim_args import GROUP_FLAGS
+from .optim_io import MOMENT_KEYS, expand_on_load, import_state_dict, to_torch_state_dict
 
 BACKENDS = ops.BACKENDS
+OPTIONS = {"block_size": 256, "min_size": 4096, "backend": "auto"}  # ckptq's own, beyond torch's arguments
 
 
 class _Adam8bitBase(torch.optim.Optimizer):
@@ -35,22 +41,44 @@ class _Adam8bitBase(torch.optim.Optimizer):
         amsgrad=False,
         *,
         maximize=False,
+        foreach=None,
+        fused=None,
+        capturable=False,
+        differentiable=False,
         block_size=256,
         min_size=4096,
         backend="auto",
     ):
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise UsageError(f"a tensor lr must have one element, got shape {tuple(lr.shape)}")
-        if not 0.0 <= float(lr) or not 0.0 <= eps or not 0.0 <= weight_decay:
-            raise UsageError(f"lr, eps and weight_decay must be >= 0, got {float(lr)}, {eps}, {weight_decay}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise UsageError(f"betas must lie in [0, 1), got {betas}")
-        if backend not in BACKENDS:
-            raise UsageError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-        ops.check_block_size(block_size)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
-        super().__init__(params, defaults)
+        """torch.optim.Adam(W)'s arguments (``foreach``/``fused``/``capturable``/``differentiable`` as
+        ``ckptq.optim_args`` documents), plus ``block_size``/``min_size``/``backend`` for the 8-bit state.
+        Bad values raise ``ArgumentError``, a ``ValueError``, before anything is built."""
+        optim_args.check_hyper(lr, betas, eps, weight_decay)
+        optim_args.check_options(block_size, min_size, backend)
+        flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused)
+        flags.update(capturable=capturable, differentiable=differentiable)
+        optim_args.check_flags(flags)
         self.block_size, self.min_size, self.backend = block_size, min_size, backend
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``, with the group's values checked first (``ArgumentError``)."""
+        if isinstance(param_group, dict):
+            where = f"param group {len(self.param_groups)}"
+            optim_args.check_group({**self.defaults, **param_group}, where)
+        super().add_param_group(param_group)
+
+    def __getstate__(self) -> dict:
+        """torch keeps defaults, state and param_groups; the 8-bit options travel too (deepcopy, pickle)."""
+        return {**super().__getstate__(), **{k: getattr(self, k) for k in OPTIONS}}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for key, default in OPTIONS.items():  # objects pickled before the options travelled
+            if key not in self.__dict__:
+                setattr(self, key, default)
+        for group in self.param_groups:  # groups pickled before a flag existed, as torch's Adam does
+            for key, default in GROUP_FLAGS.items():
+                group.setdefault(key, default)
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         keys = MOMENT_KEYS[: 3 if group["amsgrad"] else 2]
@@ -84,11 +112,38 @@ class _Adam8bitBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_not_meta()
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
+                if p.grad is None:
+                    continue
+                if p.is_complex() and not p.grad.is_sparse:
+                    self._step_complex(p, group)
+                else:
                     self._step_param(p, group)
         return loss
+
+    def _check_not_meta(self) -> None:
+        """Before any parameter steps: meta parameters have no values to update (a step would build
+        meta state that silently stays meta after ``module.to_empty``)."""
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.grad is not None and (p.is_meta or p.grad.is_meta):
+                    raise UsageError(
+                        f"parameter {j} of param group {i} (shape {tuple(p.shape)}) or its gradient is on the meta "
+                        "device; materialize the model (module.to_empty(device=...)) before stepping"
+                    )
+
+    def _step_complex(self, p: torch.Tensor, group: dict) -> None:
+        """A complex parameter steps as torch's Adam(W) steps it: its real view (real and imaginary parts
+        as independent reals), so its state has shape ``(*p.shape, 2)``; the state stays keyed by ``p``."""
+        real = torch.view_as_real(p)
+        real.grad = torch.view_as_real(p.grad)
+        self.state[real] = self.state[p]  # the same dict: the step updates p's state in place
+        try:
+            self._step_param(real, group)
+        finally:
+            del self.state[real]
 
     def _step_param(self, p: torch.Tensor, group: dict) -> None:
         if p.grad.is_sparse:
@@ -111,12 +166,24 @@ class _Adam8bitBase(torch.optim.Optimizer):
         ``ckptq.load(path)["optimizer"]`` (qstates used as stored; a plain, pre-ratio exp_avg is
         re-encoded as a ratio by the next step).
 
-        Raises ``StateMismatchError`` before changing anything if groups, counts or shapes differ.
+        Raises ``StateMismatchError`` (a ``ValueError``) before changing anything if groups, counts, shapes
+        or group values are wrong. Group flags an older torch did not save (``maximize``...) are filled in
+        as torch fills them; torch's implementation flags (``foreach``, ``fused``...) stay this optimizer's.
+        Runs torch's ``register_load_state_dict_pre_hook``/``post_hook`` hooks as torch does: pre hooks on
+        a shallow copy (one may return a replacement), post hooks after the state is in place.
         """
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         state, groups = import_state_dict(self, state_dict)
         self.state.clear()
         self.state.update(state)
         self.param_groups = groups
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 class AdamW8bit(_Adam8bitBase):
@@ -134,4 +201,4 @@ class Adam8bit(_Adam8bitBase):
     decoupled = False
 
 
-__all__ = ["AdamW8bit", "Adam8bit", "StateMismatchError"]
+__all__ = ["AdamW8bit", "Adam8bit", "StateMismatchError", "expand_on_load", "to_torch_state_dict"]
