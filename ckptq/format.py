@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import index, integrity, safetensors_io, tree
+from . import index, integrity, safetensors_io, tree, validate
 from .errors import FormatError
 from .files import atomic_outputs, open_regular
 from .index import INDEX_SUFFIX, SUFFIX
@@ -157,6 +157,7 @@ class Converted:
         info = parse_json(meta.get("ckptq.info", "{}"), f"{path}: ckptq.info")
         self.info = info if isinstance(info, dict) else {}
         self._where = {name: r for r in self.readers for name in r.entries}
+        validate.check_skeleton(self.skeleton, self.tensors, path)
 
     @property
     def tensors(self) -> dict[str, dict]:
@@ -178,7 +179,12 @@ class Converted:
         return flat.reshape(shape)
 
     def read(self, dequantize: bool = False, lazy: bool = False) -> Any:
-        return tree.unflatten(self.skeleton, self.fetch, dequantize, lazy, self._numel_as)
+        try:
+            return tree.unflatten(self.skeleton, self.fetch, dequantize, lazy, self._numel_as)
+        except (KeyError, TypeError, ValueError, AttributeError, AssertionError, IndexError, RecursionError) as e:
+            # check_skeleton admits only what decodes; this is the backstop that keeps it one line
+            raise FormatError(f"{self.path}: the skeleton does not decode ({type(e).__name__}: "
+                              f"{str(e)[:100]}); the file is corrupt") from None
 
     def _numel_as(self, name: str, dtype: torch.dtype) -> int | None:
         """Elements of stored tensor ``name`` if it is stored as ``dtype`` (else None: not viewable lazily)."""

@@ -93,6 +93,53 @@ def damage(folder: str, rng: random.Random, truncate: bool) -> str:
     return f"{name} byte {pos} bit {bit}"
 
 
+def rewrite(path: str, edit, reseal: bool = True) -> None:
+    """Edit a file's whole header (``edit(header)`` in place, metadata under ``__metadata__``) and seal
+    it again as a writer would: what a deliberately crafted file looks like."""
+    import json
+
+    from ckptq import integrity
+
+    data = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    meta = header.get("__metadata__", {})
+    sealing = reseal and integrity.KEY in meta
+    if sealing:
+        meta[integrity.KEY] = integrity.PLACEHOLDER
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    raw = bytearray(struct.pack("<Q", len(head)) + head)
+    if sealing:
+        integrity.seal(raw)
+    open(path, "wb").write(bytes(raw) + data[8 + n :])
+
+
+def edit_skeleton(path: str, edit) -> None:
+    """``edit(skeleton)`` returns the new skeleton (a JSON value, or a str of JSON text)."""
+    import json
+
+    def go(header):
+        meta = header["__metadata__"]
+        new = edit(json.loads(meta["ckptq.skeleton"]))
+        meta["ckptq.skeleton"] = new if isinstance(new, str) else json.dumps(new)
+
+    rewrite(path, go)
+
+
+def write_index(path: str, index: dict) -> None:
+    """Write an index sealed as ckptq would (a crafted index carries a valid checksum)."""
+    import json
+
+    from ckptq import integrity
+
+    index["metadata"][integrity.KEY] = integrity.PLACEHOLDER
+    raw = bytearray(json.dumps(index, indent=1, separators=(",", ":")).encode())
+    integrity.seal(raw)
+    open(path, "wb").write(bytes(raw))
+
+
 def _same(a, b) -> bool:
     try:
         assert_same(a, b)
