@@ -15,7 +15,7 @@ import torch
 import ckptq
 from ckptq import compress, integrity
 from ckptq.errors import CkptqError, FormatError, InputError
-from hostile import KINDS, campaign, edit_skeleton, make_set, rewrite, write_index
+from hostile import KINDS, campaign, edit_skeleton, make_set, resealed_campaign, rewrite, write_index
 
 HERE = os.path.dirname(__file__)
 
@@ -38,6 +38,12 @@ def test_bit_flip_and_truncation_campaign_has_no_traceback_and_no_wrong_result(t
     for kind in KINDS:
         assert res[kind]["refused"] + res[kind]["same"] == 120, res
         assert res[kind]["refused"] > 100, res  # the campaign does damage what it tests
+
+
+def test_crafted_headers_campaign_has_no_traceback(tmp_path):
+    res = resealed_campaign(trials=100, seed=7, workdir=str(tmp_path))
+    assert res["examples"] == [] and res.get("traceback", 0) == 0, res["examples"][:5]
+    assert res["refused"] > 100, res
 
 
 @pytest.fixture
