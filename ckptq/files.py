@@ -104,12 +104,12 @@ def atomic_outputs(finals: list[str], force: bool) -> Iterator[list[str]]:
             raise OutputExistsError(f"{p} exists; pass --force (Python: force=True) to overwrite it")
     tmps: list[str] = []
     try:
-        for p in finals:
-            folder = os.path.dirname(os.path.abspath(p))
+        for folder in {os.path.dirname(os.path.abspath(p)) for p in finals}:
             if not os.path.isdir(folder):
                 raise InputError(f"output folder {folder} does not exist")
             remove_stale_temps(folder)
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=_tmp_prefix(p), suffix=".tmp")
+        for p in finals:
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(p)), prefix=_tmp_prefix(p), suffix=".tmp")
             os.close(fd)
             os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
             tmps.append(tmp)
