@@ -130,9 +130,11 @@ class _Checker:
             raise self.fail(at, "has a non-boolean 'parameter'")
         if ("stride" in spec) != ("offset" in spec):
             raise self.fail(at, "has only one of 'stride' and 'offset'")
-        if "stride" not in spec:
+        if "stride" not in spec:  # a whole tensor is stored as itself (else the writer adds stride/offset)
             if math.prod(shape) * dtype.itemsize != stored_bytes:
                 raise self.fail(at, f"needs {math.prod(shape) * dtype.itemsize} bytes, its stored tensor has {stored_bytes}")
+            if DTYPES.get(dtype) != row["dtype"]:
+                raise self.fail(at, f"is a whole {dtype} tensor stored as {row['dtype']}")
             return
         self._view(spec, shape, dtype, stored_bytes, at)
 

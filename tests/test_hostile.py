@@ -59,6 +59,7 @@ SKELETON_EDITS = {
     "unknown dtype name": ('"transform": "sqrt", "dtype": "float32"', '"transform": "sqrt", "dtype": "Tensor"', "dtype"),
     "integer state dtype": ('"transform": "sqrt", "dtype": "float32"', '"transform": "sqrt", "dtype": "int64"', "not a float"),
     "missing data": ('"shape": [8], "data": "model/bias"', '"shape": [8]', "fields"),
+    "whole tensor of another dtype": ('"dtype": "bfloat16", "shape": [8]', '"dtype": "float16", "shape": [8]', "stored as BF16"),
     "whole tensor too big": ('"shape": [8], "data": "model/bias"', '"shape": [4096], "data": "model/bias"', "needs"),
     "codes of another size": ('"dtype": "float32", "eps": 1e-09, "divisor": "exp_avg_sq", "shape": [20, 15]',
                               '"dtype": "float32", "eps": 1e-09, "divisor": "exp_avg_sq", "shape": [20, 16]', "expected U8"),
