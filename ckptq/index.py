@@ -57,9 +57,9 @@ def read_index(path: str) -> tuple[dict, dict[str, str], list[str]]:
         raise FormatError(f"{path} is not a valid safetensors index (needs 'metadata' and a non-empty 'weight_map')")
     if meta.get("ckptq.version") in integrity.SEALED_VERSIONS and integrity.KEY in meta:
         integrity.verify(raw, meta[integrity.KEY], path)
-    bad = next((v for v in wmap.values() if not _plain_name(v)), None)
-    if bad is not None or not all(isinstance(k, str) for k in wmap):
-        raise FormatError(f"{path} names shard {str(bad)[:80]!r}; an index may only name files in its own folder")
+    bad = [v for v in wmap.values() if not _plain_name(v)]
+    if bad or not all(isinstance(k, str) for k in wmap):
+        raise FormatError(f"{path} names shard {str(bad[:1])[:80]}; an index may only name files in its own folder")
     folder = os.path.dirname(path)
     return meta, wmap, [os.path.join(folder, f) for f in sorted(set(wmap.values()))]
 

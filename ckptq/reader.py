@@ -44,6 +44,10 @@ def parse_json(text: str | bytes, what: str):
         raise FormatError(f"{what} is corrupt ({str(e)[:80]})") from None
 
 
+def _known(dtype) -> bool:
+    return isinstance(dtype, str) and dtype in NAMES_TO_DTYPES
+
+
 def check_shape(shape, what: str) -> tuple:
     if not (isinstance(shape, list) and all(type(d) is int and 0 <= d for d in shape)) or len(shape) > 64 \
             or math.prod(shape) > MAX_NUMEL:
@@ -111,14 +115,14 @@ class Reader:
         where = f"{self.path}: tensor {name[:80]!r}"
         offsets = e.get("data_offsets") if isinstance(e, dict) else None
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and e.get("dtype") in NAMES_TO_DTYPES and isinstance(e.get("shape"), list)):
+                and _known(e.get("dtype")) and isinstance(e.get("shape"), list)):
             raise FormatError(f"{self.path}: header entry {name[:80]!r} is malformed; the file is corrupt")
         shape = check_shape(e["shape"], where)
         row = self.table.get(name)
         if self.metadata.get("ckptq.format") != "ckptq":
             return  # a foreign safetensors file: refused later, with a message saying so
         if not (isinstance(row, dict) and isinstance(row.get("crc32"), str) and re.fullmatch("[0-9a-f]{8}", row["crc32"])
-                and isinstance(row.get("codec"), dict) and row.get("dtype") in NAMES_TO_DTYPES):
+                and isinstance(row.get("codec"), dict) and _known(row.get("dtype"))):
             raise FormatError(f"{where} has no valid row (dtype, shape, codec, crc32) in the tensor table; "
                               "the file is corrupt")
         check_shape(row.get("shape"), where + " (table)")

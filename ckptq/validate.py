@@ -154,7 +154,11 @@ class _Checker:
         self._fields(spec, "quantized", at)
         if type(spec["bits"]) is not int or not isinstance(spec["transform"], str):
             raise self.fail(at, "has a malformed 'bits' or 'transform'")
-        qstate.check_qstate({"ckptq": spec["codec"], "bits": spec["bits"], "transform": spec["transform"]})
+        if spec["codec"] != qstate.CODEC or spec["bits"] not in qstate.SUPPORTED_BITS or spec["transform"] not in qstate.TRANSFORMS:
+            raise FormatError(f"{self.where}: quantized state {at[:80]} uses codec {str(spec['codec'])[:20]!r} with "
+                              f"{spec['bits']} bits, transform {spec['transform'][:20]!r}, which this ckptq cannot "
+                              f"decode (it reads {qstate.CODEC!r}, {qstate.SUPPORTED_BITS} bits, {qstate.TRANSFORMS}); "
+                              "upgrade ckptq")
         if spec["block_size"] not in codec.BLOCK_SIZES or type(spec["block_size"]) is not int:
             raise self.fail(at, f"has block size {str(spec['block_size'])[:20]}")
         if not dtype_of(spec["dtype"], self.fail, at).is_floating_point:

@@ -227,6 +227,99 @@ def resealed_campaign(trials: int, seed: int, workdir: str) -> dict:
     return {**counts, "examples": examples}
 
 
+_ODD = [None, [], {}, "x", -1, 0, 2**70, 1.5, float("inf"), True, [1], {"a": 1}, [[1, 2]], "float32", "F32"]
+
+
+def _json_paths(value, path=()):
+    """Every path into a JSON value (dict keys and list indexes)."""
+    yield path
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _json_paths(v, path + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _json_paths(v, path + (i,))
+
+
+def _mutate(value, rng: random.Random):
+    """Replace one randomly chosen sub-value of a JSON value by an odd one (or drop a dict key)."""
+    import copy
+
+    paths = list(_json_paths(value))[1:]
+    if not paths:
+        return copy.deepcopy(rng.choice(_ODD))
+    *parent, last = rng.choice(paths)
+    node = value
+    for p in parent:
+        node = node[p]
+    if isinstance(node, dict) and rng.random() < 0.2:
+        del node[last]
+    else:
+        node[last] = copy.deepcopy(rng.choice(_ODD))  # fresh: the campaign must not alter _ODD
+    return value
+
+
+def mutation_campaign(trials: int, seed: int, workdir: str) -> dict:
+    """Replace one value anywhere in the header JSON, skeleton or tensor table by one of another type
+    (or drop a key), and seal again: crafted structure. Counts tracebacks only (they must be none)."""
+    import json
+
+    rng = random.Random(seed)
+    counts, examples = collections.Counter(), []
+    for kind in ("plain", "compressed"):
+        entry = make_set(os.path.join(workdir, kind, "clean"), kind)
+        for _ in range(trials):
+            trial = os.path.join(workdir, kind, "mutated.safetensors")
+            shutil.copy(entry, trial)
+            where = rng.choice(["header", "ckptq.skeleton", "ckptq.tensors"])
+
+            def edit(header):
+                if where == "header":
+                    key = rng.choice(sorted(k for k in header if k != "__metadata__"))
+                    box = _mutate({"v": header[key]}, rng)
+                    if "v" in box:
+                        header[key] = box["v"]
+                    else:
+                        del header[key]
+                else:
+                    meta = header["__metadata__"]
+                    meta[where] = json.dumps(_mutate(json.loads(meta[where]), rng))
+
+            rewrite(trial, edit)
+            outcome, detail = classify(trial, None, None, workdir)
+            counts["traceback" if outcome == "traceback" else "refused" if outcome == "refused" else "loaded"] += 1
+            if outcome == "traceback":
+                examples.append(f"{kind} {where}: {detail}")
+    _mutate_indexes(trials, rng, workdir, counts, examples)
+    return {**counts, "examples": examples}
+
+
+def _mutate_indexes(trials: int, rng: random.Random, workdir: str, counts, examples) -> None:
+    """The same for a sharded set's index (its JSON, skeleton or shard checksums), sealed again."""
+    import json
+
+    clean = os.path.join(workdir, "sharded", "clean")
+    name = os.path.basename(make_set(clean, "sharded"))
+    for _ in range(trials):
+        trial = os.path.join(workdir, "sharded", "mutated")
+        shutil.rmtree(trial, ignore_errors=True)
+        shutil.copytree(clean, trial)
+        index = json.load(open(os.path.join(trial, name)))
+        key = rng.choice([None, "ckptq.skeleton", "ckptq.shards"])
+        if key is None:
+            index = _mutate(index, rng)
+        else:
+            index["metadata"][key] = json.dumps(_mutate(json.loads(index["metadata"][key]), rng))
+        if isinstance(index, dict) and isinstance(index.get("metadata"), dict):
+            write_index(os.path.join(trial, name), index)
+        else:
+            open(os.path.join(trial, name), "w").write(json.dumps(index))
+        outcome, detail = classify(os.path.join(trial, name), None, None, workdir)
+        counts["traceback" if outcome == "traceback" else "refused" if outcome == "refused" else "loaded"] += 1
+        if outcome == "traceback":
+            examples.append(f"sharded index {key}: {detail}")
+
+
 if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 200
     res = campaign(n, int(sys.argv[2]) if len(sys.argv) > 2 else 0)

@@ -15,7 +15,8 @@ import torch
 import ckptq
 from ckptq import compress, integrity
 from ckptq.errors import CkptqError, FormatError, InputError
-from hostile import KINDS, campaign, edit_skeleton, make_set, resealed_campaign, rewrite, write_index
+from hostile import (KINDS, campaign, edit_skeleton, make_set, mutation_campaign, resealed_campaign, rewrite,
+                     write_index)
 
 HERE = os.path.dirname(__file__)
 
@@ -44,6 +45,13 @@ def test_crafted_headers_campaign_has_no_traceback(tmp_path):
     res = resealed_campaign(trials=100, seed=7, workdir=str(tmp_path))
     assert res["examples"] == [] and res.get("traceback", 0) == 0, res["examples"][:5]
     assert res["refused"] > 100, res
+
+
+def test_mutated_structure_campaign_has_no_traceback(tmp_path):
+    """Values of other types (or dropped keys) anywhere in header, table, skeleton or index, re-sealed."""
+    res = mutation_campaign(trials=150, seed=11, workdir=str(tmp_path))
+    assert res["examples"] == [] and res.get("traceback", 0) == 0, res["examples"][:5]
+    assert res["refused"] > 300, res
 
 
 @pytest.fixture
@@ -137,6 +145,20 @@ def test_every_entry_needs_a_checksummed_table_row(damage, golden, tmp_path):
     refused(path, "table")
 
 
+@pytest.mark.parametrize("where", ["entry", "table"])
+def test_unhashable_dtype_in_header_is_one_line(where, plain):
+    def edit(h):
+        if where == "entry":
+            h["model/big"]["dtype"] = ["F32"]
+        else:
+            table = json.loads(h["__metadata__"]["ckptq.tensors"])
+            table["model/big"]["dtype"] = {"F32": 1}
+            h["__metadata__"]["ckptq.tensors"] = json.dumps(table)
+
+    rewrite(plain, edit)
+    refused(plain, "malformed|no valid row")
+
+
 def test_unsealed_version_2_header_is_refused(plain):
     rewrite(plain, lambda h: h["__metadata__"].pop(integrity.KEY))
     refused(plain, "no ckptq.header_crc32")
@@ -156,7 +178,7 @@ def test_a_set_mixing_shards_of_two_writes_is_refused(tmp_path):
     refused(a[0], "not the one this index was written with")
 
 
-@pytest.mark.parametrize("name", ["ABS", "../b/m-00001-of-00004.safetensors", "", "."])
+@pytest.mark.parametrize("name", ["ABS", "../b/m-00001-of-00004.safetensors", "", ".", None, 3])
 def test_index_names_only_files_in_its_folder(name, tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -257,3 +279,15 @@ def test_inputs_that_are_folders_or_missing_are_input_errors(tmp_path):
         ckptq.load(str(tmp_path / "missing.safetensors"))
     with pytest.raises(InputError, match="folder"):
         ckptq.convert(str(tmp_path))
+
+
+def test_a_none_key_beside_a_quantized_state_round_trips(tmp_path):
+    """A non-ratio state has no divisor: decoding must not look up the sibling keyed None."""
+    from hostile import _q
+
+    state = {"exp_avg": _q(torch.randn(300), True, "none"), None: torch.ones(3)}
+    path = str(tmp_path / "n.safetensors")
+    ckptq.save({"s": state}, path)
+    back = ckptq.load(path, dequantize=True)["s"]
+    assert back[None].tolist() == [1.0, 1.0, 1.0] and back["exp_avg"].shape == (300,)
+    ckptq.expand(path, str(tmp_path / "n.pt"))
