@@ -152,7 +152,9 @@ class Converted:
         if len(self.files) > 1:
             index.check_set(path, meta, wmap, self.readers, sealed)
         if not isinstance(meta.get("ckptq.skeleton"), str):
-            raise FormatError(f"{path}: ckptq metadata is missing or corrupt (no ckptq.skeleton)")
+            hint = (f"it is shard {meta['ckptq.shard']} of a set: open the set's {INDEX_SUFFIX} or its folder"
+                    if "ckptq.shard" in meta else "the file is corrupt")
+            raise FormatError(f"{path}: ckptq metadata has no ckptq.skeleton; {hint}")
         self.skeleton = parse_json(meta["ckptq.skeleton"], f"{path}: the skeleton")
         info = parse_json(meta.get("ckptq.info", "{}"), f"{path}: ckptq.info")
         self.info = info if isinstance(info, dict) else {}

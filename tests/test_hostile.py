@@ -183,6 +183,11 @@ def test_a_set_mixing_shards_of_two_writes_is_refused(tmp_path):
     refused(a[0], "not the one this index was written with")
 
 
+def test_a_shard_opened_alone_says_to_open_the_index(tmp_path):
+    paths = _sharded(str(tmp_path), 0)
+    refused(paths[1], "shard 1/4 of a set: open the set's .safetensors.index.json")
+
+
 @pytest.mark.parametrize("name", ["ABS", "../b/m-00001-of-00004.safetensors", "", ".", None, 3])
 def test_index_names_only_files_in_its_folder(name, tmp_path):
     (tmp_path / "a").mkdir()
