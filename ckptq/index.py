@@ -50,6 +50,7 @@ def read_index(path: str) -> tuple[dict, dict[str, str], list[str]]:
         raw = f.read(MAX_HEADER + 1)
     if len(raw) > MAX_HEADER:
         raise FormatError(f"{path} is over {MAX_HEADER} bytes: not a ckptq index")
+    integrity.precheck(raw, path)
     index = parse_json(raw, f"{path}: the index")
     meta = index.get("metadata") if isinstance(index, dict) else None
     wmap = index.get("weight_map") if isinstance(index, dict) else None

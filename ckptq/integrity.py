@@ -39,6 +39,14 @@ def seal(raw: bytearray) -> str:
     return crc
 
 
+def precheck(raw: bytes, where: str) -> None:
+    """Before parsing: if the checksum field is present exactly once, verify it, so that damage
+    anywhere in the header is reported as such rather than as whatever JSON error it causes."""
+    found = list(_PATTERN.finditer(raw))
+    if len(found) == 1:
+        verify(raw, found[0].group(1).decode(), where)
+
+
 def verify(raw: bytes, recorded: object, where: str) -> None:
     """Check a header's bytes against the checksum its metadata records (``recorded``)."""
     if not (isinstance(recorded, str) and re.fullmatch("[0-9a-f]{8}", recorded)):

@@ -78,6 +78,7 @@ class Reader:
         if n > min(MAX_HEADER, size - 8):
             raise FormatError(f"{self.path} is truncated or not a safetensors file (header length {n}, file {size} bytes)")
         raw = prefix + self._file.read(n)
+        integrity.precheck(raw, self.path)
         header = parse_json(raw[8:], f"{self.path}: the safetensors header")
         if not isinstance(header, dict):
             raise FormatError(f"{self.path}: the safetensors header is corrupt (not a JSON object)")

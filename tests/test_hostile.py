@@ -301,3 +301,15 @@ def test_a_none_key_beside_a_quantized_state_round_trips(tmp_path):
     back = ckptq.load(path, dequantize=True)["s"]
     assert back[None].tolist() == [1.0, 1.0, 1.0] and back["exp_avg"].shape == (300,)
     ckptq.expand(path, str(tmp_path / "n.pt"))
+
+
+def test_a_flip_anywhere_in_the_header_is_reported_as_a_header_checksum_failure(plain):
+    from ckptq.errors import ChecksumError
+
+    (n,) = struct.unpack("<Q", open(plain, "rb").read(8))
+    with open(plain, "r+b") as f:  # the last byte of the header: padding, or the JSON's closing brace
+        f.seek(8 + n - 1)
+        b = f.read(1)[0]
+        f.seek(8 + n - 1)
+        f.write(bytes([b ^ 0x01]))
+    refused(plain, "the header .* fails its checksum", ChecksumError)
