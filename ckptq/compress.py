@@ -38,6 +38,9 @@ MIN_BYTES = 1024  # below this, table and frame headers eat the gain
 MIN_RATIO = 1.02  # whole tensor: compress only if it saves at least ~2%
 PLANE_KEEP = 0.99  # one plane of one chunk: keep zstd only if it saves >= 1% (decoding raw is a memcpy)
 RAW, ZSTD = 0, 1
+# Readers refuse bigger chunks: a chunk's frames are decoded whole, so this bounds what one frame may
+# make a reader allocate beyond the tensor itself (ckptq writes DEFAULT_CHUNK_BYTES).
+MAX_CHUNK_BYTES = 64 << 20
 _ROTATED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -151,8 +154,9 @@ def _check_params(params: dict, k: int) -> None:
     if params.get("elem_bytes") != k:
         raise FormatError(f"{CODEC} params say {params.get('elem_bytes')!r}-byte elements but the dtype has {k}")
     n = params.get("chunk_elems")
-    if not isinstance(n, int) or n < 1:
-        raise FormatError(f"{CODEC} params have chunk_elems={n!r}; it must be a positive integer")
+    if type(n) is not int or not 1 <= n <= MAX_CHUNK_BYTES // k:
+        raise FormatError(f"{CODEC} params have chunk_elems={str(n)[:20]}; it must be an integer from 1 to "
+                          f"{MAX_CHUNK_BYTES // k} for {k}-byte elements: the file is corrupt")
     if params.get("transform") not in ("rotl1", "none") or (params["transform"] == "rotl1" and k not in _UINT):
         raise FormatError(f"{CODEC} params have transform {params.get('transform')!r} for {k}-byte elements")
 
@@ -178,6 +182,7 @@ def _decode_bgzstd(buf: memoryview, params: dict, k: int, numel: int, threads: i
     n = params["chunk_elems"]
     n_chunks = -(-numel // n)
     starts, lengths, methods = _segment_table(buf, n_chunks * k)
+    _check_declared_sizes(buf, starts, lengths, methods, n, numel, k)  # before allocating the output
     out = np.empty(numel * k, dtype=np.uint8)
 
     def one_chunk(c: int) -> None:
@@ -193,6 +198,23 @@ def _decode_bgzstd(buf: memoryview, params: dict, k: int, numel: int, threads: i
 
     _map(one_chunk, list(range(n_chunks)), threads)
     return out
+
+
+def _check_declared_sizes(buf, starts, lengths, methods, n: int, numel: int, k: int) -> None:
+    """Every segment must declare exactly its plane's size (raw: its length; zstd: its frame header)."""
+    for i in range(len(lengths)):
+        c, p = divmod(i, k)
+        n_c = min(n, numel - c * n)
+        seg = buf[starts[i] : starts[i] + lengths[i]]
+        if methods[i] == RAW:
+            declared = len(seg)
+        else:
+            try:
+                declared = zstandard.frame_content_size(seg)
+            except zstandard.ZstdError as e:
+                raise FormatError(f"{CODEC} chunk {c} plane {p}: zstd frame header is corrupt ({e})") from None
+        if declared != n_c:
+            raise FormatError(f"{CODEC} chunk {c} plane {p} declares {declared} bytes, expected {n_c}: corrupt")
 
 
 def _decode_plane(dctx, seg: memoryview, method: int, n_c: int, c: int, p: int) -> bytes | memoryview:

@@ -1,10 +1,12 @@
-"""The ckptq file format, version 1 (spec: docs/FORMAT.md): a skeleton + stored tensors in one
-safetensors file, or in Hugging Face-style shards with an index.
+"""The ckptq file format, version 2 (spec: docs/FORMAT.md): a skeleton + stored tensors in one
+safetensors file, or in Hugging Face-style shards with an index. Version 1 files are read too.
 
 Metadata keys (all str, in ``__metadata__``): ``format`` = ``"pt"``; ``ckptq.format`` = ``"ckptq"``;
-``ckptq.version`` = ``"1"``; ``ckptq.skeleton`` (JSON); ``ckptq.info`` (JSON: options, sizes);
-``ckptq.tensors`` (JSON: per tensor dtype, shape, codec, crc32). A sharded set keeps skeleton and info
-in the index's ``metadata``; each shard carries its own ``ckptq.tensors``.
+``ckptq.version`` = ``"2"``; ``ckptq.skeleton`` (JSON); ``ckptq.info`` (JSON: options, sizes);
+``ckptq.tensors`` (JSON: per tensor dtype, shape, codec, crc32); ``ckptq.header_crc32`` (version 2: the
+header's own checksum, see ``ckptq.integrity``). A sharded set keeps skeleton and info in the index's
+``metadata``, with ``ckptq.shards`` (each shard's header checksum); each shard carries its own
+``ckptq.tensors`` and header checksum.
 """
 
 from __future__ import annotations
@@ -12,61 +14,26 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
-from . import safetensors_io, tree
-from .errors import FormatError, InputError, OutputExistsError
+from . import index, integrity, safetensors_io, tree, validate
+from .errors import FormatError
+from .files import atomic_outputs, open_regular
+from .index import INDEX_SUFFIX, SUFFIX
+from .reader import parse_json
 
 FORMAT_NAME = "ckptq"
-FORMAT_VERSION = 1
-READS_VERSIONS = (1,)
-SUFFIX = ".safetensors"
-INDEX_SUFFIX = ".safetensors.index.json"
+FORMAT_VERSION = 2
+READS_VERSIONS = (1, 2)
 
 
 @dataclass
 class Compression:
     level: int = 3
     threads: int = 0
-
-
-@contextmanager
-def atomic_outputs(finals: list[str], force: bool) -> Iterator[list[str]]:
-    """Temp paths beside each final path; all renamed into place on success, all removed on failure
-    (including Ctrl-C)."""
-    for p in finals:
-        if os.path.exists(p) and not force:
-            raise OutputExistsError(f"{p} exists; pass --force (Python: force=True) to overwrite it")
-    tmps = []
-    try:
-        for p in finals:
-            folder = os.path.dirname(os.path.abspath(p))
-            if not os.path.isdir(folder):
-                raise InputError(f"output folder {folder} does not exist")
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(p) + ".", suffix=".tmp")
-            os.close(fd)
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
-            tmps.append(tmp)
-        yield tmps
-        for tmp, p in zip(tmps, finals):
-            os.replace(tmp, p)
-    except BaseException:
-        for tmp in tmps:
-            for leftover in (tmp, tmp + ".r"):
-                if os.path.exists(leftover):
-                    os.unlink(leftover)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _encoder(compression: Compression | None):
@@ -132,78 +99,77 @@ def write(
     names = shard_paths(path, len(shards))
     index_path = path + ".index.json" if path.endswith(SUFFIX) else path + INDEX_SUFFIX
     with atomic_outputs([*names, index_path], force) as tmps:
-        weight_map = {}
+        weight_map, crcs = {}, {}
         for i, (group, tmp) in enumerate(zip(shards, tmps)):
             meta = {**base, "ckptq.shard": f"{i + 1}/{len(shards)}"}
-            safetensors_io.write_file(tmp, group, meta, encode, on_tensor)
+            crcs[os.path.basename(names[i])] = safetensors_io.write_file(tmp, group, meta, encode, on_tensor)
             weight_map.update({s.name: os.path.basename(names[i]) for s in group})
-        index = {"metadata": {"total_size": sum(s.nbytes for s in stored), **base, **top}, "weight_map": weight_map}
-        with open(tmps[-1], "w") as f:
-            json.dump(index, f, indent=1)
+        meta = {"total_size": sum(s.nbytes for s in stored), **base, **top}
+        with open(tmps[-1], "wb") as f:
+            f.write(index.index_bytes(meta, weight_map, crcs))
+            f.flush()
+            os.fsync(f.fileno())
     return [index_path, *names]
 
 
 def is_safetensors(path: str) -> bool:
-    """A file that starts like safetensors (8-byte length, then a JSON object)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-    except OSError:
-        return False
+    """A file that starts like safetensors (8-byte length, then a JSON object). Raises InputError for
+    what is not a regular file (a FIFO would block)."""
+    with open_regular(path) as f:
+        head = f.read(9)
     return len(head) == 9 and head[8:9] == b"{"
 
 
-def _resolve(path: str) -> tuple[str | None, list[str]]:
-    """(index path or None, safetensors files) for a file, an index, or a folder holding one index."""
-    if os.path.isdir(path):
-        idx = [f for f in os.listdir(path) if f.endswith(INDEX_SUFFIX)]
-        if len(idx) != 1:
-            raise InputError(f"{path}: expected one *{INDEX_SUFFIX} in the folder, found {len(idx)}; name the file")
-        path = os.path.join(path, idx[0])
-    if not os.path.exists(path):
-        raise InputError(f"{path}: no such file")
-    if path.endswith(".json"):
-        try:
-            with open(path) as f:
-                index = json.load(f)
-            files = sorted(set(index["weight_map"].values()))
-        except (ValueError, KeyError, TypeError) as e:
-            raise FormatError(f"{path} is not a valid safetensors index ({e})") from None
-        return path, [os.path.join(os.path.dirname(path), f) for f in files]
-    return None, [path]
+def _version(meta: dict, path: str) -> int:
+    if meta.get("ckptq.format") != FORMAT_NAME:
+        raise FormatError(f"{path} is a safetensors file but not one written by ckptq "
+                          "(no ckptq.format in its metadata); convert a torch checkpoint first")
+    version = meta.get("ckptq.version")
+    if not (isinstance(version, str) and re.fullmatch("[1-9][0-9]{0,5}", version)) or int(version) not in READS_VERSIONS:
+        raise FormatError(f"{path} uses ckptq format version {str(version)[:20]!r}; this ckptq reads "
+                          f"{READS_VERSIONS}: upgrade ckptq, or the file is corrupt")
+    return int(version)
 
 
 class Converted:
-    """An open converted checkpoint (single file or shards)."""
+    """An open converted checkpoint (single file or shards), validated on open."""
 
     def __init__(self, path: str, verify: bool = True):
         self.path, self.verify = path, verify
-        index_path, files = _resolve(path)
-        self.readers = [safetensors_io.Reader(f) for f in files]
-        if index_path:
-            with open(index_path) as f:
-                meta = json.load(f).get("metadata", {})
-        else:
-            meta = self.readers[0].metadata
-        for m in [meta] + [r.metadata for r in self.readers]:  # every shard is tagged too
-            self._check_version(m)
-        self.version = int(meta["ckptq.version"])
-        self.files = ([index_path] if index_path else []) + files
+        self.readers: list[safetensors_io.Reader] = []
         try:
-            self.skeleton = json.loads(meta["ckptq.skeleton"])
-            self.info = json.loads(meta.get("ckptq.info", "{}"))
-        except (KeyError, ValueError) as e:
-            raise FormatError(f"{path}: ckptq metadata is missing or corrupt ({e})") from None
-        self._where = {name: r for r in self.readers for name in r.entries}
+            self._open(index.resolve(path))
+        except BaseException:
+            self.close()
+            raise
 
-    def _check_version(self, meta: dict) -> None:
-        if meta.get("ckptq.format") != FORMAT_NAME:
-            raise FormatError(f"{self.path} is a safetensors file but not one written by ckptq "
-                              "(no ckptq.format in its metadata); convert a torch checkpoint first")
-        version = meta.get("ckptq.version", "")
-        if not version.isdigit() or int(version) not in READS_VERSIONS:
-            raise FormatError(f"{self.path} uses ckptq format version {version!r}; this ckptq reads "
-                              f"{READS_VERSIONS}: upgrade ckptq")
+    def _open(self, path: str) -> None:
+        if path.endswith(".json"):
+            meta, wmap, files = index.read_index(path)
+            self.readers = [safetensors_io.Reader(f) for f in files]
+            self.files = [path, *files]
+        else:
+            self.readers = [safetensors_io.Reader(path)]
+            meta, self.files = self.readers[0].metadata, [path]
+        self.version = _version(meta, path)
+        for r in self.readers:  # every shard is tagged and, from version 2, sealed too
+            if _version(r.metadata, r.path) != self.version:
+                raise FormatError(f"{r.path} has format version {r.metadata['ckptq.version']}, its index "
+                                  f"{self.version}: the set mixes two writes; re-create it")
+        sealed = str(self.version) in integrity.SEALED_VERSIONS
+        if sealed and not all(integrity.KEY in m for m in [meta] + [r.metadata for r in self.readers]):
+            raise FormatError(f"{path}: a version {self.version} header has no {integrity.KEY}; the file is corrupt")
+        if len(self.files) > 1:
+            index.check_set(path, meta, wmap, self.readers, sealed)
+        if not isinstance(meta.get("ckptq.skeleton"), str):
+            hint = (f"it is shard {meta['ckptq.shard']} of a set: open the set's {INDEX_SUFFIX} or its folder"
+                    if "ckptq.shard" in meta else "the file is corrupt")
+            raise FormatError(f"{path}: ckptq metadata has no ckptq.skeleton; {hint}")
+        self.skeleton = parse_json(meta["ckptq.skeleton"], f"{path}: the skeleton")
+        info = parse_json(meta.get("ckptq.info", "{}"), f"{path}: ckptq.info")
+        self.info = info if isinstance(info, dict) else {}
+        self._where = {name: r for r in self.readers for name in r.entries}
+        validate.check_skeleton(self.skeleton, self.tensors, path)
 
     @property
     def tensors(self) -> dict[str, dict]:
@@ -225,7 +191,12 @@ class Converted:
         return flat.reshape(shape)
 
     def read(self, dequantize: bool = False, lazy: bool = False) -> Any:
-        return tree.unflatten(self.skeleton, self.fetch, dequantize, lazy, self._numel_as)
+        try:
+            return tree.unflatten(self.skeleton, self.fetch, dequantize, lazy, self._numel_as)
+        except (KeyError, TypeError, ValueError, AttributeError, AssertionError, IndexError, RecursionError) as e:
+            # check_skeleton admits only what decodes; this is the backstop that keeps it one line
+            raise FormatError(f"{self.path}: the skeleton does not decode ({type(e).__name__}: "
+                              f"{str(e)[:100]}); the file is corrupt") from None
 
     def _numel_as(self, name: str, dtype: torch.dtype) -> int | None:
         """Elements of stored tensor ``name`` if it is stored as ``dtype`` (else None: not viewable lazily)."""
@@ -236,7 +207,7 @@ class Converted:
         return int(torch.Size(entry["shape"]).numel())
 
     def close(self) -> None:
-        for r in self.readers:
+        for r in getattr(self, "readers", []):
             r.close()
 
 

@@ -6,12 +6,19 @@ numel)``) followed by one ``data/<key>`` record per storage. The pickle never ne
 it is written from placeholders (:class:`LazyTensor`) and each storage is produced only when its
 record is written: memory stays at the size of the largest tensor. ``torch.load(weights_only=True)``
 reads the result like any torch.save file (the same records, written by torch's own zip writer).
+
+torch's zip writer is given a Python file object, not a path. Two reasons: with a path it names the
+zip's entries after the file (a random temp name, so the same input gave different bytes), and a failed
+write (disk full) made its C++ destructor throw during unwinding, which aborts the whole process
+(``terminate called ... c10::Error``). Here the first write error is recorded, later writes are dropped,
+and the error is raised as an ordinary ``OSError`` once torch's writer is done with the file.
 """
 
 from __future__ import annotations
 
 import collections
 import io
+import os
 import pickle
 import sys
 from typing import Any, Callable
@@ -88,8 +95,41 @@ def save(obj: Any, path: str, progress: Callable[[int, int], None] | None = None
 
     buf = io.BytesIO()
     Pickler(buf, protocol=2).dump(obj)
-    writer = torch._C.PyTorchFileWriter(path, True, _get_storage_alignment())
-    data = buf.getvalue()
+    with open(path, "wb") as f:
+        sink = _Sink(f)
+        try:
+            writer = torch._C.PyTorchFileWriter(sink, True, _get_storage_alignment())
+            _write_records(writer, sink, buf.getvalue(), records, progress)
+        finally:
+            sink.closed = True  # a traceback may keep torch's writer alive past this file: drop its writes
+        sink.check()
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class _Sink:
+    """A write-only file for torch's zip writer that never raises into C++ (see the module docstring)."""
+
+    def __init__(self, f):
+        self.f, self.error, self.closed = f, None, False
+
+    def write(self, data) -> int:
+        if self.error is None and not self.closed:
+            try:
+                self.f.write(data)
+            except Exception as e:  # noqa: BLE001 - nothing may propagate into torch's C++ writer
+                self.error = e
+        return len(memoryview(data))
+
+    def flush(self) -> None:
+        pass
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _write_records(writer, sink: _Sink, data: bytes, records: dict, progress) -> None:
     writer.write_record("data.pkl", data, len(data))
     writer.write_record(".format_version", "1", 1)
     alignment = str(_get_storage_alignment())
@@ -111,4 +151,5 @@ def save(obj: Any, path: str, progress: Callable[[int, int], None] | None = None
         t = storage = None  # free this tensor before the next one is produced: one at a time
         if progress:
             progress(done, total)
+        sink.check()  # stop at the first failed write instead of producing every other tensor
     writer.write_end_of_file()

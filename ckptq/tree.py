@@ -304,13 +304,14 @@ def _finalize(u: _Unflattener, value: Any, siblings: dict | None) -> Any:
     """Decode a _QRef (to a tensor, or a lazy one), finding a ratio state's divisor among its siblings."""
     if not isinstance(value, _QRef):
         return value
-    divisor = (siblings or {}).get(value.spec.get("divisor"))
-    if value.spec["transform"] == qstate.RATIO_TRANSFORM and not isinstance(divisor, _QRef):
+    ratio = value.spec["transform"] == qstate.RATIO_TRANSFORM
+    divisor = (siblings or {}).get(value.spec.get("divisor")) if ratio else None  # no key: not a lookup of None
+    if ratio and not isinstance(divisor, _QRef):
         raise FormatError(f"ratio state {value.spec['codes']!r} has no quantized sibling "
                           f"{value.spec.get('divisor')!r}; the file is corrupt")
 
     def produce() -> torch.Tensor:
-        return qstate.dequantize_state(value.build(), divisor=divisor.build() if divisor else None)
+        return qstate.dequantize_state(value.build(), divisor=divisor.build() if divisor is not None else None)
 
     if u.lazy:
         return u.lazy_tensor(value.spec["codes"], dtype_from_name(value.spec["dtype"]), tuple(value.spec["shape"]), produce)

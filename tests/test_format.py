@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 import ckptq
-from ckptq import format, qstate
+from ckptq import format, integrity, qstate
 from ckptq.errors import ChecksumError, FormatError, InputError, OutputExistsError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
@@ -141,7 +141,8 @@ def test_stock_safe_open_reads_it_and_metadata_is_tagged(tmp_path):
     ckptq.save(obj, path)
     with safe_open(path, "pt") as f:
         meta = f.metadata()
-        assert meta["format"] == "pt" and meta["ckptq.format"] == "ckptq" and meta["ckptq.version"] == "1"
+        assert meta["format"] == "pt" and meta["ckptq.format"] == "ckptq" and meta["ckptq.version"] == "2"
+        assert len(meta["ckptq.header_crc32"]) == 8
         codes = f.get_tensor("optimizer/state/0/exp_avg/codes")
     assert codes.dtype == torch.uint8 and codes.shape == (5000,)
     assert torch.equal(codes, obj["optimizer"]["state"][0]["exp_avg"]["codes"])
@@ -185,22 +186,28 @@ def test_truncated_and_foreign_files_are_refused(tmp_path):
         ckptq.load(str(tmp_path / "missing.safetensors"))
 
 
-def _rewrite_metadata(path, edit):
+def _rewrite_metadata(path, edit, reseal=True):
+    """Edit a file's metadata in place and (by default) seal the header again, as a writer would."""
     data = open(path, "rb").read()
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
     edit(header["__metadata__"])
-    head = json.dumps(header).encode()
+    if reseal and integrity.KEY in header["__metadata__"]:
+        header["__metadata__"][integrity.KEY] = integrity.PLACEHOLDER
+    head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    open(path, "wb").write(struct.pack("<Q", len(head)) + head + data[8 + n :])
+    raw = bytearray(struct.pack("<Q", len(head)) + head)
+    if reseal and integrity.KEY in header["__metadata__"]:
+        integrity.seal(raw)
+    open(path, "wb").write(bytes(raw) + data[8 + n :])
 
 
 def test_newer_version_and_unknown_bit_width_are_refused_clearly(tmp_path):
     obj, _, _ = _qstate_obj()
     path = str(tmp_path / "q.safetensors")
     ckptq.save(obj, path)
-    _rewrite_metadata(path, lambda m: m.update({"ckptq.version": "2"}))
-    with pytest.raises(FormatError, match="version '2'.*upgrade"):
+    _rewrite_metadata(path, lambda m: m.update({"ckptq.version": "3"}))
+    with pytest.raises(FormatError, match="version '3'.*upgrade"):
         ckptq.load(path)
     ckptq.save(obj, path, force=True)
 

@@ -1,13 +1,17 @@
-"""The format is a public contract: a checked-in version-1 file must keep decoding to the same object,
-writing that object must give the same bytes, and a decoder written from docs/FORMAT.md alone (json,
-numpy, safetensors.numpy) must agree with ckptq's.
+"""The format is a public contract: checked-in version-1 and version-2 files must keep decoding to the
+same object, writing that object must give the version-2 file's bytes, and a decoder written from
+docs/FORMAT.md alone (json, numpy, safetensors.numpy, zlib) must agree with ckptq's.
 
 Regenerate (only when the format deliberately changes, with a version bump): CKPTQ_REGEN_GOLDEN=1 pytest tests/test_golden.py
+(this rewrites the newest version's file; older ones stay as they are, forever).
 """
 
 import collections
 import json
 import os
+import re
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -18,7 +22,8 @@ import ckptq
 from ckptq import codebooks, ops
 from test_format import assert_same
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v1.safetensors")
+GOLDEN_V1 = os.path.join(os.path.dirname(__file__), "golden", "v1.safetensors")
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v2.safetensors")
 INFO = {"created_by": "golden"}
 
 
@@ -60,6 +65,22 @@ def test_golden_file_is_pinned(tmp_path):
     assert_same(golden_object(), ckptq.load(GOLDEN))
 
 
+def test_version_1_file_still_loads_exactly():
+    assert json.loads(safe_open(GOLDEN_V1, "np").metadata()["ckptq.version"]) == 1
+    assert_same(golden_object(), ckptq.load(GOLDEN_V1))
+    assert_same(ckptq.load(GOLDEN, dequantize=True), ckptq.load(GOLDEN_V1, dequantize=True))
+
+
+def test_third_party_header_checksum_agrees():
+    """docs/FORMAT.md: crc32 of the first 8 + N bytes with the checksum's 8 digits set to '0'."""
+    data = open(GOLDEN, "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    head = data[: 8 + n]
+    recorded = json.loads(head[8:])["__metadata__"]["ckptq.header_crc32"]
+    zeroed = re.sub(rb'"ckptq.header_crc32":"[0-9a-f]{8}"', b'"ckptq.header_crc32":"00000000"', head)
+    assert f"{zlib.crc32(zeroed):08x}" == recorded
+
+
 def _numpy_values(path, q):
     """qmap[codes] * absmax[block], fp32, flat (docs/FORMAT.md section 5)."""
     assert q["codec"] == "blockwise" and q["bits"] == 8
@@ -88,11 +109,12 @@ def _find(node, key):
     raise KeyError(key)
 
 
+@pytest.mark.parametrize("golden", [GOLDEN_V1, GOLDEN])
 @pytest.mark.parametrize("pid,role", [(0, "exp_avg"), (0, "exp_avg_sq"), (2, "exp_avg"), (2, "exp_avg_sq")])
-def test_third_party_decoder_agrees(pid, role):
-    with safe_open(GOLDEN, "np") as f:
+def test_third_party_decoder_agrees(pid, role, golden):
+    with safe_open(golden, "np") as f:
         skeleton = json.loads(f.metadata()["ckptq.skeleton"])
     pstate = _find(_find(_find(skeleton, "optimizer"), "state"), pid)
     siblings = {k: v for k, v in pstate["dict"]}
-    ours = ckptq.load(GOLDEN, dequantize=True)["optimizer"]["state"][pid][role]
-    assert np.array_equal(_numpy_decode(GOLDEN, siblings[role], siblings), ours.numpy())
+    ours = ckptq.load(golden, dequantize=True)["optimizer"]["state"][pid][role]
+    assert np.array_equal(_numpy_decode(golden, siblings[role], siblings), ours.numpy())

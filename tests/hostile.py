@@ -1,0 +1,329 @@
+"""Hostile-input helpers: small plain / compressed / sharded ckptq file sets, and a seeded campaign that
+flips one bit (or truncates) somewhere in a set and classifies what the readers do.
+
+Outcomes of one trial: "refused" (a one-line CkptqError), "same" (loads, bit-identical to the
+original: the damage provably changed nothing), "wrong" (loads, differs: silently wrong data),
+"traceback" (any other exception). Run as a script for figures:
+``python tests/hostile.py [trials per kind] [seed]``.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import shutil
+import struct
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import ckptq  # noqa: E402
+from ckptq import codebooks, format, ops  # noqa: E402
+from ckptq.errors import CkptqError  # noqa: E402
+from test_format import assert_same  # noqa: E402
+
+KINDS = ("plain", "compressed", "sharded")
+
+
+def _q(x, signed, transform, block_size=64):
+    qmap = codebooks.dynamic_map(signed)
+    codes, absmax = ops.quantize_blockwise(x, qmap, block_size, transform)
+    return {"ckptq": "blockwise", "bits": 8, "codes": codes, "absmax": absmax, "qmap": qmap,
+            "block_size": block_size, "transform": transform, "shape": tuple(x.shape), "dtype": "float32"}
+
+
+def small_object(seed: int = 0):
+    """A checkpoint in miniature: tied and viewed weights, an 8-bit Adam state with a ratio pair,
+    exact small states, scalars of every kind, and a tensor big enough to compress."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(24, 16, generator=g)
+    v = (torch.randn(20, 15, generator=g) * 1e-2) ** 2
+    m = torch.randn(20, 15, generator=g) * v.sqrt()
+    ratio = _q(m / (v.sqrt() + 1e-9), True, "none") | {"transform": "ratio", "eps": 1e-9, "divisor": "exp_avg_sq"}
+    model = collections.OrderedDict([("wte", w), ("head", w), ("pos", torch.arange(6).view(2, 3).t()),
+                                     ("bias", torch.zeros(8, dtype=torch.bfloat16)),
+                                     ("big", torch.randn(1024, generator=g).round(decimals=1))])
+    model._metadata = collections.OrderedDict([("", {"version": 1})])
+    state = {0: {"step": torch.tensor(7.0), "exp_avg": ratio, "exp_avg_sq": _q(v, False, "sqrt")},
+             1: {"step": torch.tensor(7.0), "exp_avg": _q(m, True, "none"), "exp_avg_sq": torch.full((3,), 0.5)}}
+    groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "amsgrad": False, "params": [0, 1]}]
+    return {"model": model, "optimizer": {"state": state, "param_groups": groups}, "iter_num": 7,
+            "config": {"name": "x", "nan": float("nan"), "dev": torch.device("cpu"), "dt": torch.float16,
+                       "size": torch.Size([2, 3]), "t": (1, None, True)}}
+
+
+def make_set(folder: str, kind: str) -> str:
+    """Write the small object as ``kind`` into ``folder``; returns the path to load."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "m.safetensors")
+    comp = format.Compression(3, 1) if kind == "compressed" else None
+    paths = ckptq.save(small_object(), path, compression=comp, max_shard_size=4000 if kind == "sharded" else None)
+    return paths[0]
+
+
+def header_span(path: str) -> int:
+    """Bytes of a file that are not tensor data (the whole file for an index)."""
+    data = open(path, "rb").read(8)
+    if path.endswith(".json") or len(data) < 8:
+        return os.path.getsize(path)
+    return 8 + struct.unpack("<Q", data)[0]
+
+
+def damage(folder: str, rng: random.Random, truncate: bool) -> str:
+    """Flip one bit (80% in headers/indexes) or truncate one file of the set; returns what was done."""
+    files = sorted(f for f in os.listdir(folder) if not f.startswith("."))
+    name = rng.choice(files)
+    path = os.path.join(folder, name)
+    size = os.path.getsize(path)
+    if truncate:
+        cut = rng.randrange(size)
+        os.truncate(path, cut)
+        return f"{name} truncated to {cut}"
+    span = header_span(path)
+    pos = rng.randrange(span) if rng.random() < 0.8 or span == size else rng.randrange(span, size)
+    bit = rng.randrange(8)
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([b ^ (1 << bit)]))
+    return f"{name} byte {pos} bit {bit}"
+
+
+def rewrite(path: str, edit, reseal: bool = True) -> None:
+    """Edit a file's whole header (``edit(header)`` in place, metadata under ``__metadata__``) and seal
+    it again as a writer would: what a deliberately crafted file looks like."""
+    import json
+
+    from ckptq import integrity
+
+    data = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    meta = header.get("__metadata__", {})
+    sealing = reseal and integrity.KEY in meta
+    if sealing:
+        meta[integrity.KEY] = integrity.PLACEHOLDER
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    raw = bytearray(struct.pack("<Q", len(head)) + head)
+    if sealing:
+        integrity.seal(raw)
+    open(path, "wb").write(bytes(raw) + data[8 + n :])
+
+
+def edit_skeleton(path: str, edit) -> None:
+    """``edit(skeleton)`` returns the new skeleton (a JSON value, or a str of JSON text)."""
+    import json
+
+    def go(header):
+        meta = header["__metadata__"]
+        new = edit(json.loads(meta["ckptq.skeleton"]))
+        meta["ckptq.skeleton"] = new if isinstance(new, str) else json.dumps(new)
+
+    rewrite(path, go)
+
+
+def write_index(path: str, index: dict) -> None:
+    """Write an index sealed as ckptq would (a crafted index carries a valid checksum)."""
+    import json
+
+    from ckptq import integrity
+
+    index["metadata"][integrity.KEY] = integrity.PLACEHOLDER
+    raw = bytearray(json.dumps(index, indent=1, separators=(",", ":")).encode())
+    integrity.seal(raw)
+    open(path, "wb").write(bytes(raw))
+
+
+def _same(a, b) -> bool:
+    try:
+        assert_same(a, b)
+        return True
+    except AssertionError:
+        return False
+
+
+def _expand_and_load(path: str, out: str):
+    ckptq.expand(path, out, force=True)
+    return torch.load(out, weights_only=True)
+
+
+def classify(path: str, reference, expanded_reference, scratch: str) -> tuple[str, str]:
+    """(outcome, detail) for loading ``path`` with ckptq.load(dequantize=True) and expand + torch.load."""
+    for fn, ref in ((lambda: ckptq.load(path, dequantize=True), reference),
+                    (lambda: _expand_and_load(path, os.path.join(scratch, "e.pt")), expanded_reference)):
+        try:
+            got = fn()
+        except CkptqError as e:
+            msg = str(e)
+            if "\n" in msg:
+                return "traceback", "multi-line message: " + msg[:200]
+            return "refused", msg
+        except Exception as e:  # noqa: BLE001 - this is what the campaign measures
+            return "traceback", f"{type(e).__name__}: {str(e)[:200]}"
+        if ref is not None and not _same(ref, got):
+            return "wrong", "loads with different values"
+    return "same", ""
+
+
+def campaign(trials: int, seed: int, kinds=KINDS, truncate_every: int = 5, workdir: str | None = None) -> dict:
+    """``trials`` damaged copies per kind; returns {kind: Counter of outcomes, "examples": [...]}."""
+    import tempfile
+
+    rng = random.Random(seed)
+    work = workdir or tempfile.mkdtemp(prefix="ckptq-campaign-")
+    results, examples = {}, []
+    for kind in kinds:
+        clean = os.path.join(work, kind, "clean")
+        entry = os.path.basename(make_set(clean, kind))
+        reference = ckptq.load(os.path.join(clean, entry), dequantize=True)
+        expanded_reference = _expand_and_load(os.path.join(clean, entry), os.path.join(work, kind, "ref.pt"))
+        counts = collections.Counter()
+        for i in range(trials):
+            trial = os.path.join(work, kind, "trial")
+            shutil.rmtree(trial, ignore_errors=True)
+            shutil.copytree(clean, trial)
+            what = damage(trial, rng, truncate=(i % truncate_every == truncate_every - 1))
+            outcome, detail = classify(os.path.join(trial, entry), reference, expanded_reference, work)
+            counts[outcome] += 1
+            if outcome in ("wrong", "traceback"):
+                examples.append(f"{kind}: {what}: {outcome}: {detail}")
+        results[kind] = counts
+    if workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    results["examples"] = examples
+    return results
+
+
+def resealed_campaign(trials: int, seed: int, workdir: str) -> dict:
+    """Flip one bit inside the skeleton or tensor table and seal the header again: a crafted file, which
+    the checksum cannot catch. Such a file may legitimately decode to other values, so this counts only
+    tracebacks (which must be none): {"refused": n, "loaded": n, "examples": [tracebacks]}."""
+    rng = random.Random(seed)
+    counts, examples = collections.Counter(), []
+    for kind in ("plain", "compressed"):
+        clean = os.path.join(workdir, kind, "clean")
+        entry = make_set(clean, kind)
+        for _ in range(trials):
+            trial = os.path.join(workdir, kind, "resealed.safetensors")
+            shutil.copy(entry, trial)
+            key = rng.choice(["ckptq.skeleton", "ckptq.tensors"])
+
+            def flip(header):
+                text = bytearray(header["__metadata__"][key].encode())
+                text[rng.randrange(len(text))] ^= 1 << rng.randrange(7)
+                header["__metadata__"][key] = text.decode("utf-8", "replace")
+
+            rewrite(trial, flip)
+            outcome, detail = classify(trial, None, None, workdir)
+            counts["traceback" if outcome == "traceback" else "refused" if outcome == "refused" else "loaded"] += 1
+            if outcome == "traceback":
+                examples.append(f"{kind} {key}: {detail}")
+    return {**counts, "examples": examples}
+
+
+_ODD = [None, [], {}, "x", -1, 0, 2**70, 1.5, float("inf"), True, [1], {"a": 1}, [[1, 2]], "float32", "F32"]
+
+
+def _json_paths(value, path=()):
+    """Every path into a JSON value (dict keys and list indexes)."""
+    yield path
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _json_paths(v, path + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _json_paths(v, path + (i,))
+
+
+def _mutate(value, rng: random.Random):
+    """Replace one randomly chosen sub-value of a JSON value by an odd one (or drop a dict key)."""
+    import copy
+
+    paths = list(_json_paths(value))[1:]
+    if not paths:
+        return copy.deepcopy(rng.choice(_ODD))
+    *parent, last = rng.choice(paths)
+    node = value
+    for p in parent:
+        node = node[p]
+    if isinstance(node, dict) and rng.random() < 0.2:
+        del node[last]
+    else:
+        node[last] = copy.deepcopy(rng.choice(_ODD))  # fresh: the campaign must not alter _ODD
+    return value
+
+
+def mutation_campaign(trials: int, seed: int, workdir: str) -> dict:
+    """Replace one value anywhere in the header JSON, skeleton or tensor table by one of another type
+    (or drop a key), and seal again: crafted structure. Counts tracebacks only (they must be none)."""
+    import json
+
+    rng = random.Random(seed)
+    counts, examples = collections.Counter(), []
+    for kind in ("plain", "compressed"):
+        entry = make_set(os.path.join(workdir, kind, "clean"), kind)
+        for _ in range(trials):
+            trial = os.path.join(workdir, kind, "mutated.safetensors")
+            shutil.copy(entry, trial)
+            where = rng.choice(["header", "ckptq.skeleton", "ckptq.tensors"])
+
+            def edit(header):
+                if where == "header":
+                    key = rng.choice(sorted(k for k in header if k != "__metadata__"))
+                    box = _mutate({"v": header[key]}, rng)
+                    if "v" in box:
+                        header[key] = box["v"]
+                    else:
+                        del header[key]
+                else:
+                    meta = header["__metadata__"]
+                    meta[where] = json.dumps(_mutate(json.loads(meta[where]), rng))
+
+            rewrite(trial, edit)
+            outcome, detail = classify(trial, None, None, workdir)
+            counts["traceback" if outcome == "traceback" else "refused" if outcome == "refused" else "loaded"] += 1
+            if outcome == "traceback":
+                examples.append(f"{kind} {where}: {detail}")
+    _mutate_indexes(trials, rng, workdir, counts, examples)
+    return {**counts, "examples": examples}
+
+
+def _mutate_indexes(trials: int, rng: random.Random, workdir: str, counts, examples) -> None:
+    """The same for a sharded set's index (its JSON, skeleton or shard checksums), sealed again."""
+    import json
+
+    clean = os.path.join(workdir, "sharded", "clean")
+    name = os.path.basename(make_set(clean, "sharded"))
+    for _ in range(trials):
+        trial = os.path.join(workdir, "sharded", "mutated")
+        shutil.rmtree(trial, ignore_errors=True)
+        shutil.copytree(clean, trial)
+        index = json.load(open(os.path.join(trial, name)))
+        key = rng.choice([None, "ckptq.skeleton", "ckptq.shards"])
+        if key is None:
+            index = _mutate(index, rng)
+        else:
+            index["metadata"][key] = json.dumps(_mutate(json.loads(index["metadata"][key]), rng))
+        if isinstance(index, dict) and isinstance(index.get("metadata"), dict):
+            write_index(os.path.join(trial, name), index)
+        else:
+            open(os.path.join(trial, name), "w").write(json.dumps(index))
+        outcome, detail = classify(os.path.join(trial, name), None, None, workdir)
+        counts["traceback" if outcome == "traceback" else "refused" if outcome == "refused" else "loaded"] += 1
+        if outcome == "traceback":
+            examples.append(f"sharded index {key}: {detail}")
+
+
+if __name__ == "__main__":
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+    res = campaign(n, int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    for line in res.pop("examples")[:40]:
+        print(line)
+    for kind, counts in res.items():
+        print(kind, dict(counts))
