@@ -136,17 +136,25 @@ def _check(path: str, p: Plan, min_size: int) -> None:
 
 
 class _LazyWriter(DefaultSavePlanner):
-    """Writes tensors that are produced when the writer reaches them (``producers[key]()``)."""
+    """Writes tensors that are produced when the writer reaches them (``producers[key]()``), each through
+    a buffer reused for every tensor of its dtype and shape: DCP's writer keeps a reference to every
+    tensor it wrote to a file until the file is closed, so fresh tensors would pile up to the size of
+    the output; reused buffers bound memory by the distinct shapes instead."""
 
     def __init__(self, producers: dict):
         super().__init__()
         self.producers = producers
+        self.buffers: dict = {}
 
     def resolve_data(self, write_item):
         produce = self.producers.get(write_item.index.fqn)
         if produce is None:
             return super().resolve_data(write_item)
-        return produce().contiguous()
+        t = produce()
+        buf = self.buffers.get((t.dtype, tuple(t.shape)))
+        if buf is None:
+            buf = self.buffers[(t.dtype, tuple(t.shape))] = torch.empty(t.shape, dtype=t.dtype)
+        return buf.copy_(t)
 
 
 def _quantized_parts(src: str, mo: _Moment, block_size: int) -> dict:

@@ -10,14 +10,13 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 from ckptq.optim import AdamW8bit  # noqa: E402
 
-WORKER = os.path.join(os.path.dirname(__file__), "dist", "fsdp_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 
 
 def torchrun(n: int, *args: str) -> None:

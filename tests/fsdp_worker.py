@@ -1,0 +1,89 @@
+"""One rank of an FSDP2 run (launched by tests/test_distributed.py through torchrun, gloo on the CPU).
+
+    fsdp_worker.py OPT STEPS [--load DIR] [--save DIR] --out FILE
+
+Trains a small model with every block and the model wrapped in ``fully_shard``, on the same batch on
+every rank (so the averaged gradient equals one process's), optionally resuming from / saving a DCP
+checkpoint (``get_state_dict`` / ``set_state_dict``), and writes rank 0's losses and the full (gathered)
+optimizer state to FILE as a torch.save file.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+
+import ckptq.dcp
+from ckptq.optim import AdamW8bit
+
+
+def model_and_opt(name: str, backend: str = "auto"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(64, 256),  # rows of 256: 8-bit state, sharded by rows
+        torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256), torch.nn.LayerNorm(256),
+        torch.nn.Linear(256, 96),  # rows of 256 too; bias and LayerNorm below min_size: fp32 state
+        torch.nn.Linear(96, 10),  # below min_size: fp32 (DTensor) state
+    )
+    for block in model:
+        if any(True for _ in block.parameters()):
+            fully_shard(block)
+    fully_shard(model)
+    if name == "adamw8bit":
+        return model, AdamW8bit(model.parameters(), lr=1e-2, min_size=1024, backend=backend)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train(model, opt, start: int, stop: int) -> list[float]:
+    losses = []
+    for step in range(start, stop):
+        g = torch.Generator().manual_seed(step)
+        idx = torch.randint(0, 64, (16,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(idx), (idx * 7 + 3) % 10)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("opt")
+    ap.add_argument("start", type=int)
+    ap.add_argument("stop", type=int)
+    ap.add_argument("--load")
+    ap.add_argument("--save")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--planners", action="store_true", help="save/load through ckptq.dcp's planner pair")
+    ap.add_argument("--flat", action="store_true", help="flatten_optimizer_state_dict, as torchtitan saves")
+    ap.add_argument("--backend", default="auto")
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    model, opt = model_and_opt(a.opt, a.backend)
+    flat = StateDictOptions(flatten_optimizer_state_dict=a.flat)
+    if a.load:
+        msd, osd = get_state_dict(model, opt, options=flat)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=a.load, planner=ckptq.dcp.LoadPlanner() if a.planners else None)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=flat)
+    losses = train(model, opt, a.start, a.stop)
+    msd, osd = get_state_dict(model, opt, options=flat)
+    if a.save:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=a.save,
+                 planner=ckptq.dcp.SavePlanner(min_size=1024) if a.planners else None)
+    full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))[1]
+    local_bytes = sum(t.to_local().numel() * t.element_size() for st in opt.state.values()
+                      for v in st.values() for t in (v.values() if isinstance(v, dict) else [v])
+                      if isinstance(t, torch.Tensor) and hasattr(t, "to_local"))
+    if dist.get_rank() == 0:
+        torch.save({"losses": losses, "optim": full, "world": dist.get_world_size(),
+                    "local_state_bytes": local_bytes}, a.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
