@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import adam, ops, optim_args, qstate, sharded
+from . import adam, foreign, ops, optim_args, qstate, sharded
 from .errors import StateMismatchError, UsageError
 from .optim_args import GROUP_FLAGS
 from .optim_io import MOMENT_KEYS, expand_on_load, import_state_dict, to_torch_state_dict
@@ -164,7 +164,8 @@ class _Adam8bitBase(torch.optim.Optimizer):
         """Load this optimizer's own state dict, a torch Adam/AdamW one (fp32 moments, quantized here
         as ``ckptq convert`` does: ``qstate.quantize_state``, exp_avg by ``qstate.quantize_ratio``), or
         ``ckptq.load(path)["optimizer"]`` (qstates used as stored; a plain, pre-ratio exp_avg is
-        re-encoded as a ratio by the next step).
+        re-encoded as a ratio by the next step), or a bitsandbytes / torchao 8-bit optimizer's state dict
+        (decoded, then quantized as ckptq's).
 
         Raises ``StateMismatchError`` (a ``ValueError``) before changing anything if groups, counts, shapes
         or group values are wrong. Group flags an older torch did not save (``maximize``...) are filled in
@@ -178,12 +179,23 @@ class _Adam8bitBase(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict = _from_other_8bit_optimizers(state_dict)
         state, groups = import_state_dict(self, state_dict)
         self.state.clear()
         self.state.update(state)
         self.param_groups = groups
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _from_other_8bit_optimizers(state_dict):
+    """bitsandbytes' or torchao's 8-bit state decoded to torch's fp32 form (``ckptq.foreign``), in a copy."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
+            or not any(foreign.kind(v) for v in state_dict["state"].values()):
+        return state_dict
+    state_dict = {**state_dict, "state": dict(state_dict["state"])}
+    foreign.to_torch(state_dict)
+    return state_dict
 
 
 class AdamW8bit(_Adam8bitBase):

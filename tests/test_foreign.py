@@ -91,3 +91,25 @@ def test_torchao_state_needs_trust_then_expands(tmp_path):
     assert type(out["state"][0]["exp_avg_sq"]) is torch.Tensor and torch.equal(out["state"][0]["exp_avg_sq"], want)
     report = ckptq.convert(str(path), str(tmp_path / "o.q8.safetensors"), trust=True, min_size=1000)
     assert report.foreign_states == 1 and report.quantized == 2
+
+
+def test_adamw8bit_loads_bitsandbytes_state_directly():
+    """AdamW8bit.load_state_dict takes a bitsandbytes AdamW8bit state dict as it is (the user's dict is not
+    modified) and continues from the moments bitsandbytes decodes to."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from ckptq import qstate
+    from ckptq.optim import AdamW8bit
+
+    ps, opt = _train(bnb.optim.AdamW8bit)
+    sd = opt.state_dict()
+    q = sd["state"][0]["__bnb_optimizer_quant_state__"]
+    ours = AdamW8bit(ps, lr=1e-2)
+    ours.load_state_dict(sd)
+    assert "__bnb_optimizer_quant_state__" in sd["state"][0]  # untouched
+    v = qstate.dequantize_state(ours.state[ps[0]]["exp_avg_sq"])
+    want = _bnb_dense(q, 2)
+    assert float((v - want).abs().max()) <= 0.02 * float(want.abs().max())
+    assert float(ours.state[ps[0]]["step"]) == 3.0
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    ours.step()
