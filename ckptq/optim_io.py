@@ -12,9 +12,11 @@ The way back: ``to_torch_state_dict`` decodes an 8-bit state dict for ``torch.op
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-from . import ops, optim_args, qstate, sharded
+from . import ops, optim_args, plan, qstate, sharded
 from .adam import MOMENT_KEYS
 from .errors import ArgumentError, FormatError, StateMismatchError, UsageError
 from .optim_args import GROUP_FLAGS, IMPL_FLAGS
@@ -89,7 +91,11 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
         return out
     quantized = opt._quantized(p) or any(qstate.is_qstate(v) for v in moments.values())
     dense = {k: v.to(device=p.device, dtype=torch.float32) for k, v in _decoded(moments, pid).items()}
-    out.update(opt._quantize_moments(dense, group, step) if quantized else {k: v.clone() for k, v in dense.items()})
+    unsafe = plan.unsafe_moments(dense) if quantized else None
+    if unsafe:  # 8 bits would turn finite values into NaN/Inf: keep this parameter's state fp32, and say so
+        warnings.warn(f"ckptq: state of parameter {pid}: {unsafe}; kept in fp32", RuntimeWarning, stacklevel=4)
+    out.update(opt._quantize_moments(dense, group, step) if quantized and not unsafe
+               else {k: v.clone() for k, v in dense.items()})
     return out
 
 

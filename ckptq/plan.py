@@ -115,8 +115,22 @@ def exact_reason(key: str, t: torch.Tensor, adam: bool, min_size: int, shared: s
     return None
 
 
+def unsafe_moments(dense: dict) -> str | None:
+    """Why fp32 Adam moments {key: tensor or DTensor} cannot be stored 8-bit without damage (this rank's
+    shard of a DTensor), or None: NaN/Inf, values beyond fp32, a negative second moment."""
+    for key, t in dense.items():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.numel() and key in ADAM_MOMENTS:
+            reason = exact_reason(key, local, True, 1, set())
+            if reason:
+                return f"{key} {reason}"
+    return None
+
+
 def ratio_fits(m: torch.Tensor, v: torch.Tensor, eps: float) -> bool:
     """Whether every |m| / (sqrt(v) + eps) is finite in fp32 (sqrt(v) + eps >= eps bounds it at once)."""
+    if m.numel() == 0:
+        return True
     absmax = float(m.detach().abs().amax())
     if absmax / eps <= _FP32_MAX / 2:
         return True

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import qstate
+from . import plan, qstate
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -77,6 +77,9 @@ def quantize_moments(dense: dict, group: dict, step, block_size: int) -> dict:
     out = {k: quantize(v, k, block_size) for k, v in dense.items() if k != "exp_avg"}
     m, v = dense["exp_avg"], dense["exp_avg_sq"]
     eps = qstate.ratio_eps_for(group, step)
-    q = qstate.quantize_ratio(local(m).float(), local(v).float(), eps, block_size)
-    out["exp_avg"] = place(q, m) if is_dtensor(m) else q
+    if not plan.ratio_fits(local(m), local(v), eps):  # the ratio would overflow fp32: m on its own
+        out["exp_avg"] = quantize(m, "exp_avg", block_size)
+    else:
+        q = qstate.quantize_ratio(local(m).float(), local(v).float(), eps, block_size)
+        out["exp_avg"] = place(q, m) if is_dtensor(m) else q
     return {k: out[k] for k in dense}

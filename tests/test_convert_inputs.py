@@ -171,3 +171,22 @@ def test_torch_save_file_holding_ckptq_state_loads_expands_and_resumes(tmp_path)
     torch_opt.step()  # resumes in fp32
     r = run("expand", tmp_path / "optimizer.fp32.pt", "-o", tmp_path / "again.pt")
     assert r.exit_code == 3 and "already expanded" in r.output
+
+
+def test_the_optimizer_never_loads_finite_state_into_nan(recwarn):
+    """AdamW8bit.load_state_dict of fp32 moments that 8 bits would damage: a negative second moment keeps
+    that parameter's state fp32 (with a warning naming it); a ratio that would overflow stores the first
+    moment on its own. Nothing finite comes back non-finite."""
+    from ckptq import qstate
+    from ckptq.optim import AdamW8bit
+
+    sd = _adamw_state()
+    sd["state"][0]["exp_avg_sq"][5] = -1e-6
+    sd["state"][1]["exp_avg"][7], sd["state"][1]["exp_avg_sq"][7] = 1e31, 0.0
+    ps = [torch.nn.Parameter(torch.zeros(8192)), torch.nn.Parameter(torch.zeros(4096))]
+    opt = AdamW8bit(ps, lr=1e-2)
+    with pytest.warns(RuntimeWarning, match="state of parameter 0: exp_avg_sq negative second moment"):
+        opt.load_state_dict(sd)
+    assert torch.equal(opt.state[ps[0]]["exp_avg_sq"], sd["state"][0]["exp_avg_sq"])  # fp32, exact
+    assert opt.state[ps[1]]["exp_avg"]["transform"] == "none"
+    assert _all_finite(qstate.dequantize_states(opt.state[ps[1]]))
