@@ -16,6 +16,7 @@ fp32 moments (decoded as the last of a parameter's parts arrives) for torch's Ad
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 
 import torch
@@ -58,8 +59,8 @@ def _quantizable(m, v, min_size: int, block_size: int) -> bool:
 
 
 def quantized_copy(state_dict: dict, min_size: int = plan.DEFAULT_MIN_SIZE, block_size: int = 256) -> dict:
-    """``state_dict`` with the Adam moments of its optimizer state dicts as 8-bit qstates (new containers
-    along the way; the tensors and dicts of ``state_dict`` are not modified)."""
+    """``state_dict`` with the Adam moments of its optimizer state dicts (nested, or flattened as torchtitan
+    saves them) as 8-bit qstates; new containers along the way, nothing of ``state_dict`` is modified."""
     out = dict(state_dict)
     for found in checkpoint.find_optimizers(state_dict):
         if not found.path:
@@ -67,12 +68,29 @@ def quantized_copy(state_dict: dict, min_size: int = plan.DEFAULT_MIN_SIZE, bloc
         osd = dict(found.state_dict)
         osd["state"] = {fqn: _quantize_param(osd, fqn, pstate, min_size, block_size)
                         for fqn, pstate in found.state_dict["state"].items()}
-        node = out
-        for k in found.path[:-1]:
-            node[k] = dict(node[k])
-            node = node[k]
-        node[found.path[-1]] = osd
+        _set_at(out, found.path, osd)
+    for path, flat in list(_flat_optimizers(state_dict, ())):
+        if not path:
+            raise ValueError("pass the optimizer state dict inside a dict, e.g. {'optimizer': osd}")
+        new = dict(flat)
+        for fqn in sorted({m["fqn"] for k in flat if isinstance(k, str) and (m := _FLAT_MOMENT.match(k))}):
+            pstate = {k[len(f"state.{fqn}."):]: v for k, v in flat.items() if isinstance(k, str)
+                      and k.startswith(f"state.{fqn}.") and "." not in k[len(f"state.{fqn}."):]}
+            group = {name: flat[f"param_groups.{fqn}.{name}"] for name in ("eps", "betas")
+                     if f"param_groups.{fqn}.{name}" in flat}
+            q = _quantize_param({"param_groups": [{"params": [fqn], **group}]}, fqn, pstate, min_size, block_size)
+            new.update((f"state.{fqn}.{k}", v) for k, v in q.items())
+        _set_at(out, path, new)
     return out
+
+
+def _set_at(out: dict, path: tuple, value) -> None:
+    """out[path[0]]...[path[-1]] = value, copying the dicts on the way (the caller's stay as they are)."""
+    node = out
+    for k in path[:-1]:
+        node[k] = dict(node[k])
+        node = node[k]
+    node[path[-1]] = value
 
 
 def _quantize_param(osd: dict, fqn, pstate, min_size: int, block_size: int):
@@ -101,31 +119,28 @@ class LoadPlanner(DefaultLoadPlanner):
     into 8-bit templates (``AdamW8bit``: they stay fp32 in the state dict for ``load_state_dict`` to quantize)."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        self._pending: dict[tuple, tuple] = {}  # (optimizer path, fqn) -> (pstate copy, {key: fp32 target})
-        self._parts: dict[str, tuple] = {}  # flattened name of a qstate part -> (optimizer path, fqn)
+        self._pending: dict = {}  # owner -> ({key: (fp32 target, qstate template)}, put)
+        self._parts: dict[str, object] = {}  # flattened name of a qstate part -> owner
         saved = metadata.state_dict_metadata
+        for owner, prefix, pstate, put in _params(state_dict):
+            self._rewrite(owner, pstate, prefix, saved, put)
         for found in checkpoint.find_optimizers(state_dict):
-            for fqn, pstate in list(found.state_dict["state"].items()):
-                if isinstance(pstate, dict):
-                    prefix = ".".join(map(str, found.path + ("state", fqn)))
-                    self._rewrite(found, fqn, pstate, prefix, saved)
             _only_saved_group_keys(found, saved)
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
-    def _rewrite(self, found, fqn, pstate: dict, prefix: str, saved: dict) -> None:
-        copy, targets = dict(pstate), {}
+    def _rewrite(self, owner, pstate: dict, prefix: str, saved: dict, put) -> None:
+        targets = {}
         for key in MOMENTS:
             name, value = f"{prefix}.{key}", pstate.get(key)
             if qstate.is_qstate(value) and name in saved and f"{name}.codes" not in saved:
-                copy[key] = torch.zeros_like(value["codes"], dtype=torch.float32)  # fp32 in the folder
+                put(key, torch.zeros_like(value["codes"], dtype=torch.float32))  # fp32 in the folder
             elif isinstance(value, torch.Tensor) and f"{name}.codes" in saved and name not in saved:
-                copy[key] = _qstate_template(value, name, saved)  # 8-bit in the folder, fp32 wanted
-                targets[key] = value
-                self._parts.update((n, (found.path, fqn)) for n in saved if n.startswith(f"{name}."))
-        if copy.keys() != pstate.keys() or any(copy[k] is not pstate[k] for k in copy):
-            found.state_dict["state"][fqn] = copy
-            if targets:
-                self._pending[(found.path, fqn)] = (copy, targets)
+                template = _qstate_template(value, name, saved)  # 8-bit in the folder, fp32 wanted
+                put(key, template)
+                targets[key] = (value, template)
+                self._parts.update((n, owner) for n in saved if n.startswith(f"{name}."))
+        if targets:
+            self._pending[owner] = (targets, put)
 
     def finish_plan(self, new_plan):
         self._reads = Counter(item.dest_index.fqn for item in new_plan.items if item.dest_index.fqn in self._parts)
@@ -146,12 +161,42 @@ class LoadPlanner(DefaultLoadPlanner):
         self._reads[name] -= 1
         owner = self._parts[name]
         if owner in self._pending and all(self._reads[n] == 0 for n, o in self._parts.items() if o == owner):
-            copy, targets = self._pending.pop(owner)
-            local = {k: sharded.unplace(v) if qstate.is_qstate(v) else v for k, v in copy.items()}
-            dense = qstate.dequantize_states(local)
-            for key, target in targets.items():
+            targets, put = self._pending.pop(owner)
+            dense = qstate.dequantize_states({k: sharded.unplace(q) for k, (_, q) in targets.items()})
+            for key, (target, _) in targets.items():
                 sharded.local(target).copy_(dense[key].view(sharded.local(target).shape))
-                copy[key] = target
+                put(key, target)
+
+
+_FLAT_MOMENT = re.compile(r"^state\.(?P<fqn>.+)\.(?P<key>exp_avg|exp_avg_sq|max_exp_avg_sq)$")
+
+
+def _params(state_dict: dict):
+    """(owner, DCP name prefix, {moment: value}, put(moment, value)) for every parameter's state in the
+    optimizer state dicts inside ``state_dict``: nested (``get_optimizer_state_dict``) or flattened
+    (``flatten_optimizer_state_dict``, as torchtitan saves). Nested states are replaced by copies first, so
+    that ``put`` never touches a live optimizer's state dict."""
+    for found in checkpoint.find_optimizers(state_dict):
+        holder = found.state_dict["state"]
+        for fqn, pstate in list(holder.items()):
+            if isinstance(pstate, dict):
+                holder[fqn] = copy = dict(pstate)
+                yield (found.path, fqn), ".".join(map(str, found.path + ("state", fqn))), copy, copy.__setitem__
+    for path, flat in _flat_optimizers(state_dict, ()):
+        for fqn in sorted({m["fqn"] for k in flat if isinstance(k, str) and (m := _FLAT_MOMENT.match(k))}):
+            pstate = {key: flat[f"state.{fqn}.{key}"] for key in MOMENTS if f"state.{fqn}.{key}" in flat}
+            yield (path, fqn), ".".join(map(str, path + ("state", fqn))), pstate, \
+                (lambda key, value, f=flat, q=fqn: f.__setitem__(f"state.{q}.{key}", value))
+
+
+def _flat_optimizers(node, path: tuple):
+    """Dicts holding flattened optimizer state (keys ``state.<fqn>.exp_avg``...), with their paths."""
+    if isinstance(node, dict):
+        if any(isinstance(k, str) and _FLAT_MOMENT.match(k) for k in node):
+            yield path, node
+        else:
+            for k, v in node.items():
+                yield from _flat_optimizers(v, path + (k,))
 
 
 def _only_saved_group_keys(found, saved: dict) -> None:

@@ -132,6 +132,17 @@ def test_planner_pair_stores_fp32_adamw_moments_8bit_and_reads_them_back(tmp_pat
         assert torch.equal(st["exp_avg_sq"], rst["exp_avg_sq"]), fqn
 
 
+def test_planner_pair_with_torchtitan_style_flattened_optimizer_state(tmp_path):
+    """torchtitan keeps torch AdamW and saves its state flattened (state.<fqn>.exp_avg keys): the same one
+    argument stores the moments 8-bit, and LoadPlanner reads them back into the flattened fp32 template."""
+    plain = run(tmp_path, 2, "adamw", 0, 3, None, tmp_path / "plain", False, "--flat")
+    run(tmp_path, 2, "adamw", 0, 3, None, tmp_path / "q8", True, "--flat")
+    size = {d: sum(f.stat().st_size for f in (tmp_path / d).iterdir()) for d in ("plain", "q8")}
+    assert size["q8"] < 0.6 * size["plain"]
+    resumed = run(tmp_path, 2, "adamw", 3, 5, tmp_path / "q8", None, True, "--flat")
+    assert plain["losses"] + resumed["losses"] == single_process(5, ("adamw", "adamw"), switch_at=3, via_8bit=True)[0]
+
+
 def test_planner_pair_moves_checkpoints_between_fp32_and_8bit_optimizers(tmp_path):
     """torch AdamW's fp32 folder into AdamW8bit (quantized on load, as one process would), and AdamW8bit's
     8-bit folder into torch AdamW at another world size (decoded on load)."""
