@@ -3,7 +3,7 @@
 One run, interleaved rounds (ckptq and bitsandbytes alternate on the same tensors, so load from other
 processes hits both alike); prints medians and ratios as a markdown table.
 
-    PYTHONPATH=. python tools/bench_ops.py --numel 16777216 --rounds 7
+    PYTHONPATH=. python tools/bench_codec.py --numel 16777216 --rounds 7
 
 Tensors: an Adam first moment (randn * 1e-3; ckptq: signed map) and a second moment spread over six
 decades (randn^2 * 10^U(-8, -2); ckptq: sqrt transform + unsigned map, as ``ckptq.qstate`` stores it).
@@ -50,19 +50,19 @@ def run_round(tensors, block_size: int, times: dict[str, list[float]], buffers: 
     for i, (name, (x, signed, transform)) in enumerate(tensors.items()):
         buf = buffers.setdefault(name, torch.zeros(x.numel()))
         qmap = codebooks.dynamic_map(signed)
-        ops = {
+        cases = {
             "quantize": (lambda: ops.quantize_blockwise(x, qmap, block_size, transform),
                          lambda: bnbf.quantize_blockwise(x, blocksize=block_size)),
         }
-        codes, absmax = ops["quantize"][0]()
-        bcodes, state = ops["quantize"][1]()
-        ops["dequantize, new tensor"] = (
+        codes, absmax = cases["quantize"][0]()
+        bcodes, state = cases["quantize"][1]()
+        cases["dequantize, new tensor"] = (
             lambda: ops.dequantize_blockwise(codes, absmax, qmap, block_size, transform),
             lambda: bnbf.dequantize_blockwise(bcodes, state))
-        ops["dequantize, ckptq out= reused"] = (
+        cases["dequantize, ckptq out= reused"] = (
             lambda: ops.dequantize_blockwise(codes, absmax, qmap, block_size, transform, out=buf),
             lambda: bnbf.dequantize_blockwise(bcodes, state))
-        for j, (op, (ours, bnb)) in enumerate(ops.items()):
+        for j, (op, (ours, bnb)) in enumerate(cases.items()):
             order = (("ckptq", ours), ("bnb", bnb))
             for who, fn in order if (i + j + round_no) % 2 else order[::-1]:
                 t, result = timed(fn)
