@@ -41,6 +41,11 @@ def _unsafe_message(path: str, e: Exception) -> str:
     return f"{path} is not a readable torch checkpoint: {str(e).splitlines()[0]}"
 
 
+def is_dcp_folder(path: str) -> bool:
+    """A torch.distributed.checkpoint folder: ``.metadata`` beside the ``.distcp`` files."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
 def is_torch_file(path: str) -> bool:
     """A torch.save file: a zip archive (torch >= 1.6) or a legacy pickle (protocol 2 magic)."""
     if not os.path.isfile(path):  # never open a FIFO or a device to sniff it

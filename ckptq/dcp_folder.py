@@ -32,10 +32,6 @@ _MOMENT = re.compile(r"^(?P<opt>.+)\.state\.(?P<fqn>.+)\.(?P<key>exp_avg|exp_avg
 _PARTS = ("codes", "absmax", "qmap")
 
 
-def is_dcp_folder(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
-
-
 def read_metadata(path: str):
     try:
         return FileSystemReader(path).read_metadata()

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, dcp_folder, foreign, format, ops, pipeline, qstate, tree
+from . import checkpoint, foreign, format, ops, pipeline, qstate, tree
 from .errors import UsageError
 
 
@@ -20,7 +20,9 @@ def info(path: str, *, key: str | None = None, min_size: int = pipeline.DEFAULT_
          block_size: int = ops.DEFAULT_BLOCK_SIZE, trust: bool = False) -> dict:
     """A JSON-able report. For a converted file: roles, sizes, savings, options used. For a torch
     checkpoint: its optimizers and what ``convert`` with these options would store."""
-    if dcp_folder.is_dcp_folder(path):
+    if checkpoint.is_dcp_folder(path):
+        from . import dcp_folder
+
         return dcp_folder.info(path, min_size=min_size, block_size=block_size)
     if os.path.isdir(path) or path.endswith((format.SUFFIX, ".json")) or format.is_safetensors(path):
         return _info_converted(path)

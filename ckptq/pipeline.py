@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import __version__, checkpoint, dcp_folder, foreign, format, ops, plan, qstate, torch_stream, tree
+from . import __version__, checkpoint, foreign, format, ops, plan, qstate, torch_stream, tree
 from .errors import InputError, UsageError
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -123,7 +123,7 @@ def convert(
     ops.check_block_size(block_size)
     if min_size < 1:
         raise UsageError(f"min size {min_size} must be at least 1")
-    if dcp_folder.is_dcp_folder(src):
+    if checkpoint.is_dcp_folder(src):
         return _convert_dcp(src, dst, block_size, min_size, force, t0)
     if os.path.isdir(src):
         raise InputError(f"{src} is a folder but not a torch.distributed.checkpoint folder (no .metadata); "
@@ -156,6 +156,8 @@ def convert(
 
 def _convert_dcp(src: str, dst: str | None, block_size: int, min_size: int, force: bool, t0: float) -> ConvertReport:
     """A torch.distributed.checkpoint folder -> a DCP folder with 8-bit Adam moments (``ckptq.dcp_folder``)."""
+    from . import dcp_folder  # imports torch.distributed.checkpoint: only when a folder needs it
+
     dst = dst or src.rstrip("/") + ".q8"
     _not_the_input(src, dst)
     r = dcp_folder.convert(src, dst, block_size=block_size, min_size=min_size, force=force)
@@ -238,7 +240,9 @@ def expand(src: str, dst: str | None = None, *, force: bool = False, verify: boo
     dst = dst or default_expanded(src)
     if checkpoint.is_torch_file(src):
         return _expand_torch(src, dst, force, trust, progress, t0)
-    if dcp_folder.is_dcp_folder(src):
+    if checkpoint.is_dcp_folder(src):
+        from . import dcp_folder
+
         r = dcp_folder.expand(src, dst if dst != default_expanded(src) else src.rstrip("/") + ".fp32", force=force)
         return ExpandReport(src, r["output"], r["output_bytes"], time.perf_counter() - t0)
     conv = format.Converted(src, verify)

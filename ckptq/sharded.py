@@ -12,22 +12,25 @@ the block size, or that are sharded on another dim, keep fp32 (DTensor) state.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from . import plan, qstate
 
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # a torch built without distributed
-    DTensor = None
 
 
 def is_dtensor(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    # No DTensor exists before torch.distributed.tensor is imported, so ckptq never imports it itself
+    # (it costs ~50 MB and half a second on every CLI start).
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def row_aligned(p, block_size: int) -> bool:
     """Whether a DTensor parameter can hold 8-bit state: sharded on dim 0 only, rows of whole blocks."""
+    from torch.distributed.tensor import Replicate, Shard
+
     if p.dim() == 0 or any(not (isinstance(pl, Replicate) or pl == Shard(0)) for pl in p.placements):
         return False
     return (p.numel() // p.shape[0]) % block_size == 0
@@ -41,6 +44,8 @@ def local(t):
 def place(q: dict, like) -> dict:
     """A qstate dict quantized from ``like.to_local()`` (flat codes and scales) with its codes and scales
     turned into DTensors placed like the DTensor ``like``."""
+    from torch.distributed.tensor import DTensor
+
     per_row = (like.numel() // like.shape[0]) // q["block_size"]
     codes = DTensor.from_local(q["codes"].view(like.to_local().shape), like.device_mesh, like.placements,
                                shape=like.shape, stride=like.stride(), run_check=False)
@@ -51,6 +56,8 @@ def place(q: dict, like) -> dict:
 
 def scales_like(like, per_row: int):
     """fp32 zeros for the scales of a qstate of the DTensor ``like``: [rows, per_row], placed like it."""
+    from torch.distributed.tensor import DTensor
+
     rows = like.to_local().shape[0] if like.dim() else 1
     return DTensor.from_local(torch.zeros(rows, per_row), like.device_mesh, like.placements,
                               shape=(like.shape[0], per_row), stride=(per_row, 1), run_check=False)
