@@ -4,6 +4,7 @@ rank. Every rank sees the same batch, so FSDP2's averaged
 gradient equals one process's gradient and results can be compared exactly."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -19,9 +20,17 @@ from ckptq.optim import AdamW8bit  # noqa: E402
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 
 
+# torchrun --standalone picks a free port by releasing one it bound: another launch on this machine can
+# take it first. Such infrastructure failures (never a wrong result) get one more try.
+_LAUNCH_FAILURE = re.compile(r"(?i)address already in use|EADDRINUSE|rendezvous|connection (refused|reset)")
+
+
 def torchrun(n: int, *args: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", WORKER, *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for attempt in range(2):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if r.returncode == 0 or not _LAUNCH_FAILURE.search(r.stderr) or attempt:
+            break
     assert r.returncode == 0, r.stderr[-3000:]
 
 
