@@ -174,7 +174,8 @@ def _quantized_parts(src: str, mo: _Moment, block_size: int) -> dict:
 
     policy = qstate.RATIO_POLICY if mo.role == "exp_avg" else qstate.policy_for(mo.role)
     out = {f"{mo.key}.ckptq": qstate.CODEC, f"{mo.key}.bits": 8, f"{mo.key}.block_size": block_size,
-           f"{mo.key}.transform": policy.transform, f"{mo.key}.shape": list(mo.shape), f"{mo.key}.dtype": "float32"}
+           f"{mo.key}.transform": policy.transform, f"{mo.key}.shape": list(mo.shape),
+           f"{mo.key}.dtype": str(mo.meta.properties.dtype).removeprefix("torch.")}  # expand restores it
     if mo.role == "exp_avg":
         out |= {f"{mo.key}.eps": float(mo.eps), f"{mo.key}.divisor": "exp_avg_sq"}
     tensors = {f"{mo.key}.codes": (torch.empty(mo.shape, dtype=torch.uint8, device="meta"), part("codes")),
@@ -318,7 +319,10 @@ def expand(src: str, dst: str, *, force: bool = False) -> dict:
     state, producers = _exact_entries(src, p, _mine(list(p.exact)))
     for key in _mine(qkeys):
         shape = tuple(p.scalars[f"{key}.shape"])
-        state[key] = torch.empty(shape, dtype=torch.float32, device="meta")
+        dtype = getattr(torch, str(p.scalars.get(f"{key}.dtype", "float32")), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise InputError(f"{src}: quantized state {key} names dtype {p.scalars.get(f'{key}.dtype')!r}; it is damaged")
+        state[key] = torch.empty(shape, dtype=dtype, device="meta")
         producers[key] = _decoder(src, key, p.scalars, meta)
     write_folder(dst, state, producers, force)
     return {"source": src, "output": dst, "expanded": len(qkeys), "output_bytes": _folder_bytes(dst)

@@ -247,3 +247,20 @@ def test_damaged_dcp_folders_are_one_line_errors_and_leave_nothing(tmp_path):
         r = _cli("convert", folder, "--min-size", 1024)
         assert r.exit_code == 3 and words in r.output and len(r.output.strip().splitlines()) == 1, r.output
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(folder.name + ".")]
+
+
+def test_bf16_moments_keep_their_dtype_through_convert_and_expand(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(0)
+    m, v = (torch.randn(64, 256, generator=g) * 1e-3).bfloat16(), (torch.rand(64, 256, generator=g) * 1e-6).bfloat16()
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "params": ["w"]}]
+    sd = {"optimizer": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": m, "exp_avg_sq": v}}, "param_groups": groups}}
+    dcp.save(sd, checkpoint_id=tmp_path / "bf16", no_dist=True)
+    assert _cli("convert", tmp_path / "bf16").exit_code == 0
+    assert _cli("expand", tmp_path / "bf16.q8", "-o", tmp_path / "back").exit_code == 0
+    back = {"optimizer.state.w.exp_avg_sq": torch.empty(64, 256, dtype=torch.bfloat16)}
+    dcp.load(back, checkpoint_id=tmp_path / "back", no_dist=True)
+    got = back["optimizer.state.w.exp_avg_sq"]
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - v.float()).abs().max()) <= 0.02 * float(v.float().abs().max())
