@@ -15,7 +15,6 @@ fp32 moments (decoded as the last of a parameter's parts arrives) for torch's Ad
 
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 
@@ -26,9 +25,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from . import checkpoint, plan, qstate, sharded
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-_FP32_MAX = torch.finfo(torch.float32).max
-
-
 def _group_of(osd: dict, fqn) -> dict:
     return next((g for g in osd.get("param_groups", []) if fqn in g.get("params", [])), {})
 
@@ -50,12 +46,7 @@ def _quantizable(m, v, min_size: int, block_size: int) -> bool:
         return False
     if sharded.is_dtensor(m) and not (sharded.row_aligned(m, block_size) and sharded.is_dtensor(v)):
         return False
-    ok = True
-    for t, nonneg in ((sharded.local(m), False), (sharded.local(v), True)):
-        if t.numel():
-            lo, hi = (float(x) for x in torch.aminmax(t.detach().reshape(-1)))
-            ok &= math.isfinite(lo) and math.isfinite(hi) and max(-lo, hi) <= _FP32_MAX and (lo >= 0 or not nonneg)
-    return _all_ranks_agree(ok, m)
+    return _all_ranks_agree(plan.unsafe_moments({"exp_avg": m, "exp_avg_sq": v}) is None, m)
 
 
 def quantized_copy(state_dict: dict, min_size: int = plan.DEFAULT_MIN_SIZE, block_size: int = 256) -> dict:
