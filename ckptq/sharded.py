@@ -19,7 +19,6 @@ import torch
 from . import plan, qstate
 
 
-
 def is_dtensor(t) -> bool:
     # No DTensor exists before torch.distributed.tensor is imported, so ckptq never imports it itself
     # (it costs ~50 MB and half a second on every CLI start).
