@@ -255,6 +255,14 @@ def join_torchrun() -> None:
         dist.init_process_group("gloo")
 
 
+def leave_torchrun() -> None:
+    """After a successful write, leave the group together: a rank that tears gloo down while another
+    still talks to it aborts with SIGABRT. (After an error torchrun ends the other ranks.)"""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def convert(src: str, dst: str, *, block_size: int = 256, min_size: int = plan.DEFAULT_MIN_SIZE,
             force: bool = False) -> dict:
     """Convert a DCP folder's fp32 Adam moments to 8-bit; returns a report dict."""
@@ -270,6 +278,7 @@ def convert(src: str, dst: str, *, block_size: int = 256, min_size: int = plan.D
         for key, value in _quantized_parts(src, mo, block_size).items():
             state[key], producers[key] = value if isinstance(value, tuple) else (value, None)
     write_folder(dst, state, {k: f for k, f in producers.items() if f}, force)
+    leave_torchrun()
     return {"source": src, "output": dst, "quantized": len(p.moments), "exact": len(p.exact),
             "warnings": p.warnings, "source_bytes": _folder_bytes(src),
             "output_bytes": _folder_bytes(dst) if os.path.isdir(dst) else 0}
@@ -325,6 +334,7 @@ def expand(src: str, dst: str, *, force: bool = False) -> dict:
         state[key] = torch.empty(shape, dtype=dtype, device="meta")
         producers[key] = _decoder(src, key, p.scalars, meta)
     write_folder(dst, state, producers, force)
+    leave_torchrun()
     return {"source": src, "output": dst, "expanded": len(qkeys), "output_bytes": _folder_bytes(dst)
             if os.path.isdir(dst) else 0}
 

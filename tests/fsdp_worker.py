@@ -82,6 +82,7 @@ def main():
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "optim": full, "world": dist.get_world_size(),
                     "local_state_bytes": local_bytes}, a.out)
+    dist.barrier()  # no rank tears gloo down while another still talks to it (SIGABRT otherwise)
     dist.destroy_process_group()
 
 

@@ -67,6 +67,7 @@ def worker(a) -> None:
     if dist.get_rank() == 0:
         params = sum(p.numel() for p in model.parameters())
         print(json.dumps({"state": state.item(), "rss_kb": rss.item(), "params": params}))
+    dist.barrier()  # no rank tears gloo down while another still talks to it (SIGABRT otherwise)
     dist.destroy_process_group()
 
 

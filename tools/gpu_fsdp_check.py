@@ -74,6 +74,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"FSDP2 + AdamW8bit on {device}, world {dist.get_world_size()}: losses {'equal' if ok else 'DIFFER'} "
               f"to the unsharded run through a DCP save/resume ({ref[-1]:.6f} vs {second[-1]:.6f})")
+    dist.barrier()  # no rank tears gloo down while another still talks to it (SIGABRT otherwise)
     dist.destroy_process_group()
     sys.exit(0 if ok else 1)
 
