@@ -15,6 +15,7 @@ fp32 moments (decoded as the last of a parameter's parts arrives) for torch's Ad
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import checkpoint, plan, qstate, sharded
+from .errors import StateMismatchError
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 def _group_of(osd: dict, fqn) -> dict:
@@ -85,6 +87,8 @@ def _set_at(out: dict, path: tuple, value) -> None:
 
 
 def _quantize_param(osd: dict, fqn, pstate, min_size: int, block_size: int):
+    if isinstance(pstate, dict) and any(qstate.is_qstate(v) for v in pstate.values()):  # AdamW8bit's state
+        return {k: sharded.row_layout(v) if qstate.is_qstate(v) else v for k, v in pstate.items()}
     if not isinstance(pstate, dict) or not _quantizable(pstate.get("exp_avg"), pstate.get("exp_avg_sq"),
                                                        min_size, block_size):
         return pstate
@@ -125,6 +129,8 @@ class LoadPlanner(DefaultLoadPlanner):
             name, value = f"{prefix}.{key}", pstate.get(key)
             if qstate.is_qstate(value) and name in saved and f"{name}.codes" not in saved:
                 put(key, torch.zeros_like(value["codes"], dtype=torch.float32))  # fp32 in the folder
+            elif qstate.is_qstate(value) and f"{name}.codes" in saved:
+                put(key, _saved_layout(value, name, saved))
             elif isinstance(value, torch.Tensor) and f"{name}.codes" in saved and name not in saved:
                 template = _qstate_template(value, name, saved)  # 8-bit in the folder, fp32 wanted
                 put(key, template)
@@ -199,6 +205,22 @@ def _only_saved_group_keys(found, saved: dict) -> None:
         found.state_dict["param_groups"] = [
             {k: v for k, v in g.items() if k == "params" or f"{prefix}.{i}.{k}" in saved} if isinstance(g, dict) else g
             for i, g in enumerate(groups)]
+
+
+def _saved_layout(q: dict, name: str, saved: dict) -> dict:
+    """An 8-bit template whose codes and scales have the shapes the folder holds them in: the row layout
+    (FSDP2, or ckptq's SavePlanner) read by one plain process is viewed that way; the flat layout of a plain
+    ``dcp.save`` cannot be read into a DTensor's rows."""
+    codes, absmax = saved[f"{name}.codes"], saved.get(f"{name}.absmax")
+    want = tuple(codes.size)
+    if tuple(q["codes"].shape) == want or not isinstance(absmax, TensorStorageMetadata):
+        return q
+    if sharded.is_dtensor(q["codes"]) or math.prod(want) != q["codes"].numel():
+        raise StateMismatchError(
+            f"{name}: the checkpoint holds 8-bit codes of shape {want}, this optimizer's are "
+            f"{tuple(q['codes'].shape)}; save with planner=ckptq.dcp.SavePlanner() (it stores the row layout "
+            "that loads at any world size), or load it the way it was saved")
+    return {**q, "codes": q["codes"].view(want), "absmax": q["absmax"].view(tuple(absmax.size))}
 
 
 def _qstate_template(like: torch.Tensor, name: str, saved: dict) -> dict:

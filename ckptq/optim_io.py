@@ -137,8 +137,8 @@ def _copy_qstate(value: dict, device) -> dict:
     q = dict(value)
     for name in ("codes", "absmax", "qmap"):
         q[name] = value[name].to(device).clone()  # our steps write codes in place: never share them
-    if not sharded.is_dtensor(q["codes"]):  # a DTensor keeps the parameter's shape (ckptq.sharded)
-        q["codes"] = q["codes"].reshape(-1)
+    if not sharded.is_dtensor(q["codes"]):  # a DTensor keeps the row layout (ckptq.sharded); one process, flat
+        q["codes"], q["absmax"] = q["codes"].reshape(-1), q["absmax"].reshape(-1)
     q["shape"] = tuple(value["shape"])
     return q
 

@@ -70,6 +70,19 @@ def unplace(q: dict) -> dict:
             "shape": tuple(q["codes"].to_local().shape)}
 
 
+def row_layout(q: dict) -> dict:
+    """A plain qstate (flat codes and scales, as one process keeps them) in the row layout a DTensor's
+    qstate has: codes of the tensor's shape, scales ``[rows, row / block_size]`` (views, no copy). Saved
+    this way, a DCP folder loads at any world size. Unchanged when the rows are not whole blocks."""
+    shape = tuple(q["shape"])
+    if is_dtensor(q["codes"]) or not shape or 0 in shape:
+        return q
+    row = q["codes"].numel() // shape[0]
+    if row % q["block_size"] or q["absmax"].numel() != shape[0] * (row // q["block_size"]):
+        return q
+    return {**q, "codes": q["codes"].view(shape), "absmax": q["absmax"].view(shape[0], row // q["block_size"])}
+
+
 def quantize(t, key: str, block_size: int) -> dict:
     """fp32 state ``t`` (a tensor, or a DTensor: quantized shard by shard and placed like it) -> qstate."""
     q = qstate.quantize_state(local(t).float(), key, block_size)

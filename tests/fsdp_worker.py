@@ -1,8 +1,8 @@
 """One rank of an FSDP2 run (launched by tests/test_distributed.py through torchrun, gloo on the CPU).
 
-    fsdp_worker.py OPT STEPS [--load DIR] [--save DIR] --out FILE
+    fsdp_worker.py OPT START STOP [--load DIR] [--save DIR] [--wrap fsdp|ddp|plain] --out FILE
 
-Trains a small model with every block and the model wrapped in ``fully_shard``, on the same batch on
+Trains a small model with every block and the model wrapped in ``fully_shard`` (or DDP, or nothing), on the same batch on
 every rank (so the averaged gradient equals one process's), optionally resuming from / saving a DCP
 checkpoint (``get_state_dict`` / ``set_state_dict``), and writes rank 0's losses and the full (gathered)
 optimizer state to FILE as a torch.save file.
@@ -15,12 +15,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ckptq.dcp
 from ckptq.optim import AdamW8bit
 
 
-def model_and_opt(name: str, backend: str = "auto"):
+def model_and_opt(name: str, backend: str = "auto", wrap: str = "fsdp"):
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Embedding(64, 256),  # rows of 256: 8-bit state, sharded by rows
@@ -28,10 +29,13 @@ def model_and_opt(name: str, backend: str = "auto"):
         torch.nn.Linear(256, 96),  # rows of 256 too; bias and LayerNorm below min_size: fp32 state
         torch.nn.Linear(96, 10),  # below min_size: fp32 (DTensor) state
     )
-    for block in model:
-        if any(True for _ in block.parameters()):
-            fully_shard(block)
-    fully_shard(model)
+    if wrap == "fsdp":
+        for block in model:
+            if any(True for _ in block.parameters()):
+                fully_shard(block)
+        fully_shard(model)
+    elif wrap == "ddp":
+        model = DDP(model)
     if name == "adamw8bit":
         return model, AdamW8bit(model.parameters(), lr=1e-2, min_size=1024, backend=backend)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -61,9 +65,11 @@ def main():
     ap.add_argument("--planners", action="store_true", help="save/load through ckptq.dcp's planner pair")
     ap.add_argument("--flat", action="store_true", help="flatten_optimizer_state_dict, as torchtitan saves")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--wrap", choices=["fsdp", "ddp", "plain"], default="fsdp",
+                    help="fully_shard every block (default), DistributedDataParallel, or no wrapper")
     a = ap.parse_args()
     dist.init_process_group("gloo")
-    model, opt = model_and_opt(a.opt, a.backend)
+    model, opt = model_and_opt(a.opt, a.backend, a.wrap)
     flat = StateDictOptions(flatten_optimizer_state_dict=a.flat)
     if a.load:
         msd, osd = get_state_dict(model, opt, options=flat)

@@ -25,13 +25,15 @@ WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 _LAUNCH_FAILURE = re.compile(r"(?i)address already in use|EADDRINUSE|rendezvous|connection (refused|reset)")
 
 
-def torchrun(n: int, *args: str) -> None:
+def torchrun(n: int, *args: str, ok: bool = True) -> str:
+    """Run the worker on ``n`` ranks; assert it succeeded (or, ``ok=False``, failed); return its stderr."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", WORKER, *args]
     for attempt in range(2):
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if r.returncode == 0 or not _LAUNCH_FAILURE.search(r.stderr) or attempt:
             break
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert (r.returncode == 0) == ok, r.stderr[-3000:]
+    return r.stderr
 
 
 def run(tmp_path, n: int, opt: str, start: int, stop: int, load=None, save=None, planners=False, *extra) -> dict:
@@ -124,6 +126,22 @@ def test_checkpoints_resume_at_other_world_sizes_without_changing_a_bit(tmp_path
     # each rank holds about 1/N of the sharded state
     assert b["local_state_bytes"] * 2 == pytest.approx(c["local_state_bytes"], rel=0.02)
     assert a["local_state_bytes"] * 4 == pytest.approx(c["local_state_bytes"], rel=0.05)
+
+
+def test_ddp_and_single_process_checkpoints_move_to_fsdp2_and_back(tmp_path):
+    """DDP and an unwrapped process keep flat 8-bit state; saved through SavePlanner it takes the row layout
+    FSDP2 uses, so DDP (2 ranks) -> FSDP2 (2 ranks) -> one plain process resumes without changing a bit.
+    A plain dcp.save keeps the flat layout, which a DTensor cannot read: one clear error."""
+    losses, ref = single_process(7)
+    a = run(tmp_path, 2, "adamw8bit", 0, 3, None, tmp_path / "ddp", True, "--wrap", "ddp")
+    b = run(tmp_path, 2, "adamw8bit", 3, 5, tmp_path / "ddp", tmp_path / "fsdp", True)
+    c = run(tmp_path, 1, "adamw8bit", 5, 7, tmp_path / "fsdp", None, True, "--wrap", "plain")
+    assert a["losses"] + b["losses"] + c["losses"] == losses
+    _assert_same_state(c["optim"], ref)
+    run(tmp_path, 1, "adamw8bit", 0, 3, None, tmp_path / "flat", False, "--wrap", "plain")
+    err = torchrun(2, "adamw8bit", "3", "5", "--out", str(tmp_path / "x.pt"), "--load", str(tmp_path / "flat"),
+                   "--planners", ok=False)
+    assert "StateMismatchError" in err and "SavePlanner" in err
 
 
 def test_planner_pair_stores_fp32_adamw_moments_8bit_and_reads_them_back(tmp_path):
