@@ -113,20 +113,43 @@ def _empty(m: TensorStorageMetadata) -> torch.Tensor:
     return torch.empty(tuple(m.size), dtype=m.properties.dtype)
 
 
+def _by_param(moments: list[_Moment]) -> dict[tuple, list[_Moment]]:
+    """A parameter's moments together: they are read, checked and quantized together (a ratio needs its
+    second moment), and one rank handles all of them."""
+    out: dict[tuple, list[_Moment]] = {}
+    for mo in moments:
+        out.setdefault((mo.opt, mo.fqn), []).append(mo)
+    return out
+
+
+def _read_dense(path: str, ms: list[_Moment]) -> dict:
+    """A parameter's moments (and the second moment a ratio needs) as fp32, read in one pass."""
+    keys = {mo.key: mo.shape for mo in ms}
+    keys |= {f"{mo.key}_sq": mo.shape for mo in ms if mo.role == "exp_avg" and f"{mo.key}_sq" not in keys}
+    return _read(path, {k: torch.empty(shape, dtype=torch.float32) for k, shape in keys.items()})
+
+
 def _check(path: str, p: Plan, min_size: int) -> None:
     """Keep exact what 8 bits would damage (the rules of ``ckptq.plan``): NaN/Inf, beyond fp32, negative
     second moments, a first moment whose ratio would overflow. A parameter's moments stay exact together
-    (a ratio needs its second moment quantized). Reads each moment once, one at a time."""
-    bad = set()
-    for mo in p.moments:
-        t = _read(path, {mo.key: torch.empty(mo.shape, dtype=torch.float32)})[mo.key]
-        reason = plan.exact_reason(mo.role, t, True, min_size, set())
-        if not reason and mo.role == "exp_avg":
-            v = _read(path, {f"{mo.key}_sq": torch.empty(mo.shape, dtype=torch.float32)})[f"{mo.key}_sq"]
-            reason = None if plan.ratio_fits(t, v, mo.eps) else "its ratio would overflow float32"
-        if reason:
-            bad.add((mo.opt, mo.fqn))
-            p.warnings.append(f"{mo.key}: {reason}, kept exact")
+    (a ratio needs its second moment quantized). Each rank checks its share of the parameters, reading
+    each moment once, one parameter at a time; the ranks then share what they found."""
+    found: list[tuple[tuple, str]] = []
+    for pid, ms in _mine(list(_by_param(p.moments).items())):
+        dense = _read_dense(path, ms)
+        for mo in ms:
+            t = dense[mo.key]
+            reason = plan.exact_reason(mo.role, t, True, min_size, set())
+            if not reason and mo.role == "exp_avg" and not plan.ratio_fits(t, dense[f"{mo.key}_sq"], mo.eps):
+                reason = "its ratio would overflow float32"
+            if reason:
+                found.append((pid, f"{mo.key}: {reason}, kept exact"))
+    if dist.is_initialized():
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, found)
+        found = [f for rank in every for f in rank]
+    bad = {pid for pid, _ in found}
+    p.warnings += sorted(w for _, w in found)
     p.exact.update((mo.key, mo.meta) for mo in p.moments if (mo.opt, mo.fqn) in bad)
     p.moments = [mo for mo in p.moments if (mo.opt, mo.fqn) not in bad]
 
@@ -153,35 +176,39 @@ class _LazyWriter(DefaultSavePlanner):
         return buf.copy_(t)
 
 
-def _quantized_parts(src: str, mo: _Moment, block_size: int) -> dict:
-    """The parts of one moment's quantized state: tensors by producer, scalars by value."""
+def _quantized_parts(src: str, ms: list[_Moment], block_size: int) -> dict:
+    """The parts of one parameter's quantized moments: tensors by producer, scalars by value. The first
+    part the writer asks for reads the moments once and quantizes them all; each part is dropped when written."""
     cache: dict = {}
-    rows = mo.shape[0]
 
     def quantize() -> dict:
         if not cache:
-            t = _read(src, {mo.key: torch.empty(mo.shape, dtype=torch.float32)})[mo.key]
-            if mo.role == "exp_avg":
-                v = _read(src, {f"{mo.key}_sq": torch.empty(mo.shape, dtype=torch.float32)})[f"{mo.key}_sq"]
-                q = qstate.quantize_ratio(t, v, mo.eps, block_size)
-            else:
-                q = qstate.quantize_state(t, mo.role, block_size)
-            cache.update(codes=q["codes"].view(mo.shape), absmax=q["absmax"].view(rows, -1), qmap=q["qmap"])
+            dense = _read_dense(src, ms)
+            for mo in ms:
+                t = dense[mo.key]
+                q = qstate.quantize_ratio(t, dense[f"{mo.key}_sq"], mo.eps, block_size) if mo.role == "exp_avg" \
+                    else qstate.quantize_state(t, mo.role, block_size)
+                cache[mo.key] = dict(codes=q["codes"].view(mo.shape), absmax=q["absmax"].view(mo.shape[0], -1),
+                                     qmap=q["qmap"])
         return cache
 
-    def part(name: str):
-        return lambda: quantize().pop(name)
+    def part(key: str, name: str):
+        return lambda: quantize()[key].pop(name)
 
-    policy = qstate.RATIO_POLICY if mo.role == "exp_avg" else qstate.policy_for(mo.role)
-    out = {f"{mo.key}.ckptq": qstate.CODEC, f"{mo.key}.bits": 8, f"{mo.key}.block_size": block_size,
-           f"{mo.key}.transform": policy.transform, f"{mo.key}.shape": list(mo.shape),
-           f"{mo.key}.dtype": str(mo.meta.properties.dtype).removeprefix("torch.")}  # expand restores it
-    if mo.role == "exp_avg":
-        out |= {f"{mo.key}.eps": float(mo.eps), f"{mo.key}.divisor": "exp_avg_sq"}
-    tensors = {f"{mo.key}.codes": (torch.empty(mo.shape, dtype=torch.uint8, device="meta"), part("codes")),
-               f"{mo.key}.absmax": (torch.empty(rows, _per_row(mo.shape, block_size), device="meta"), part("absmax")),
-               f"{mo.key}.qmap": (torch.empty(256, device="meta"), part("qmap"))}
-    return {**out, **tensors}
+    out: dict = {}
+    for mo in ms:
+        policy = qstate.RATIO_POLICY if mo.role == "exp_avg" else qstate.policy_for(mo.role)
+        out |= {f"{mo.key}.ckptq": qstate.CODEC, f"{mo.key}.bits": 8, f"{mo.key}.block_size": block_size,
+                f"{mo.key}.transform": policy.transform, f"{mo.key}.shape": list(mo.shape),
+                f"{mo.key}.dtype": str(mo.meta.properties.dtype).removeprefix("torch.")}  # expand restores it
+        if mo.role == "exp_avg":
+            out |= {f"{mo.key}.eps": float(mo.eps), f"{mo.key}.divisor": "exp_avg_sq"}
+        rows = mo.shape[0]
+        out |= {f"{mo.key}.codes": (torch.empty(mo.shape, dtype=torch.uint8, device="meta"), part(mo.key, "codes")),
+                f"{mo.key}.absmax": (torch.empty(rows, _per_row(mo.shape, block_size), device="meta"),
+                                     part(mo.key, "absmax")),
+                f"{mo.key}.qmap": (torch.empty(256, device="meta"), part(mo.key, "qmap"))}
+    return out
 
 
 def _per_row(shape: tuple, block_size: int) -> int:
@@ -274,8 +301,8 @@ def convert(src: str, dst: str, *, block_size: int = 256, min_size: int = plan.D
         raise InputError(f"{src}: no fp32 Adam moment (…state.<fqn>.exp_avg / exp_avg_sq) with {min_size} elements "
                          f"or more and rows of whole {block_size}-blocks; nothing to store 8-bit")
     state, producers = _exact_entries(src, p, _mine(list(p.exact)))
-    for mo in _mine(p.moments):
-        for key, value in _quantized_parts(src, mo, block_size).items():
+    for _, ms in _mine(list(_by_param(p.moments).items())):
+        for key, value in _quantized_parts(src, ms, block_size).items():
             state[key], producers[key] = value if isinstance(value, tuple) else (value, None)
     write_folder(dst, state, {k: f for k, f in producers.items() if f}, force)
     leave_torchrun()

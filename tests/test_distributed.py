@@ -282,3 +282,53 @@ def test_bf16_moments_keep_their_dtype_through_convert_and_expand(tmp_path):
     got = back["optimizer.state.w.exp_avg_sq"]
     assert got.dtype == torch.bfloat16
     assert float((got.float() - v.float()).abs().max()) <= 0.02 * float(v.float().abs().max())
+
+
+def _folder_tensors(path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(path), str(path) + ".pt")
+    return torch.load(str(path) + ".pt", weights_only=False)
+
+
+def test_convert_keeps_damaging_moments_exact_and_torchrun_gives_the_same_folder(tmp_path):
+    """Moments 8 bits would damage (NaN, a negative second moment) stay fp32 with their parameter's other
+    moment, with a warning; under torchrun the ranks check and convert their own parameters and the
+    folder holds the same values as one process's."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(0)
+    state, groups = {}, [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "params": []}]
+    for i in range(5):
+        m, v = torch.randn(16, 256, generator=g) * 1e-3, torch.rand(16, 256, generator=g) * 1e-6
+        if i == 1:
+            v[3, 7] = float("nan")
+        if i == 3:
+            v[0, 0] = -1e-9
+        state[f"w{i}"] = {"step": torch.tensor(4.0), "exp_avg": m, "exp_avg_sq": v}
+        groups[0]["params"].append(f"w{i}")
+    dcp.save({"optimizer": {"state": state, "param_groups": groups}}, checkpoint_id=tmp_path / "src", no_dist=True)
+    r = _cli("convert", tmp_path / "src", "-o", tmp_path / "one", "--json")
+    report = json.loads(r.output[r.output.index("{"):])
+    assert report["quantized"] == 6 and len(report["warnings"]) == 2, report
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ckptq",
+           "convert", str(tmp_path / "src"), "-o", str(tmp_path / "two")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    one, two = _folder_tensors(tmp_path / "one"), _folder_tensors(tmp_path / "two")
+    key = "optimizer.state.{}.{}".format  # the folder holds DCP's flattened keys
+    assert torch.equal(one[key("w1", "exp_avg")], state["w1"]["exp_avg"]) and torch.isnan(one[key("w1", "exp_avg_sq")]).any()
+    assert torch.equal(one[key("w3", "exp_avg_sq")], state["w3"]["exp_avg_sq"])
+    assert one[key("w0", "exp_avg") + ".codes"].dtype == torch.uint8 and key("w0", "exp_avg") not in one
+    assert _same(one, two)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b) if not a.is_floating_point() else \
+            torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
+    return a == b
