@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import warnings
 from dataclasses import dataclass, field
 
@@ -234,9 +235,22 @@ def _mine(keys: list) -> list:
     return keys[dist.get_rank()::dist.get_world_size()]
 
 
-def write_folder(dst: str, state: dict, producers: dict, force: bool) -> None:
+def _copy_companions(src: str, dst: str) -> None:
+    """Files beside the DCP data that the framework reads too (Lightning's ``meta.pt``), copied as they are."""
+    for name in os.listdir(src):
+        path = os.path.join(src, name)
+        if name == ".metadata" or name.endswith(".distcp") or os.path.islink(path):
+            continue
+        if os.path.isdir(path):
+            shutil.copytree(path, os.path.join(dst, name), symlinks=True)
+        elif os.path.isfile(path):
+            shutil.copy2(path, os.path.join(dst, name))
+
+
+def write_folder(dst: str, state: dict, producers: dict, force: bool, src: str | None = None) -> None:
     """``dcp.save`` of ``state`` (meta tensors produced lazily) into ``dst``, all or nothing: a temp folder
-    beside it, renamed into place (by rank 0 under torchrun, after every rank wrote)."""
+    beside it, renamed into place (by rank 0 under torchrun, after every rank wrote). The other files of
+    ``src`` (e.g. Lightning's ``meta.pt``) come along."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     distributed = dist.is_initialized()
@@ -246,6 +260,8 @@ def write_folder(dst: str, state: dict, producers: dict, force: bool) -> None:
     if not distributed or dist.get_rank() == 0:
         _remove(tmp)
         os.makedirs(tmp)
+        if src:
+            _copy_companions(src, tmp)
     if distributed:
         dist.barrier()
     writer = FileSystemWriter(tmp, single_file_per_rank=True, thread_count=1, sync_files=True)
@@ -268,8 +284,6 @@ def write_folder(dst: str, state: dict, producers: dict, force: bool) -> None:
 
 
 def _remove(path: str) -> None:
-    import shutil
-
     if os.path.isdir(path):
         shutil.rmtree(path)
     elif os.path.exists(path):
@@ -304,7 +318,7 @@ def convert(src: str, dst: str, *, block_size: int = 256, min_size: int = plan.D
     for _, ms in _mine(list(_by_param(p.moments).items())):
         for key, value in _quantized_parts(src, ms, block_size).items():
             state[key], producers[key] = value if isinstance(value, tuple) else (value, None)
-    write_folder(dst, state, {k: f for k, f in producers.items() if f}, force)
+    write_folder(dst, state, {k: f for k, f in producers.items() if f}, force, src)
     leave_torchrun()
     return {"source": src, "output": dst, "quantized": len(p.moments), "exact": len(p.exact),
             "warnings": p.warnings, "source_bytes": _folder_bytes(src),
@@ -360,7 +374,7 @@ def expand(src: str, dst: str, *, force: bool = False) -> dict:
             raise InputError(f"{src}: quantized state {key} names dtype {p.scalars.get(f'{key}.dtype')!r}; it is damaged")
         state[key] = torch.empty(shape, dtype=dtype, device="meta")
         producers[key] = _decoder(src, key, p.scalars, meta)
-    write_folder(dst, state, producers, force)
+    write_folder(dst, state, producers, force, src)
     leave_torchrun()
     return {"source": src, "output": dst, "expanded": len(qkeys), "output_bytes": _folder_bytes(dst)
             if os.path.isdir(dst) else 0}

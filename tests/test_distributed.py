@@ -275,8 +275,11 @@ def test_bf16_moments_keep_their_dtype_through_convert_and_expand(tmp_path):
     groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "params": ["w"]}]
     sd = {"optimizer": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": m, "exp_avg_sq": v}}, "param_groups": groups}}
     dcp.save(sd, checkpoint_id=tmp_path / "bf16", no_dist=True)
+    (tmp_path / "bf16" / "meta.pt").write_bytes(b"Lightning keeps its loop state here")  # a companion file
     assert _cli("convert", tmp_path / "bf16").exit_code == 0
     assert _cli("expand", tmp_path / "bf16.q8", "-o", tmp_path / "back").exit_code == 0
+    for out in ("bf16.q8", "back"):
+        assert (tmp_path / out / "meta.pt").read_bytes() == b"Lightning keeps its loop state here"
     back = {"optimizer.state.w.exp_avg_sq": torch.empty(64, 256, dtype=torch.bfloat16)}
     dcp.load(back, checkpoint_id=tmp_path / "back", no_dist=True)
     got = back["optimizer.state.w.exp_avg_sq"]

@@ -59,12 +59,12 @@ def _rss_anon(pid: int) -> int:
         return 0
 
 
-def timed(cmd: list[str]) -> tuple[float, float]:
+def timed(cmd: list[str], pythonpath: str | None = None) -> tuple[float, float]:
     """Wall seconds and the peak RssAnon (MB) of the largest process in the command's tree (torchrun's
     workers included; anonymous memory only: pages of files read through mmap are the page cache's)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **({"PYTHONPATH": pythonpath} if pythonpath else {})})
     peak = 0
 
     def sample() -> None:
@@ -92,6 +92,9 @@ def main() -> None:
     ap.add_argument("--procs", default="1,2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/ckptq_bench_dcp")
+    ap.add_argument("--baseline", help="another ckptq checkout (e.g. a git worktree of an older commit) whose "
+                                       "convert runs interleaved with this one's: before/after in one run (through "
+                                       "PYTHONPATH; ckptq.kernels still comes from the installed package)")
     a = ap.parse_args()
     src = os.path.join(a.dir, "src")
     if not os.path.isdir(src):
@@ -103,13 +106,17 @@ def main() -> None:
         ckptq = [sys.executable, "-m", "ckptq", "convert", src, "-o", out, "-f"]
         steps[f"convert, {n} process{'es' if n > 1 else ''}"] = ckptq if n == 1 else \
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *ckptq[1:]]
+    paths = {name: None for name in steps}
+    if a.baseline:
+        for name in [n for n in steps if n.startswith("convert")]:
+            steps[f"baseline {name}"], paths[f"baseline {name}"] = steps[name], os.path.abspath(a.baseline)
     times: dict = {k: [] for k in steps}
     peaks: dict = {}
     sizes: dict = {}
     for _ in range(a.rounds):
         for name, cmd in steps.items():  # interleaved: load from elsewhere hits every step alike
             shutil.rmtree(out, ignore_errors=True)
-            seconds, peak = timed(cmd)
+            seconds, peak = timed(cmd, paths[name])
             times[name].append(seconds)
             peaks[name] = peak
             sizes[name] = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
