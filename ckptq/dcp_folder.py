@@ -156,10 +156,11 @@ def _check(path: str, p: Plan, min_size: int) -> None:
 
 
 class _LazyWriter(DefaultSavePlanner):
-    """Writes tensors that are produced when the writer reaches them (``producers[key]()``), each through
-    a buffer reused for every tensor of its dtype and shape: DCP's writer keeps a reference to every
-    tensor it wrote to a file until the file is closed, so fresh tensors would pile up to the size of
-    the output; reused buffers bound memory by the distinct shapes instead."""
+    """Writes tensors that are produced when the writer reaches them (``producers[key](buffer)``), each
+    through a buffer reused for every tensor of its dtype and shape: DCP's writer keeps a reference to every
+    tensor it wrote to a file until the file is closed, so fresh tensors would pile up to the size of the
+    output; reused buffers bound memory by the distinct shapes instead. A producer may fill the buffer it is
+    given (exact tensors are read straight into it) or return another tensor, which is copied in."""
 
     def __init__(self, producers: dict):
         super().__init__()
@@ -170,11 +171,13 @@ class _LazyWriter(DefaultSavePlanner):
         produce = self.producers.get(write_item.index.fqn)
         if produce is None:
             return super().resolve_data(write_item)
-        t = produce()
-        buf = self.buffers.get((t.dtype, tuple(t.shape)))
+        meta = write_item.tensor_data
+        key = (meta.properties.dtype, tuple(meta.size))
+        buf = self.buffers.get(key)
         if buf is None:
-            buf = self.buffers[(t.dtype, tuple(t.shape))] = torch.empty(t.shape, dtype=t.dtype)
-        return buf.copy_(t)
+            buf = self.buffers[key] = torch.empty(key[1], dtype=key[0])
+        t = produce(buf)
+        return buf if t is buf else buf.copy_(t)
 
 
 def _quantized_parts(src: str, ms: list[_Moment], block_size: int) -> dict:
@@ -194,7 +197,7 @@ def _quantized_parts(src: str, ms: list[_Moment], block_size: int) -> dict:
         return cache
 
     def part(key: str, name: str):
-        return lambda: quantize()[key].pop(name)
+        return lambda _buffer: quantize()[key].pop(name)
 
     out: dict = {}
     for mo in ms:
@@ -222,7 +225,7 @@ def _exact_entries(src: str, p: Plan, keys) -> tuple[dict, dict]:
         m = p.exact[key]
         if isinstance(m, TensorStorageMetadata):
             state[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device="meta")
-            producers[key] = (lambda k=key, mm=m: _read(src, {k: _empty(mm)})[k])
+            producers[key] = (lambda out, k=key: _read(src, {k: out})[k])  # read into the writer's buffer
         else:
             state[key] = p.scalars[key] if key in p.scalars else _read(src, {key: None})[key]
     return state, producers
@@ -347,7 +350,7 @@ def _qstate_at(src: str, key: str, scalars: dict, meta: dict) -> dict:
 
 
 def _decoder(src: str, key: str, scalars: dict, meta: dict):
-    def produce() -> torch.Tensor:
+    def produce(_buffer) -> torch.Tensor:
         q = _qstate_at(src, key, scalars, meta)
         divisor = None
         if q["transform"] == qstate.RATIO_TRANSFORM:
