@@ -125,10 +125,15 @@ def check_world(parts: list[Partition], sizes: dict) -> int:
                          f"({', '.join(f'{os.path.basename(p)}: {n}' for p, n in sizes.items())}); "
                          "the folder mixes checkpoints")
     world = found.pop()
-    ranks = sum(1 for p in parts if p.mp_rank == parts[0].mp_rank)
-    if len(parts) > 1 and ranks != world:
-        raise InputError(f"{parts[0].folder}: {ranks} rank files per model-parallel rank, but they were "
-                         f"written by {world} ranks (partition_count); a rank's file is missing or extra")
+    ranks = {p.rank for p in parts if p.mp_rank == parts[0].mp_rank}
+    missing = sorted(set(range(world)) - ranks)
+    if missing:
+        raise InputError(f"{parts[0].folder}: the optimizer file of rank {missing[0]} (mp rank {parts[0].mp_rank:02d}) "
+                         f"is missing: the checkpoint was written by {world} ranks (partition_count), found "
+                         f"{sorted(ranks)}; a ZeRO checkpoint needs every rank's partition")
+    if len(ranks) != world:
+        raise InputError(f"{parts[0].folder}: {len(ranks)} rank files per model-parallel rank, but they were "
+                         f"written by {world} ranks (partition_count); the folder mixes checkpoints")
     return world
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import copyreg
+import functools
 import pickle
 from typing import Any
 
@@ -54,7 +55,9 @@ class _Standin:
         return f"<{self._ckptq_global} {self._args or ''}{'' if self._state is _NOT_BUILT else self._state}>"
 
 
+@functools.cache
 def _standin(name: str) -> type:
+    """One stand-in class per DeepSpeed global name."""
     return type(name.rpartition(".")[2], (_Standin,), {"_ckptq_global": name})
 
 

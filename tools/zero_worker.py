@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -53,6 +55,19 @@ def engine_for(args: argparse.Namespace):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     return engine
+
+
+def launch(*args: str, nproc: int = 2, timeout: int = 600) -> None:
+    """Run this worker under torchrun (``--standalone``, ``nproc`` CPU processes); RuntimeError with the
+    tail of its output if it fails. The worker imports ckptq from this checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.abspath(__file__), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(cmd[3:])} failed:\n{(r.stdout + r.stderr)[-3000:]}")
 
 
 def main() -> None:
