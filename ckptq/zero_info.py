@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from . import format, ops, zero, zero_pickle
+from . import ops, zero_pickle, zero_ranks, zero_universal
+from .zero_plan import INFO_KEY, converted_meta, planned_bytes
 from .errors import InputError, UsageError
 
 
@@ -24,31 +25,33 @@ def _param_count(folder: str, mp_rank: int) -> int | None:
     return None
 
 
-def _rank_row(p: zero.Partition, block_size: int, min_size: int) -> dict:
+def _rank_row(p: zero_ranks.Partition, block_size: int, min_size: int) -> dict:
     row = {"rank": p.rank, "mp_rank": p.mp_rank, "fp32_file": None, "fp32_bytes": 0, "q8_file": None, "q8_bytes": 0}
     if os.path.isfile(p.pt):
-        obj = zero.load_partition(p.pt)
-        planned = zero.plan_partition(p, obj, block_size, min_size)
+        obj = zero_ranks.load_partition(p.pt)
+        planned = zero_ranks.plan_partition(p, obj, block_size, min_size)
         row |= {"fp32_file": os.path.basename(p.pt), "fp32_bytes": os.path.getsize(p.pt),
-                "convert_would_write": format.planned_bytes(planned.skeleton, planned.stored, planned.meta),
+                "convert_would_write": planned_bytes(planned),
                 "would_quantize": planned.quantized, "warnings": planned.warnings}
-        row |= planned.meta["deepspeed_zero"]
+        row |= planned.meta[INFO_KEY]
     if os.path.isfile(p.q8):
-        meta = zero.converted_meta(p.q8)
+        meta = converted_meta(p.q8)
         row |= {"q8_file": os.path.basename(p.q8), "q8_bytes": os.path.getsize(p.q8)}
-        row |= {k: v for k, v in meta["deepspeed_zero"].items() if k not in row or row["fp32_file"] is None}
+        row |= {k: v for k, v in meta[INFO_KEY].items() if k not in row or row["fp32_file"] is None}
     return row
 
 
 def info(path: str, *, min_size: int, block_size: int) -> dict:
-    """A JSON-able description of a ZeRO save dir, ``global_stepN`` folder or rank file."""
+    """A JSON-able description of a ZeRO save dir, ``global_stepN`` folder, rank file or universal folder."""
     ops.check_block_size(block_size)
     if min_size < 1:
         raise UsageError(f"min size {min_size} must be at least 1")
-    parts = zero.partitions(path)
+    if zero_universal.is_universal(path):
+        return zero_universal.info(path, block_size=block_size, min_size=min_size)
+    parts = zero_ranks.partitions(path)
     rows = [_rank_row(p, block_size, min_size) for p in parts]
     if os.path.isdir(path):
-        zero.check_world(parts, {os.path.join(p.folder, p.stem): r.get("world_size") for p, r in zip(parts, rows)})
+        zero_ranks.check_world(parts, {os.path.join(p.folder, p.stem): r.get("world_size") for p, r in zip(parts, rows)})
     fp32 = [r for r in rows if r["fp32_file"]]
     would = sum(r["convert_would_write"] for r in fp32)
     stages = {r.get("stage") for r in rows}

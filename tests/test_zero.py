@@ -216,7 +216,7 @@ def test_outputs_need_force_and_stay_beside_the_partitions(tmp_path):
         ckptq.convert(str(save), str(tmp_path / "elsewhere"), min_size=MIN)
     with pytest.raises(OutputExistsError):
         ckptq.expand(str(save))  # the fp32 files are still there
-    with pytest.raises(UsageError, match="expanded in place"):
+    with pytest.raises(UsageError, match="expanded beside its partition files"):
         ckptq.expand(str(save), str(tmp_path / "elsewhere"))
     with pytest.raises(InputError, match="no Adam moment to store 8-bit"):
         ckptq.convert(str(save), force=True)  # 964 elements per rank: below the default min size
@@ -243,6 +243,38 @@ def test_cli_info_convert_expand(tmp_path):
     assert r["fp32_bytes"] == 0 and r["q8_bytes"] > 0 and r["convert_would_write"] is None
     res = run(main, ["expand", str(save)], catch_exceptions=False)
     assert res.exit_code == 0 and len(rank_files(save)) == 2
+
+
+def test_universal_folder_converts_per_parameter_and_expands_back(tmp_path):
+    save = copy("zero2", tmp_path)
+    uni = save / "global_step3_universal"
+    moment_files = sorted(uni.glob("zero/*/exp_avg*.pt"))
+    originals = {p: torch.load(p, weights_only=True) for p in moment_files}
+    untouched = {p: digest(p) for p in sorted(uni.glob("zero/*/fp32.pt")) + sorted(uni.glob("zero/*/step.pt"))}
+    before = info(str(uni), min_size=16)
+    assert (before["kind"], before["parameters"], before["params"]) == ("zero_universal", 8, 1928)
+    assert before["moment_bytes"] == sum(t["param"].numel() * 4 for t in originals.values())
+    report = ckptq.convert(str(uni), min_size=16)
+    assert report.output_bytes == before["convert_would_write"] and len(report.outputs) == 8
+    assert report.quantized == 14 and report.kept_small == 2  # 5.bias has 8 elements
+    for p in moment_files:
+        os.unlink(p)
+    res = CliRunner().invoke(main, ["info", str(uni)], catch_exceptions=False)
+    assert res.exit_code == 0 and "DeepSpeed universal checkpoint, 8 parameter tensors" in res.output
+    ckptq.expand(str(uni))
+    for p, o in originals.items():
+        r = torch.load(p, weights_only=True)
+        assert list(r) == list(o) and r["cat_dim"] == o["cat_dim"] and r["param"].shape == o["param"].shape
+        err = float((r["param"] - o["param"]).abs().max() / o["param"].abs().max())
+        assert err < 0.02 and (err > 0) == (o["param"].numel() >= 16), (p, err)
+    state = {n: torch.load(uni / "zero" / "2.weight" / f"{n}.pt", weights_only=True)["param"] for n in MOMENTS}
+    assert update_error({n: originals[uni / "zero" / "2.weight" / f"{n}.pt"]["param"] for n in MOMENTS}, state) < 0.02
+    assert {p: digest(p) for p in untouched} == untouched
+    os.unlink(uni / "zero" / "2.weight" / "exp_avg_sq.pt")  # a parameter whose second moment is lost
+    converted = {p: digest(p) for p in uni.glob("zero/*/moments.q8.safetensors")}
+    res = CliRunner().invoke(main, ["convert", str(uni), "--force"], catch_exceptions=False)
+    assert res.exit_code == 3 and "holds exp_avg.pt but not exp_avg_sq.pt" in res.output
+    assert {p: digest(p) for p in uni.glob("zero/*/moments.q8.safetensors")} == converted
 
 
 # ---- end to end with real DeepSpeed (CPU, 2 processes over gloo) ----
