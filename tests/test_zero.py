@@ -280,28 +280,44 @@ def test_universal_folder_converts_per_parameter_and_expands_back(tmp_path):
 # ---- end to end with real DeepSpeed (CPU, 2 processes over gloo) ----
 
 def test_deepspeed_resumes_from_expanded_files_with_the_losses_of_an_uninterrupted_run(tmp_path):
+    """ZeRO 1, 2, 3 and a universal checkpoint of stage 2: 8 steps uninterrupted, saved after 4; the
+    optimizer files converted, the fp32 ones deleted, expanded back, and DeepSpeed resumes from them."""
     pytest.importorskip("deepspeed")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    from make_zero_fixtures import universal
     from zero_worker import launch
 
     t0 = time.perf_counter()
     for stage in (1, 2, 3):
-        save, full, resumed = tmp_path / f"s{stage}", tmp_path / f"full{stage}.json", tmp_path / f"res{stage}.json"
+        save, full = tmp_path / f"s{stage}", tmp_path / f"full{stage}.json"
         launch("--stage", str(stage), "--steps", "8", "--save-at", "4", "--save-dir", str(save), "--losses", str(full))
         masters = {p.name: zero_pickle.load(str(p)) for p in rank_files_at(save)}
+        if stage == 2:
+            universal(str(save / "global_step4"), str(save / "global_step4_universal"))
         ckptq.convert(str(save), min_size=MIN)
         for p in rank_files_at(save):
             os.unlink(p)
         ckptq.expand(str(save))
         for p in rank_files_at(save):
             assert len(compare(masters[p.name], zero_pickle.load(str(p)))) == 2  # fp32 master weights exact
-        launch("--stage", str(stage), "--steps", "8", "--load-dir", str(save), "--losses", str(resumed))
-        a, b = json.loads(full.read_text()), json.loads(resumed.read_text())
-        assert list(b) == ["4", "5", "6", "7"]
-        assert b["4"] == a["4"]  # the first resumed step's loss depends only on the exact weights
-        for k in b:
-            assert abs(b[k] - a[k]) <= 1e-3 * abs(a[k]), (stage, k, a[k], b[k])
-    print(f"end to end, 3 stages: {time.perf_counter() - t0:.0f} s")
+        resume_and_compare(launch, save, stage, full, tmp_path / f"res{stage}.json")
+        if stage == 2:
+            uni = save / "global_step4_universal"
+            ckptq.convert(str(uni), min_size=MIN)
+            for p in uni.glob("zero/*/exp_avg*.pt"):
+                os.unlink(p)
+            ckptq.expand(str(uni))
+            resume_and_compare(launch, save, stage, full, tmp_path / "res-universal.json", "--universal")
+    print(f"end to end, 3 stages + universal: {time.perf_counter() - t0:.0f} s")
+
+
+def resume_and_compare(launch, save, stage, full, resumed, *extra):
+    launch("--stage", str(stage), "--steps", "8", "--load-dir", str(save), "--losses", str(resumed), *extra)
+    a, b = json.loads(full.read_text()), json.loads(resumed.read_text())
+    assert list(b) == ["4", "5", "6", "7"]
+    assert b["4"] == a["4"]  # the first resumed step's loss depends only on the exact weights
+    for k in b:
+        assert abs(b[k] - a[k]) <= 1e-3 * abs(a[k]), (stage, extra, k, a[k], b[k])
 
 
 def rank_files_at(save):

@@ -51,6 +51,8 @@ def engine_for(args: argparse.Namespace):
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
     if args.bf16:
         config["bf16"] = {"enabled": True}
+    if args.universal:  # resume from the save dir's latest_universal (ds_to_universal output)
+        config["checkpoint"] = {"load_universal": True}
     # A client torch AdamW: DeepSpeed's own (FusedAdam / CPUAdam) would compile a C++ op first (~4 min).
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
@@ -81,6 +83,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--universal", action="store_true", help="with --load-dir: load its universal checkpoint")
     args = ap.parse_args()
     torch.set_num_threads(1)
     engine = engine_for(args)
