@@ -115,14 +115,13 @@ def from_plain(obj: Any) -> Any:
 
 
 def _map(obj: Any, fn) -> Any:
-    if isinstance(obj, dict):
-        out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
+    """``fn`` applied to the items of a plain container (subclasses such as ``torch.Size`` stay as they are)."""
+    if type(obj) in (dict, collections.OrderedDict):
+        out = type(obj)()
         out.update((k, fn(v)) for k, v in obj.items())
         return out
-    if isinstance(obj, list):
-        return [fn(v) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(fn(v) for v in obj)
+    if type(obj) in (list, tuple):
+        return type(obj)(fn(v) for v in obj)
     return obj
 
 

@@ -117,8 +117,8 @@ def load_partition(path: str) -> dict:
 
 
 def check_world(parts: list[Partition], sizes: dict) -> int:
-    """The common world size of the partitions ({path: world size}); InputError when they disagree with
-    each other or with the number of rank files."""
+    """The common world size ({path: world size} of the files read) of a folder's partitions (every rank's,
+    fp32 or 8-bit); InputError when the sizes disagree with each other or with the ranks present."""
     found = set(sizes.values())
     if len(found) > 1:
         raise InputError(f"{parts[0].folder}: the rank files were written at different world sizes "
@@ -145,13 +145,14 @@ def plan_partition(part: Partition, obj: dict, block_size: int, min_size: int) -
 
 
 def _fp32_parts(src: str) -> tuple[list[Partition], list[dict]]:
-    parts = [p for p in partitions(src) if os.path.isfile(p.pt)]
+    every = partitions(src)
+    parts = [p for p in every if os.path.isfile(p.pt)]
     if not parts:
         raise InputError(f"{src}: no fp32 ZeRO optimizer files (*_optim_states.pt) to convert; "
                          "its partitions are 8-bit already (`ckptq expand` restores the .pt files)")
     objs = [load_partition(p.pt) for p in parts]
     if os.path.isdir(src):
-        check_world(parts, {p.pt: world_size_of(o["optimizer_state_dict"]) for p, o in zip(parts, objs)})
+        check_world(every, {p.pt: world_size_of(o["optimizer_state_dict"]) for p, o in zip(parts, objs)})
     return parts, objs
 
 
@@ -173,12 +174,13 @@ def expand(src: str, *, force: bool = False, verify: bool = True, progress=None)
     """Write each rank's ``.pt`` back from its ``.q8.safetensors`` (all or none), where DeepSpeed reads it.
     Returns the fields of ``pipeline.ExpandReport``."""
     t0 = time.perf_counter()
-    parts = [p for p in partitions(src) if os.path.isfile(p.q8)]
+    every = partitions(src)
+    parts = [p for p in every if os.path.isfile(p.q8)]
     if not parts:
         raise InputError(f"{src}: no converted ZeRO optimizer files (*_optim_states.q8.safetensors) to expand")
     metas = [converted_meta(p.q8) for p in parts]
     if os.path.isdir(src):
-        check_world(parts, {p.q8: m[INFO_KEY].get("world_size") for p, m in zip(parts, metas)})
+        check_world(every, {p.q8: m[INFO_KEY].get("world_size") for p, m in zip(parts, metas)})
     with files.atomic_outputs([p.pt for p in parts], force) as tmps:
         for p, tmp in zip(parts, tmps):
             conv = format.Converted(p.q8, verify)

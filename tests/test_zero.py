@@ -123,13 +123,18 @@ def test_convert_then_expand_restores_every_byte_but_the_moments(name, tmp_path)
 
 def test_a_single_rank_file_converts_alone_and_expands_back(tmp_path):
     save = copy("zero3", tmp_path)
-    rank1 = rank_files(save)[1]
+    rank0, rank1 = rank_files(save)
     report = ckptq.convert(str(rank1), min_size=MIN)
     assert report.outputs == [str(rank1)[: -len(".pt")] + ".q8.safetensors"]
-    assert not os.path.exists(str(rank_files(save)[0])[: -len(".pt")] + ".q8.safetensors")
+    assert not os.path.exists(str(rank0)[: -len(".pt")] + ".q8.safetensors")
     with pytest.raises(OutputExistsError):
         ckptq.expand(report.outputs[0])  # the .pt is still there
-    ckptq.expand(report.outputs[0], force=True)
+    os.unlink(rank1)
+    os.rename(rank0, tmp_path / rank0.name)
+    with pytest.raises(InputError, match=r"the optimizer file of rank 0 \(mp rank 00\) is missing"):
+        ckptq.expand(str(save))
+    os.rename(tmp_path / rank0.name, rank0)
+    ckptq.expand(str(save))  # rank 0 in fp32, rank 1 8-bit: the folder is whole
     assert len(compare(zero_pickle.load(os.path.join(FIXTURES, "zero3", "global_step3", rank1.name)),
                        zero_pickle.load(str(rank1)))) == 2
 
