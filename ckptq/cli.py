@@ -181,9 +181,36 @@ def _format_dcp_info(r: dict) -> str:
                       f"  convert would store {r['convert_would_quantize']} of them 8-bit"])
 
 
+def _format_universal_info(r: dict) -> str:
+    lines = [f"{r['path']}  (DeepSpeed universal checkpoint, {r['parameters']} parameter tensors, {r['params']:,} parameters)",
+             f"  Adam moments: {_mb(r['moment_bytes'])} fp32; moment files: {_mb(r['fp32_bytes'])} fp32, "
+             f"{_mb(r['q8_bytes'])} 8-bit"]
+    if r["convert_would_write"] is not None:
+        lines.append(f"  convert would write {_mb(r['convert_would_write'])} (saving {_mb(r['convert_would_save'])})")
+    return "\n".join(lines + [f"  warning: {w}" for w in r["warnings"]])
+
+
+def _format_zero_info(r: dict) -> str:
+    if r["kind"] == "zero_universal":
+        return _format_universal_info(r)
+    lines = [f"{r['path']}  (DeepSpeed ZeRO stage {r['stage']} checkpoint, {r['folder']})",
+             f"  world size {r['world_size']}" + (f" x {r['mp_world_size']} model-parallel" if r["mp_world_size"] > 1 else "")
+             + f", {r['params']:,} parameters" * (r["params"] is not None) + (", bf16" if r["bf16"] else ""),
+             f"  Adam moments: {_mb(r['moment_bytes'])} fp32; optimizer files: {_mb(r['fp32_bytes'])} fp32, "
+             f"{_mb(r['q8_bytes'])} 8-bit"]
+    if r["convert_would_write"] is not None:
+        lines.append(f"  convert would write {_mb(r['convert_would_write'])} (saving {_mb(r['convert_would_save'])})")
+    for row in r["ranks"]:
+        files = ", ".join(f"{row[k]} {_mb(row[b])}" for k, b in (("fp32_file", "fp32_bytes"), ("q8_file", "q8_bytes")) if row[k])
+        lines.append(f"  rank {row['rank']}: {files}")
+    return "\n".join(lines + [f"  warning: {w}" for w in r["warnings"]])
+
+
 def _format_info(r: dict) -> str:
     if r["kind"] == "dcp":
         return _format_dcp_info(r)
+    if r["kind"].startswith("zero"):
+        return _format_zero_info(r)
     lines = [f"{r['path']}  ({'converted by ' + r['options'].get('created_by', 'ckptq') if r['kind'] == 'converted' else 'torch checkpoint'})",
              f"  size: {_mb(r['bytes'])}"]
     if r["kind"] == "torch":

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, foreign, format, ops, pipeline, qstate, tree
+from . import checkpoint, foreign, format, ops, pipeline, qstate, tree, zero, zero_info
 from .errors import UsageError
 
 
@@ -20,6 +20,8 @@ def info(path: str, *, key: str | None = None, min_size: int = pipeline.DEFAULT_
          block_size: int = ops.DEFAULT_BLOCK_SIZE, trust: bool = False) -> dict:
     """A JSON-able report. For a converted file: roles, sizes, savings, options used. For a torch
     checkpoint: its optimizers and what ``convert`` with these options would store."""
+    if zero.is_zero_checkpoint(path):
+        return zero_info.info(path, min_size=min_size, block_size=block_size)
     if checkpoint.is_dcp_folder(path):
         from . import dcp_folder
 

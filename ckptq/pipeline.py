@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import __version__, checkpoint, foreign, format, ops, plan, qstate, torch_stream, tree
+from . import __version__, checkpoint, foreign, format, ops, plan, qstate, torch_stream, tree, zero
 from .errors import InputError, UsageError
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -123,6 +123,8 @@ def convert(
     ops.check_block_size(block_size)
     if min_size < 1:
         raise UsageError(f"min size {min_size} must be at least 1")
+    if zero.is_zero_checkpoint(src):
+        return ConvertReport(**zero.convert(src, dst, block_size=block_size, min_size=min_size, force=force, progress=progress))
     if checkpoint.is_dcp_folder(src):
         return _convert_dcp(src, dst, block_size, min_size, force, t0)
     if os.path.isdir(src):
@@ -237,6 +239,8 @@ def expand(src: str, dst: str | None = None, *, force: bool = False, verify: boo
            progress: Progress | None = None) -> ExpandReport:
     """Converted file -> ordinary torch.save checkpoint with fp32 (original dtype) states."""
     t0 = time.perf_counter()
+    if zero.is_zero_checkpoint(src):
+        return ExpandReport(**zero.expand(src, dst, force=force, verify=verify, progress=progress))
     dst = dst or default_expanded(src)
     if checkpoint.is_torch_file(src):
         return _expand_torch(src, dst, force, trust, progress, t0)

@@ -71,12 +71,14 @@ def contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def save(obj: Any, path: str, progress: Callable[[int, int], None] | None = None) -> None:
-    """Write ``obj`` (which may hold LazyTensors as well as real tensors) as a torch.save file."""
+def save(obj: Any, path: str, progress: Callable[[int, int], None] | None = None, *,
+         pickler: type = pickle.Pickler) -> None:
+    """Write ``obj`` (which may hold LazyTensors as well as real tensors) as a torch.save file.
+    ``pickler``: a ``pickle.Pickler`` class to derive from (``ckptq.zero_pickle`` writes DeepSpeed's objects)."""
     records: dict[str, Any] = {}  # key -> LazyStorage | UntypedStorage, in first-seen order
     keys: dict[int, str] = {}
 
-    class Pickler(pickle.Pickler):
+    class Pickler(pickler):
         def persistent_id(self, o):
             if isinstance(o, LazyStorage):
                 key = keys.setdefault(id(o), str(len(keys)))
