@@ -43,7 +43,9 @@ def make_trainer(out: str, optimizer: str, trainer=CkptqTrainer) -> transformers
         output_dir=out, max_steps=STEPS, save_steps=SAVE, logging_steps=1, per_device_train_batch_size=8,
         learning_rate=3e-3, warmup_steps=2, weight_decay=0.1, lr_scheduler_type="linear", report_to="none",
         use_cpu=True, seed=0, disable_tqdm=True)
-    custom = (AdamW8bit, {}) if optimizer == "AdamW8bit" else None  # Trainer builds its param groups with it
+    # Trainer's own AdamW arguments (lr, betas, eps, fused) and param groups, with ckptq's 8-bit class
+    adamw_args = transformers.Trainer.get_optimizer_cls_and_kwargs(args)[1]
+    custom = (AdamW8bit, adamw_args) if optimizer == "AdamW8bit" else None
     return trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=Tokens(),
                    optimizer_cls_and_kwargs=custom)
 
