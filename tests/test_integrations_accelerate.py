@@ -12,6 +12,7 @@ import torch
 accelerate = pytest.importorskip("accelerate")
 
 import ckptq  # noqa: E402
+from ckptq.info import info  # noqa: E402
 from ckptq.integrations.accelerate import store_8bit  # noqa: E402
 from ckptq.optim import AdamW8bit  # noqa: E402
 from ckptq.qstate import count_qstates  # noqa: E402
@@ -56,6 +57,7 @@ def test_accelerate_save_state_stores_8bit_and_resumes(tmp_path, optimizer):
     before, lrs = run(optimizer, save=str(tmp_path / "ckpt"))
     stored = tmp_path / "ckpt" / "optimizer.bin"
     assert count_qstates(ckptq.load(str(stored))) == 4  # both Linear weights' exp_avg and exp_avg_sq
+    assert info(str(stored))["already_8bit"] == 4  # what `ckptq info` reports
     expanded = ckptq.expand(str(stored), str(tmp_path / "fp32.pt")).output  # torch AdamW's fp32 state
     assert os.path.getsize(stored) < os.path.getsize(expanded) / 3
 
