@@ -89,3 +89,9 @@ def test_trainer_checkpoints_hold_8bit_state_and_resume(tmp_path, optimizer):
         stock = make_trainer(str(tmp_path / "c"), optimizer, trainer=transformers.Trainer)
         stock.train(resume_from_checkpoint=str(ckpt))
         check_continues(first, stock, exact=False)
+        # and a stock Trainer's checkpoint (optimizer.pt) resumes under CkptqTrainer, whose next ones are 8-bit
+        switched = make_trainer(str(tmp_path / "d"), optimizer)
+        switched.train(resume_from_checkpoint=str(ckpt))
+        check_continues(first, switched, exact=False)
+        last = tmp_path / "d" / f"checkpoint-{STEPS}"
+        assert (last / OPTIMIZER_8BIT_NAME).is_file() and not (last / "optimizer.pt").exists()

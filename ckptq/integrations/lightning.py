@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+try:
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+except ImportError as e:
+    raise ImportError(f"ckptq.integrations.lightning needs Lightning ({e}); pip install lightning") from e
 
 from .. import pipeline, qstate
 from . import _state

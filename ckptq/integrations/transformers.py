@@ -22,9 +22,13 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import Trainer
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
-from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+
+try:
+    from transformers import Trainer
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+    from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+except ImportError as e:
+    raise ImportError(f"ckptq.integrations.transformers needs transformers ({e}); pip install transformers") from e
 
 from .. import pipeline
 from . import _state
