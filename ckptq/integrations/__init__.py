@@ -1,0 +1,10 @@
+"""ckptq inside the training frameworks people already run; each module imports its framework, this
+package imports none of them:
+
+- ``ckptq.integrations.transformers``: ``CkptqTrainer`` (or ``CkptqTrainerMixin``), a Hugging Face
+  ``Trainer`` whose ``checkpoint-N`` folders hold ``optimizer.q8.safetensors`` instead of ``optimizer.pt``.
+- ``ckptq.integrations.accelerate``: ``store_8bit(optimizer)``: ``accelerator.save_state`` writes the
+  optimizer's Adam moments 8-bit and ``load_state`` restores them.
+- ``ckptq.integrations.lightning``: ``CkptqCheckpointIO``, a Lightning plugin that stores
+  ``optimizer_states`` 8-bit inside the ``.ckpt``.
+"""
