@@ -51,11 +51,14 @@ class Layout:
 
 def is_checkpoint_folder(path: str) -> bool:
     """A folder that a training framework wrote (or ckptq converted in place), as opposed to a folder that
-    holds one ckptq shard set: it names an optimizer file, a framework file, checkpoint subfolders, or
-    converted files of a framework's files."""
+    holds one ckptq shard set (its index): it names an optimizer file, a framework file, checkpoint
+    subfolders, or converted files of a framework's files. A folder with neither is looked at as one, to
+    say what is missing."""
     if not os.path.isdir(path) or checkpoint.is_dcp_folder(path):
         return False
     names = os.listdir(path)
+    if not any(n.endswith(format.INDEX_SUFFIX) for n in names):
+        return True
     return any(n in ("optimizer.pt", TRAINER_MARKER, "latest") or n.endswith(".ckpt") or _ACCELERATE_FILE.fullmatch(n)
                or n.startswith("random_states_") or _DEEPSPEED.fullmatch(n) or _CHECKPOINT_DIR.fullmatch(n)
                or n.endswith(_CONVERTED[0]) or _framework_source(os.path.join(path, n)) for n in names)

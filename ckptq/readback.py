@@ -12,29 +12,41 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
 from . import checkpoint, foreign, format, qstate
-from .errors import FormatError
+from .errors import FormatError, InputError
 
 
 class ReadbackError(FormatError):
     """A written output does not read back as what was meant; the original was kept."""
 
 
+@contextmanager
+def discarding(outputs: list[str]) -> Iterator[None]:
+    """An output that fails its check is removed (it is known bad); the original stays."""
+    try:
+        yield
+    except (FormatError, InputError):
+        for p in outputs:
+            _remove(p)
+        raise
+
+
 def check_converted(src: str, outputs: list[str], trust: bool = False) -> None:
-    """Raise :class:`ReadbackError` unless the converted ``outputs`` (file, or index + shards) of the
-    torch.save file ``src`` decode to exactly what convert meant to write."""
+    """Raise :class:`ReadbackError` (and remove ``outputs``) unless the converted ``outputs`` (file, or
+    index + shards) of the torch.save file ``src`` decode to exactly what convert meant to write."""
     want = checkpoint.load_torch(src, trust=trust)
     foreign.to_torch(want)  # bitsandbytes / torchao state is converted from its fp32 form, as convert does
-    conv = format.Converted(outputs[0], verify=True)  # verify: every tensor's crc32 is checked as it is read
-    try:
-        got = conv.read(dequantize=False)
-        _compare(want, got, "", outputs[0])
-    finally:
-        conv.close()
+    with discarding(outputs):
+        conv = format.Converted(outputs[0], verify=True)  # verify: each tensor's crc32 is checked as it is read
+        try:
+            _compare(want, conv.read(dequantize=False), "", outputs[0])
+        finally:
+            conv.close()
 
 
 def replace_converted(src: str, outputs: list[str], trust: bool = False) -> list[str]:
@@ -45,8 +57,13 @@ def replace_converted(src: str, outputs: list[str], trust: bool = False) -> list
 
 
 def check_expanded(src: str, dst: str, trust: bool = False) -> None:
-    """Raise :class:`ReadbackError` unless the torch.save file ``dst`` holds exactly the decoding of ``src``
-    (a converted file or set, or a torch.save file holding 8-bit states)."""
+    """Raise :class:`ReadbackError` (and remove ``dst``) unless the torch.save file ``dst`` holds exactly the
+    decoding of ``src`` (a converted file or set, or a torch.save file holding 8-bit states)."""
+    with discarding([dst]):
+        _check_expanded(src, dst, trust)
+
+
+def _check_expanded(src: str, dst: str, trust: bool) -> None:
     got = checkpoint.load_torch(dst)
     if checkpoint.is_torch_file(src):
         want = checkpoint.load_torch(src, trust=trust)
@@ -62,8 +79,8 @@ def check_expanded(src: str, dst: str, trust: bool = False) -> None:
 
 
 def _mismatch(where: str, path: str, what: str) -> ReadbackError:
-    return ReadbackError(f"{where} does not read back as written ({path or '<root>'}: {what}); "
-                         "the original was kept")
+    return ReadbackError(f"{where} does not read back as written ({path or '<root>'}: {what}); it was removed "
+                         "and the original kept")
 
 
 def _compare(want: Any, got: Any, path: str, where: str, siblings: dict | None = None) -> None:
@@ -126,8 +143,12 @@ def remove_original(src: str, outputs: list[str]) -> None:
     """Delete ``src`` (a file or a folder) once ``outputs`` are checked; their folder entries synced first."""
     for out in outputs:
         sync_folder(out)
-    if os.path.isdir(src) and not os.path.islink(src):
-        shutil.rmtree(src)
-    else:
-        os.unlink(src)
+    _remove(src)
     sync_folder(src)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
