@@ -200,7 +200,8 @@ def _format_dcp_info(r: dict) -> str:
 
 def _format_info(r: dict) -> str:
     if r["kind"] == "folder":
-        return "\n".join([f"{r['path']}  ({r['framework']} checkpoint folder, {len(r['files'])} optimizer files)"]
+        n = len(r["files"])
+        return "\n".join([f"{r['path']}  ({r['framework']} checkpoint folder, {n} optimizer file{'s' * (n != 1)})"]
                          + [_format_info(f) for f in r["files"]])
     if r["kind"] == "dcp":
         return _format_dcp_info(r)

@@ -84,7 +84,9 @@ def _framework_source(path: str) -> bool:
 
 
 def _framework(folder: str) -> str:
-    names = set(os.listdir(folder))
+    """Which framework wrote the folder, by its files and the sources its converted files record."""
+    names = os.listdir(folder)
+    names += [_recorded_source(os.path.join(folder, n)) or "" for n in names if _converted_stem(n) is not None]
     if TRAINER_MARKER in names or "optimizer.pt" in names:
         return "Trainer"
     if any(n.endswith(".ckpt") for n in names):

@@ -125,6 +125,7 @@ def test_lightning_folder_and_its_optimizer_states_list(tmp_path):
     assert info["framework"] == "Lightning" and info["files"][0]["optimizers"] == "optimizer_states/0"
     assert run("convert", d, "--replace").exit_code == 0
     assert os.listdir(d) == ["epoch=0-step=3.q8.safetensors"]
+    assert json.loads(run("info", d, "--json").output)["framework"] == "Lightning"  # by the source it records
     assert run("expand", d, "--replace").exit_code == 0
     assert os.listdir(d) == ["epoch=0-step=3.ckpt"]
     back = torch.load(d / "epoch=0-step=3.ckpt", weights_only=True)
