@@ -126,6 +126,8 @@ def test_lightning_folder_and_its_optimizer_states_list(tmp_path):
     assert run("convert", d, "--replace").exit_code == 0
     assert os.listdir(d) == ["epoch=0-step=3.q8.safetensors"]
     assert json.loads(run("info", d, "--json").output)["framework"] == "Lightning"  # by the source it records
+    text = run("info", d).output
+    assert "(Lightning checkpoint folder, 1 optimizer file)" in text and "converted by ckptq" in text
     assert run("expand", d, "--replace").exit_code == 0
     assert os.listdir(d) == ["epoch=0-step=3.ckpt"]
     back = torch.load(d / "epoch=0-step=3.ckpt", weights_only=True)
