@@ -8,7 +8,7 @@ each one's converted file is called, in both directions.
   ``optimizer_0/`` torch.distributed.checkpoint folder instead (converted by ``ckptq.dcp_folder``).
 - Lightning: ``*.ckpt`` files (``epoch=0-step=100.ckpt``, ``last.ckpt``), torch.save files whose
   ``optimizer_states`` list holds the optimizer state dicts.
-- DeepSpeed ``global_stepN/``: recognised, see :func:`_deepspeed`.
+- DeepSpeed ``global_stepN/``: recognised only, see :func:`_deepspeed`.
 
 Converted files go beside the originals: ``optimizer.pt`` -> ``optimizer.q8.safetensors``,
 ``optimizer_0/`` -> ``optimizer_0.q8/``; every other file is left alone. Expand writes back the name the
@@ -45,7 +45,7 @@ class Job:
 @dataclass
 class Layout:
     folder: str
-    framework: str  # "Trainer", "accelerate" or "Lightning"
+    framework: str  # "Trainer", "accelerate", "Lightning", or "plain" (e.g. nanoGPT's out/ after convert)
     jobs: list[Job] = field(default_factory=list)
 
 
@@ -91,7 +91,9 @@ def _framework(folder: str) -> str:
         return "Trainer"
     if any(n.endswith(".ckpt") for n in names):
         return "Lightning"
-    return "accelerate"
+    if any(_ACCELERATE_FILE.fullmatch(n) or _ACCELERATE_DCP.fullmatch(n) or n.startswith("random_states_") for n in names):
+        return "accelerate"
+    return "plain"
 
 
 def _converted_stem(name: str) -> str | None:
@@ -113,14 +115,20 @@ def _sources(folder: str) -> list[str]:
     return out
 
 
-def _deepspeed(folder: str, verb: str) -> Layout | None:
-    """The one place where DeepSpeed checkpoint folders plug in: ``global_stepN/`` (ZeRO partitions
-    ``*_optim_states.pt`` beside ``mp_rank_*_model_states.pt``), or its parent holding ``latest``."""
+def is_deepspeed(folder: str) -> bool:
+    """A DeepSpeed checkpoint: ``global_stepN/`` (ZeRO partitions ``*_optim_states.pt`` beside
+    ``mp_rank_*_model_states.pt``), or the folder above it, holding ``latest`` and ``global_stepN/``."""
     names = os.listdir(folder)
-    if any(_DEEPSPEED.fullmatch(n) for n in names) or ("latest" in names and any(
-            n.startswith("global_step") for n in names)):
+    return any(_DEEPSPEED.fullmatch(n) for n in names) or ("latest" in names and any(
+        n.startswith("global_step") for n in names))
+
+
+def _deepspeed(folder: str, verb: str) -> None:
+    """Where DeepSpeed checkpoints plug in: every folder command passes here first. A module that reads
+    ZeRO partitions is dispatched on :func:`is_deepspeed` before the checkpoint-folder branch of
+    ``pipeline.convert`` / ``pipeline.expand`` / ``info.info`` (as DCP folders are); until then, say so."""
+    if is_deepspeed(folder):
         raise InputError(f"{folder} is a DeepSpeed checkpoint; ckptq cannot {verb} DeepSpeed ZeRO checkpoints yet")
-    return None
 
 
 def _one_checkpoint(folder: str, found: list[str], verb: str) -> None:
@@ -147,9 +155,7 @@ def _nothing(folder: str, what: str) -> InputError:
 
 def for_convert(folder: str) -> Layout:
     """The optimizer files of a checkpoint folder and where their converted files go."""
-    layout = _deepspeed(folder, "convert")
-    if layout is not None:
-        return layout
+    _deepspeed(folder, "convert")
     found = _sources(folder)
     if not found:
         _subcheckpoints(folder, "convert")
@@ -203,9 +209,7 @@ def _restored_name(folder: str, path: str) -> str:
 def for_expand(folder: str, replace: bool) -> Layout:
     """The converted optimizer files of a checkpoint folder and the names their expansions take; or the
     framework's own files when they hold 8-bit state (saved from AdamW8bit), rewritten in place."""
-    layout = _deepspeed(folder, "expand")
-    if layout is not None:
-        return layout
+    _deepspeed(folder, "expand")
     found = _converted(folder)
     if found:
         _one_checkpoint(folder, found, "expand")
@@ -224,9 +228,7 @@ def for_expand(folder: str, replace: bool) -> Layout:
 
 def for_info(folder: str) -> Layout:
     """Every optimizer file of a checkpoint folder, original or converted (jobs without outputs)."""
-    layout = _deepspeed(folder, "describe")
-    if layout is not None:
-        return layout
+    _deepspeed(folder, "describe")
     found = sorted(_sources(folder) + _converted(folder))
     if not found:
         _subcheckpoints(folder, "info")

@@ -159,6 +159,15 @@ def test_several_or_no_candidates_are_one_line_errors_that_say_what_to_pass(tmp_
     one_line_error(run("convert", trainer_folder(tmp_path / "o"), "-o", tmp_path / "x.safetensors"), 2, "-o does not apply")
 
 
+def test_expand_of_a_plain_folder_restores_the_recorded_name(trained_ckpt, tmp_path):
+    path, _, _ = trained_ckpt  # nanoGPT's out/ckpt.pt
+    assert run("convert", path, "--replace", "-q").exit_code == 0
+    info = json.loads(run("info", tmp_path, "--json").output)
+    assert info["framework"] == "plain" and [f["kind"] for f in info["files"]] == ["converted"]
+    assert run("expand", tmp_path, "--replace", "-q").exit_code == 0
+    assert os.listdir(tmp_path) == ["ckpt.pt"] and torch.load(path, weights_only=True)["iter_num"] == 20
+
+
 def test_expand_finds_nothing_in_an_fp32_folder(tmp_path):
     d = trainer_folder(tmp_path)
     one_line_error(run("expand", d), 3, "no 8-bit optimizer state", "optimizer.pt (Trainer)")
