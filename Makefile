@@ -2,20 +2,43 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+# PyTorch's own index of CPU-only builds. On PyPI, torch for Linux is the CUDA build, which pulls several
+# GB of nvidia-* packages; the same release from this index is the ~200 MB CPU build.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_STAMP := $(VENV)/.torch-$(TORCH_VERSION)
 STAMP := $(VENV)/.ckptq-installed
+TEST_STAMP := $(VENV)/.ckptq-test-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup setup-test demo test bench clean
 
-# torch is pinned to the CPU build first: an unpinned torch requirement on a machine without torch
-# pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# The pinned CPU build of torch goes in first, so that nothing pulls the CUDA build. Linux: a CPU wheel
+# already at hand (pip's find-links or a local mirror) is used as it is; otherwise it comes from PyTorch's
+# CPU index. Its dependencies then come from the usual index. Elsewhere (macOS) PyPI's torch is CPU-only.
+$(TORCH_STAMP):
 	$(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
+ifeq ($(shell uname -s),Linux)
+	$(BIN)/python -m pip install -q --no-deps --no-index "torch==$(TORCH_VERSION)+cpu" 2>/dev/null \
+	  || $(BIN)/python -m pip install -q --no-deps --index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)+cpu"
+	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)+cpu"
+else
+	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
+endif
+	touch $@
+
+# The package alone: all that the demo needs.
+$(STAMP): $(TORCH_STAMP) pyproject.toml
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+# The test extras on top (pytest, hypothesis, triton for its interpreter tests, bitsandbytes, torchao).
+$(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	touch $@
 
 setup: $(STAMP)
+
+setup-test: $(TEST_STAMP)
 
 demo: setup
 	mkdir -p demo
@@ -25,10 +48,10 @@ demo: setup
 	$(BIN)/ckptq info demo/ckpt.q8.safetensors
 	$(BIN)/ckptq expand demo/ckpt.q8.safetensors -o demo/ckpt_fp32.pt --force
 
-test: setup
+test: setup-test
 	$(BIN)/python -m pytest
 
-bench: setup
+bench: setup-test
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
 
 clean:

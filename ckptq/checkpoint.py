@@ -38,7 +38,9 @@ def _unsafe_message(path: str, e: Exception) -> str:
         return (f"{path} needs arbitrary unpickling of {', '.join(needs[:5])}, which torch.load(weights_only=True) "
                 "refuses; ckptq keeps tensors, containers, numbers and strings only, so re-save the checkpoint "
                 "with such objects as dicts or strings (e.g. vars(args)); `ckptq info --trust` shows a file you trust")
-    return f"{path} is not a readable torch checkpoint: {str(e).splitlines()[0]}"
+    if not zipfile.is_zipfile(path):  # torch's message would be a paragraph about weights_only
+        return f"{path} is not a readable torch checkpoint (truncated or not made by torch.save)"
+    return f"{path} is not a readable torch checkpoint: {str(e).splitlines()[0].split('. ')[0]}"
 
 
 def is_dcp_folder(path: str) -> bool:

@@ -77,6 +77,10 @@ def _return_freed_memory() -> None:
         pass  # not glibc: nothing to tune
 
 
+_REPLACE_HELP = ("Delete the {what} once the output is written, synced, read back and checked "
+                 "(without it nothing is deleted).")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptq")
 def main():
@@ -116,19 +120,23 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
               help="Split larger outputs into HF-style shards + index (e.g. 300MB, 20GB; 0 = never).")
 @click.option("--trust", is_flag=True, help="Allow full unpickling (only for files you trust).")
 @click.option("-f", "--force", is_flag=True, help="Overwrite an existing output.")
+@click.option("--replace", is_flag=True, help=_REPLACE_HELP.format(what="fp32 original"))
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, no summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def convert(src, output, block_size, min_size, key, device, compress, level, threads, max_shard_size, trust,
-            force, quiet, as_json):
-    """Convert the fp32 Adam moments in SRC to 8-bit: a torch.save file -> safetensors; a
-    torch.distributed.checkpoint folder -> a DCP folder (SRC.q8; under torchrun the ranks share the work)."""
+            force, replace, quiet, as_json):
+    """Convert the fp32 Adam moments in SRC to 8-bit: a torch.save file -> safetensors; a Trainer,
+    accelerate or Lightning checkpoint folder -> each optimizer file beside it (optimizer.pt ->
+    optimizer.q8.safetensors); a torch.distributed.checkpoint folder -> a DCP folder (SRC.q8; under
+    torchrun the ranks share the work)."""
     from .pipeline import convert as run
 
     shard = _run(parse_size, max_shard_size) or None
     comp = Compression(level, threads) if compress else None
     with _progress(quiet or as_json, "convert") as progress:
         r = _run(run, src, output, block_size=block_size, min_size=min_size, key=key, device=device,
-                 compression=comp, max_shard_size=shard, force=force, trust=trust, progress=progress)
+                 compression=comp, max_shard_size=shard, force=force, trust=trust, replace=replace,
+                 progress=progress)
     if as_json:
         click.echo(json.dumps(r.as_dict(), indent=1))
     elif not quiet:
@@ -136,8 +144,14 @@ def convert(src, output, block_size, min_size, key, device, compress, level, thr
                    f"({r.ratio:.2f}x smaller) in {r.seconds:.1f} s; {r.quantized} states 8-bit, "
                    f"{r.kept_small} small kept exact"
                    + (f"; read {r.foreign_states} params of bitsandbytes/torchao 8-bit state" if r.foreign_states else ""))
+        _echo_removed(r.removed)
         for line in r.warnings:
             click.echo(f"warning: {line}", err=True)
+
+
+def _echo_removed(paths: list[str]) -> None:
+    if paths:
+        click.echo(f"removed {', '.join(paths)} (outputs read back and checked)")
 
 
 @main.command()
@@ -147,15 +161,18 @@ def convert(src, output, block_size, min_size, key, device, compress, level, thr
 @click.option("-f", "--force", is_flag=True, help="Overwrite an existing output.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, no summary.")
 @click.option("--trust", is_flag=True, help="For a .pt input: allow full unpickling (torchao state needs it).")
-def expand(src, output, no_verify, force, quiet, trust):
+@click.option("--replace", is_flag=True, help=_REPLACE_HELP.format(what="converted file"))
+def expand(src, output, no_verify, force, quiet, trust, replace):
     """Turn a converted file (or shard index/folder), or a torch.save file holding 8-bit state (ckptq's,
-    bitsandbytes', torchao's), back into an ordinary fp32 torch.save checkpoint."""
+    bitsandbytes', torchao's), back into an ordinary fp32 torch.save checkpoint. A Trainer, accelerate or
+    Lightning checkpoint folder: back into the files its resume reads (optimizer.pt, optimizer.bin, *.ckpt)."""
     from .pipeline import expand as run
 
     with _progress(quiet, "expand") as progress:
-        r = _run(run, src, output, force=force, verify=not no_verify, trust=trust, progress=progress)
+        r = _run(run, src, output, force=force, verify=not no_verify, trust=trust, replace=replace, progress=progress)
     if not quiet:
         click.echo(f"wrote {r.output}: {_mb(r.output_bytes)} in {r.seconds:.1f} s")
+        _echo_removed(r.removed)
 
 
 @main.command()
@@ -207,6 +224,10 @@ def _format_zero_info(r: dict) -> str:
 
 
 def _format_info(r: dict) -> str:
+    if r["kind"] == "folder":
+        n = len(r["files"])
+        return "\n".join([f"{r['path']}  ({r['framework']} checkpoint folder, {n} optimizer file{'s' * (n != 1)})"]
+                         + [_format_info(f) for f in r["files"]])
     if r["kind"] == "dcp":
         return _format_dcp_info(r)
     if r["kind"].startswith("zero"):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import defaultdict
 from typing import Any
 
 import torch
 
-from . import checkpoint, foreign, format, ops, pipeline, qstate, tree, zero, zero_info
+from . import checkpoint, folder_run, foreign, format, ops, pipeline, qstate, tree, zero, zero_info
 from .errors import UsageError
 
 
@@ -26,6 +27,8 @@ def info(path: str, *, key: str | None = None, min_size: int = pipeline.DEFAULT_
         from . import dcp_folder
 
         return dcp_folder.info(path, min_size=min_size, block_size=block_size)
+    if folder_run.is_checkpoint_folder(path):  # Trainer / accelerate / Lightning folders (ckptq.folders)
+        return folder_run.info(path, functools.partial(info, key=key, min_size=min_size, block_size=block_size, trust=trust))
     if os.path.isdir(path) or path.endswith((format.SUFFIX, ".json")) or format.is_safetensors(path):
         return _info_converted(path)
     ops.check_block_size(block_size)

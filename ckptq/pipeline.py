@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections import Counter
@@ -10,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import __version__, checkpoint, foreign, format, ops, plan, qstate, torch_stream, tree, zero
+from . import __version__, checkpoint, folder_run, foreign, format, ops, plan, qstate, readback, torch_stream, tree, zero
 from .errors import InputError, UsageError
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -35,6 +36,7 @@ class ConvertReport:
     warnings: list[str] = field(default_factory=list)  # states kept exact, or not stored as ratios, and why
     foreign_states: int = 0  # parameters whose state was bitsandbytes' or torchao's 8-bit state
     seconds: float = 0.0
+    removed: list[str] = field(default_factory=list)  # originals deleted (--replace) once the outputs checked out
 
     @property
     def ratio(self) -> float:
@@ -42,6 +44,12 @@ class ConvertReport:
 
     def as_dict(self) -> dict:
         return asdict(self) | {"ratio": self.ratio}
+
+
+def _no_zero_replace(replace: bool) -> None:
+    if replace:
+        raise UsageError("--replace is not available for DeepSpeed checkpoints yet; convert or expand without it, "
+                         "check the result, then delete the originals yourself")
 
 
 def default_output(src: str) -> str:
@@ -113,23 +121,28 @@ def convert(
     max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE,
     force: bool = False,
     trust: bool = False,
+    replace: bool = False,
     progress: Progress | None = None,
 ) -> ConvertReport:
-    """Convert a torch.save checkpoint's fp32 optimizer states to blockwise 8-bit; write safetensors.
-
-    Returns a :class:`ConvertReport`. The input is never modified; the output appears only complete.
-    """
+    """Convert a torch.save checkpoint's fp32 optimizer states to blockwise 8-bit; write safetensors (a
+    Trainer / accelerate / Lightning checkpoint folder: its optimizer files, each beside its original).
+    Returns a :class:`ConvertReport`. The output appears only complete. The input is never modified, and
+    kept unless ``replace``: then it is deleted once the output was written, synced, read back and checked."""
     t0 = time.perf_counter()
     ops.check_block_size(block_size)
     if min_size < 1:
         raise UsageError(f"min size {min_size} must be at least 1")
     if zero.is_zero_checkpoint(src):
+        _no_zero_replace(replace)
         return ConvertReport(**zero.convert(src, dst, block_size=block_size, min_size=min_size, force=force, progress=progress))
     if checkpoint.is_dcp_folder(src):
+        folder_run.no_dcp_replace([src], replace)
         return _convert_dcp(src, dst, block_size, min_size, force, t0)
-    if os.path.isdir(src):
-        raise InputError(f"{src} is a folder but not a torch.distributed.checkpoint folder (no .metadata); "
-                         "pass a torch.save file or a DCP folder")
+    if os.path.isdir(src):  # Trainer / accelerate / Lightning checkpoint folders (ckptq.folders)
+        one = functools.partial(convert, block_size=block_size, min_size=min_size, key=key, device=device,
+                                backend=backend, compression=compression, max_shard_size=max_shard_size,
+                                force=force, trust=trust, progress=progress)
+        return _folder_report(src, *folder_run.convert(src, dst, one, replace=replace, trust=trust), t0)
     dst = dst or default_output(src)
     _not_the_input(src, dst)
     if compression is not None and not (1 <= compression.level <= 22 and compression.threads >= 0):
@@ -152,8 +165,22 @@ def convert(
     report.outputs = save(obj, dst, info=info, force=force, compression=compression,
                           max_shard_size=max_shard_size, progress=progress)
     report.output_bytes = sum(os.path.getsize(p) for p in report.outputs)
+    if replace:  # the original goes only once the output reads back as what was meant
+        report.removed = readback.replace_converted(src, report.outputs, trust)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _folder_report(src: str, layout, reports: list[ConvertReport], removed: list[str], t0: float) -> ConvertReport:
+    """One report for a checkpoint folder's files."""
+    total = ConvertReport(src, [p for r in reports for p in r.outputs], sum(r.source_bytes for r in reports),
+                          sum(r.output_bytes for r in reports), removed=removed)
+    for name in ("optimizers", "quantized", "kept_small", "kept_nonfinite", "kept_shared", "foreign_states"):
+        setattr(total, name, sum(getattr(r, name) for r in reports))
+    total.nonfinite_names = [n for r in reports for n in r.nonfinite_names]
+    total.warnings = [w for r in reports for w in r.warnings]
+    total.seconds = time.perf_counter() - t0
+    return total
 
 
 def _convert_dcp(src: str, dst: str | None, block_size: int, min_size: int, force: bool, t0: float) -> ConvertReport:
@@ -230,17 +257,28 @@ def load(path: str, *, dequantize: bool = False, verify: bool = True) -> Any:
 @dataclass
 class ExpandReport:
     source: str
-    output: str
+    output: str  # a checkpoint folder: its outputs, comma-separated
     output_bytes: int
     seconds: float
+    removed: list[str] = field(default_factory=list)  # converted files deleted (--replace) once the output checked out
 
 
 def expand(src: str, dst: str | None = None, *, force: bool = False, verify: bool = True, trust: bool = False,
-           progress: Progress | None = None) -> ExpandReport:
-    """Converted file -> ordinary torch.save checkpoint with fp32 (original dtype) states."""
+           replace: bool = False, progress: Progress | None = None) -> ExpandReport:
+    """Converted file -> ordinary torch.save checkpoint with fp32 (original dtype) states. A Trainer /
+    accelerate / Lightning checkpoint folder: its converted files -> the files the framework's resume reads.
+    ``replace``: the source is deleted once the output was written, synced, read back and checked."""
     t0 = time.perf_counter()
     if zero.is_zero_checkpoint(src):
+        _no_zero_replace(replace)
         return ExpandReport(**zero.expand(src, dst, force=force, verify=verify, progress=progress))
+    one = functools.partial(expand, force=force, verify=verify, trust=trust, progress=progress)
+    if folder_run.is_checkpoint_folder(src):  # Trainer / accelerate / Lightning folders (ckptq.folders)
+        layout, reports, removed = folder_run.expand(src, dst, one, replace=replace, trust=trust)
+        return ExpandReport(src, ", ".join(r.output for r in reports), sum(r.output_bytes for r in reports),
+                            time.perf_counter() - t0, removed)
+    if replace:
+        return _expand_replacing(src, dst, one, trust)
     dst = dst or default_expanded(src)
     if checkpoint.is_torch_file(src):
         return _expand_torch(src, dst, force, trust, progress, t0)
@@ -257,6 +295,17 @@ def expand(src: str, dst: str | None = None, *, force: bool = False, verify: boo
         torch_stream.save(obj, tmp, progress)
     conv.close()
     return ExpandReport(src, dst, os.path.getsize(dst), time.perf_counter() - t0)
+
+
+def _expand_replacing(src: str, dst: str | None, expand_one, trust: bool) -> ExpandReport:
+    folder_run.no_dcp_replace([src], True)
+    files = [src] if checkpoint.is_torch_file(src) else folder_run.files_of(src)
+    report = expand_one(src, dst)
+    readback.check_expanded(src, report.output, trust)
+    for f in files:
+        readback.remove_original(f, [report.output])
+    report.removed = files
+    return report
 
 
 def _expand_torch(src: str, dst: str, force: bool, trust: bool, progress: Progress | None, t0: float) -> ExpandReport:

@@ -73,8 +73,11 @@ def load(path: str) -> Any:
     if foreign:
         raise InputError(f"{path} needs arbitrary unpickling of {', '.join(foreign[:5])}, which ckptq refuses "
                          "(only DeepSpeed's own objects are read, as data); re-save it without them")
-    with torch.serialization.safe_globals([(_standin(n), n) for n in names]):
-        return checkpoint.load_torch(path)
+    try:
+        with torch.serialization.safe_globals([(_standin(n), n) for n in names]):
+            return checkpoint.load_torch(path)
+    except InputError as e:
+        raise InputError(f"DeepSpeed ZeRO checkpoint: {e}") from None
 
 
 def stage_of(obj: Any) -> int | None:

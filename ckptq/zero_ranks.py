@@ -177,7 +177,7 @@ def expand(src: str, *, force: bool = False, verify: bool = True, progress=None)
     every = partitions(src)
     parts = [p for p in every if os.path.isfile(p.q8)]
     if not parts:
-        raise InputError(f"{src}: no converted ZeRO optimizer files (*_optim_states.q8.safetensors) to expand")
+        raise InputError(f"{src}: no converted DeepSpeed ZeRO optimizer files (*_optim_states.q8.safetensors) to expand")
     metas = [converted_meta(p.q8) for p in parts]
     if os.path.isdir(src):
         check_world(every, {p.q8: m[INFO_KEY].get("world_size") for p, m in zip(parts, metas)})
