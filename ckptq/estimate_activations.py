@@ -11,7 +11,7 @@ Here the same count is taken tensor by tensor, so that it also holds for other w
   output, their product) where a plain one keeps 2; transformers' ``gelu_new`` (GPT-2's default) is
   written in Python ops and keeps 3 more;
 - transformers' RMSNorm runs in fp32: it keeps its input upcast to fp32 and the normalized values, where
-  a fused LayerNorm keeps only its input;
+  a fused LayerNorm keeps only its input (both add fp32 statistics per token, which Korthikanti leaves out);
 - ``attention="eager"`` (transformers' eager attention): the softmax output, a·s² per token (Llama-style
   models take it in fp32 and keep the cast copy too; with attention dropout its mask and output:
   Korthikanti's 5as²b at p=2); keys and values repeated to all heads, and the output projection's input
@@ -38,14 +38,16 @@ from .estimate_params import Architecture
 _EXTRA_ACT_SAVES = {"gelu_new": 3}
 
 
-def _norm(a: Architecture, p: int, width: int) -> int:
-    return (4 + p) * width if a.norm == "rmsnorm" else p * width
+def _norm(a: Architecture, p: int, width: int, groups: int = 1) -> int:
+    """Bytes a norm over ``groups`` vectors of ``width // groups`` keeps: RMSNorm its fp32 input, normalized
+    values and fp32 1/rms per vector; LayerNorm its input and fp32 mean and 1/std per vector."""
+    return (4 + p) * width + 4 * groups if a.norm == "rmsnorm" else p * width + 8 * groups
 
 
 def layer_bytes_per_token(a: Architecture, seq_len: int, p: int, attention: str) -> int:
     """Bytes one decoder layer keeps per token for the backward (see the module docstring)."""
     h, q, kv = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    norms = 2 * _norm(a, p, h) + (_norm(a, p, q + kv) if a.qk_norm else 0)
+    norms = 2 * _norm(a, p, h) + (_norm(a, p, q + kv, a.num_heads + a.num_kv_heads) if a.qk_norm else 0)
     if attention == "eager":  # keys and values repeated to every head; the output projection's input copied
         scores = p if a.family == "gpt2" else 4 + (p if p < 4 else 0)  # Llama-style: softmax in fp32, cast back
         scores += (1 + p) if a.attention_dropout else 0
