@@ -10,11 +10,11 @@ well. In fp32 there is no master copy: the weights are the master. Activations: 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from . import checkpoint, ops, pipeline
+from . import checkpoint, ops, plan
 from .errors import UsageError
 from .estimate_activations import activation_bytes
 from .estimate_params import Model, load_model
@@ -62,7 +62,7 @@ class Setup:
     precision: str = "bf16-mixed"
     attention: str = "sdpa"
     block_size: int = ops.DEFAULT_BLOCK_SIZE
-    min_size: int = pipeline.DEFAULT_MIN_SIZE
+    min_size: int = plan.DEFAULT_MIN_SIZE
 
     def check(self) -> None:
         for name in ("batch_size", "world_size"):
@@ -142,14 +142,16 @@ def estimate(spec: str, setup: Setup | None = None) -> Estimate:
     model = load_model(spec)
     p = PRECISIONS[setup.precision]
     mixed = setup.precision != "fp32"
+    notes = []
     if model.arch and setup.seq_len is None:
-        setup.seq_len = min(model.arch.max_positions or 2048, 2048)
+        setup = replace(setup, seq_len=min(model.arch.max_positions or 2048, 2048))
+    elif model.arch and model.arch.max_positions and setup.seq_len > model.arch.max_positions:
+        notes.append(f"sequence length {setup.seq_len} is beyond the model's context ({model.arch.max_positions})")
     rows = {"weights": _shard(p * model.count, setup, 3),
             "master_weights": _shard(4 * model.count, setup, 1) if mixed else 0,
             "gradients": _shard(p * model.count, setup, 2),
             "gathered_for_compute": _gathered(model, setup, p)}
     rows |= {f"optimizer_{k}": _shard(v, setup, 1) for k, v in _optimizer_states(model, setup).items()}
-    notes = []
     if model.arch:
         acts = activation_bytes(model.arch, setup.batch_size, setup.seq_len, p, setup.attention)
         rows["activations"], rows["activations_checkpointed"] = acts["none"], acts["full"]

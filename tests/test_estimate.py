@@ -143,27 +143,19 @@ def test_fp32_has_no_master_copy_and_disk_sizes():
     assert r.checkpoint["ckptq_8bit_compressed"] < r.checkpoint["ckptq_8bit"]
 
 
-def test_stage3_gathers_root_and_layers():
+def test_stage3_gathers_root_and_layers(tmp_path):
     config = {"model_type": "llama", **SMALL}
-    r = estimate(_write(config), Setup(world_size=2, zero_stage=3, seq_len=16))
+    r = estimate(_write(tmp_path, config), Setup(world_size=2, zero_stage=3, seq_len=16))
     model = model_from_config(config)
     layer = sum(math.prod(s) for _, s in model.layer_tensors(0))
     root = model.count - 2 * layer
     assert r.per_device["gathered_for_compute"] == 2 * (root + 2 * layer) + 2 * layer
 
 
-_TMP = []
-
-
-def _write(obj, name="config.json"):
-    import tempfile, os
-
-    d = tempfile.mkdtemp()
-    _TMP.append(d)
-    path = os.path.join(d, name)
-    with open(path, "w") as f:
-        f.write(obj if isinstance(obj, str) else json.dumps(obj))
-    return path
+def _write(tmp_path, obj):
+    path = tmp_path / "config.json"
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(path)
 
 
 def test_parse_count():
@@ -181,6 +173,7 @@ def test_cli_table_json_and_folder(tmp_path):
     assert rep["per_device"]["activations"] > rep["per_device"]["activations_checkpointed"] > 0
     text = run(tmp_path / "config.json", "-s", 128).output
     assert "x 128 tokens" in text and "optimizer state" in text and "checkpoint on disk" in text
+    assert "note: sequence length 4096 is beyond the model's context (512)" in run(tmp_path, "-s", 4096).output
 
 
 @pytest.mark.parametrize("args,message", [
@@ -198,18 +191,18 @@ def test_cli_table_json_and_folder(tmp_path):
     (("7B", "--zero-stage", 4), "ZeRO stage 4"),
     (("7B", "--block-size", 100), "block"),
 ])
-def test_cli_bad_input_is_one_line(args, message):
+def test_cli_bad_input_is_one_line(args, message, tmp_path):
     first = args[0]
     if isinstance(first, dict) or (isinstance(first, str) and first[:1] in "{["):
-        args = (_write(first),) + args[1:]
+        args = (_write(tmp_path, first),) + args[1:]
     r = run(*args)
     assert r.exit_code != 0
     assert r.output.startswith("ckptq: error: ") and r.output.count("\n") == 1 and message in r.output, r.output
     assert "Traceback" not in r.output
 
 
-def test_library_errors_are_typed():
+def test_library_errors_are_typed(tmp_path):
     with pytest.raises(InputError):
-        estimate(_write({"model_type": "gpt2"}))
+        estimate(_write(tmp_path, {"model_type": "gpt2"}))
     with pytest.raises(UsageError):
         estimate("7B", Setup(precision="int8"))
