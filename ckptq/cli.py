@@ -244,14 +244,16 @@ def _format_estimate(r: dict) -> str:
     opts = ("adamw_fp32", "ckptq_8bit", "ckptq_4bit")
     single = [("weights", "weights (compute dtype)"), ("master_weights", "master weights (fp32)"),
               ("gradients", "gradients"), ("gathered_for_compute", "gathered for compute"),
-              ("activations", "activations"), ("activations_checkpointed", "activations, checkpointed")]
+              ("activations", "activations"), ("activations_checkpointed", "activations, checkpointed"),
+              ("loss_backward", "loss backward (transient)")]
     for key, label in single[:4]:
         lines.append(f"  {label:<32}{_gib(d[key]):>14}")
     lines.append(f"  {'optimizer state':<32}" + "".join(f"{_gib(d['optimizer_' + o]):>14}" for o in opts))
     for key, label in single[4:]:
         lines.append(f"  {label:<32}{_gib(d[key]):>14}")
-    for key, label in (("model_states", "total, model states"), ("no_checkpointing", "total"),
-                       ("checkpointing", "total, act. checkpointing")):
+    for key, label in (("model_states", "total, model states"), ("peak", "peak of a step"),
+                       ("peak_checkpointed", "peak, act. checkpointing"), ("accumulating", "peak, grad. accumulation"),
+                       ("accumulating_checkpointed", "peak, accum. + act. ckpt.")):
         lines.append(f"  {label:<32}" + "".join(f"{_gib(t[o][key]):>14}" for o in opts))
     lines.append(f"checkpoint on disk (all ranks): fp32 {_gib(c['fp32'])}, ckptq 8-bit {_gib(c['ckptq_8bit'])} "
                  f"({_gib(c['ckptq_8bit_compressed'])} with --compress), 4-bit {_gib(c['ckptq_4bit'])}")

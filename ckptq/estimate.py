@@ -25,11 +25,12 @@ FP32_MOMENTS = 8  # AdamW: exp_avg + exp_avg_sq, fp32
 # Issue #12's 4-bit state (not yet written by this ckptq): two codes per byte and one fp32 scale per 128
 # values, i.e. 0.5 + 4/128 bytes per value, about 1.06 bytes per parameter for both moments.
 FOUR_BIT = {"bits": 4, "block_size": 128}
-# The lossless stage (``convert --compress``), measured with ``tools/make_checkpoint.py --size small --steps
-# 400`` then ``ckptq convert --compress`` and ``ckptq info`` per role (README, "Estimate what a run needs"):
-# fp32 weights shrank 1.09x, the 8-bit moments (codes + scales) 1.05x. Real pretrained weights compress
-# better (1.19x for MiniLM's fp32 weights in tools/bench_compress.py); these are the conservative figures.
-COMPRESS_GAIN = {"weights": 1.09, "moments": 1.05}
+# The lossless stage (``convert --compress``), measured per role with ``ckptq info --json`` on
+# ``tools/make_checkpoint.py --size small --steps 400`` converted with and without ``--compress``: the
+# weights (and the few states kept fp32) 10.40 -> 8.76 MB, 1.19x (as MiniLM's pretrained fp32 weights in
+# tools/bench_compress.py); the 8-bit moments 5.22 -> 4.88 MB, 1.07x (ratio-encoded first-moment codes
+# are near their entropy and stay raw; the second moment's codes shrink ~1.14x). bf16 weights do better.
+COMPRESS_GAIN = {"weights": 1.19, "moments": 1.07}
 
 
 def moment_bytes(numel: int, bits: int, block_size: int) -> int:
@@ -83,9 +84,8 @@ class Setup:
 
 @dataclass
 class Estimate:
-    """Bytes per device (``per_device``: rows; ``totals``: per optimizer, with and without activation
-    checkpointing) and on disk (``checkpoint``); ``None`` where the input cannot say (activations of a bare
-    parameter count)."""
+    """Bytes per device (``per_device``: rows; ``totals``: per optimizer, see ``_totals``) and on disk
+    (``checkpoint``); ``None`` where the input cannot say (activations of a bare parameter count)."""
 
     model: str
     params: int
@@ -134,6 +134,20 @@ def _disk(model: Model, setup: Setup) -> dict:
             "ckptq_4bit": weights + four}
 
 
+def _totals(rows: dict, optimizer: int) -> dict:
+    """``peak``: one micro-batch per step, gradients freed after it (``zero_grad(set_to_none=True)``): the
+    backward starts with every activation alive plus the loss's gradient and no gradients yet, and ends
+    with all gradients and no activations. ``accumulating``: gradients live through the forward (gradient
+    accumulation), so everything adds up. The optimizer step's own temporaries are not counted."""
+    held = rows["weights"] + rows["master_weights"] + rows["gathered_for_compute"] + optimizer
+    out = {"model_states": held + rows["gradients"]}
+    for suffix, acts in (("", rows["activations"]), ("_checkpointed", rows["activations_checkpointed"])):
+        live = None if acts is None else acts + rows["loss_backward"]
+        out["peak" + suffix] = None if live is None else held + max(live, rows["gradients"])
+        out["accumulating" + suffix] = None if live is None else held + rows["gradients"] + live
+    return out
+
+
 def estimate(spec: str, setup: Setup | None = None) -> Estimate:
     """Memory per device and checkpoint size for full fine-tuning of ``spec`` (a ``config.json``, a folder
     holding one, or a parameter count like ``7B``) with AdamW, in the given setup."""
@@ -154,16 +168,10 @@ def estimate(spec: str, setup: Setup | None = None) -> Estimate:
     rows |= {f"optimizer_{k}": _shard(v, setup, 1) for k, v in _optimizer_states(model, setup).items()}
     if model.arch:
         acts = activation_bytes(model.arch, setup.batch_size, setup.seq_len, p, setup.attention)
-        rows["activations"], rows["activations_checkpointed"] = acts["none"], acts["full"]
+        rows |= {"activations": acts["none"], "activations_checkpointed": acts["full"], "loss_backward": acts["loss"]}
     else:
-        rows["activations"] = rows["activations_checkpointed"] = None
+        rows |= {"activations": None, "activations_checkpointed": None, "loss_backward": None}
         notes.append("activations need the architecture: give a config.json instead of a parameter count")
-    states = rows["weights"] + rows["master_weights"] + rows["gradients"] + rows["gathered_for_compute"]
-    totals = {}
-    for opt in ("adamw_fp32", "ckptq_8bit", "ckptq_4bit"):
-        base = states + rows[f"optimizer_{opt}"]
-        totals[opt] = {"model_states": base,
-                       "no_checkpointing": None if rows["activations"] is None else base + rows["activations"],
-                       "checkpointing": None if rows["activations"] is None else base + rows["activations_checkpointed"]}
+    totals = {opt: _totals(rows, rows[f"optimizer_{opt}"]) for opt in ("adamw_fp32", "ckptq_8bit", "ckptq_4bit")}
     arch = asdict(model.arch) if model.arch else None
     return Estimate(model.source, model.count, arch, asdict(setup), rows, totals, _disk(model, setup), notes)

@@ -24,8 +24,9 @@ Here the same count is taken tensor by tensor, so that it also holds for other w
 
 Full activation checkpointing (one checkpoint per layer) keeps each layer's input, ``p*s*b*h`` per layer
 (Korthikanti's 2sbhL), and during the backward recomputes one layer at a time, whose activations are
-added once. Transient buffers (the backward's gradients of the logits, the kernels' workspaces) are not
-counted: a measured peak sits above these figures by about one logits gradient (tools/estimate_check.py).
+added once. The backward begins with the loss: the gradient of the log-probabilities and of the logits,
+fp32, while the log-probabilities are released; measured (torch's MemTracker, tools/estimate_check.py),
+this adds 4·V bytes per token to the activations at the start of the backward, the peak of a step.
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ def head_bytes_per_token(a: Architecture, p: int) -> int:
 
 
 def activation_bytes(a: Architecture, batch_size: int, seq_len: int, p: int, attention: str) -> dict:
-    """{"none": without recomputation, "full": one checkpoint per layer} in bytes for a micro-batch."""
+    """Bytes for a micro-batch: {"none": kept without recomputation, "full": with one checkpoint per layer,
+    "loss": the fp32 gradient of the logits the loss's backward allocates while they are all still kept}."""
     tokens = batch_size * seq_len
     layer = tokens * layer_bytes_per_token(a, seq_len, p, attention)
     head = tokens * head_bytes_per_token(a, p)
     return {"none": a.num_layers * layer + head,
-            "full": a.num_layers * tokens * p * a.hidden_size + layer + head}
+            "full": a.num_layers * tokens * p * a.hidden_size + layer + head, "loss": tokens * 4 * a.vocab_size}

@@ -129,7 +129,7 @@ def test_zero_stages_shard_what_they_should(stage, sharded):
     eight, four = 2 * (n + 4 * math.ceil(n / 256)), 2 * (n // 2 + 4 * math.ceil(n / 128))
     assert d["optimizer_ckptq_8bit"] == (eight // 4 if stage else eight)
     assert d["optimizer_ckptq_4bit"] == (four // 4 if stage else four)
-    assert r.totals["ckptq_8bit"]["model_states"] == sum(v for k, v in d.items() if not k.startswith(("optimizer", "act"))) \
+    assert r.totals["ckptq_8bit"]["model_states"] == sum(v for k, v in d.items() if not k.startswith(("optimizer", "act", "loss"))) \
         + d["optimizer_ckptq_8bit"]
     assert d["activations"] is None and r.notes  # a bare count has no widths
 
@@ -141,6 +141,21 @@ def test_fp32_has_no_master_copy_and_disk_sizes():
     assert r.checkpoint["fp32"] == 12 * n
     assert r.checkpoint["ckptq_8bit"] == 4 * n + 2 * (n + 4 * math.ceil(n / 256))
     assert r.checkpoint["ckptq_8bit_compressed"] < r.checkpoint["ckptq_8bit"]
+
+
+@pytest.mark.parametrize("batch,seq,dominant", [(8, 256, "activations"), (1, 1, "gradients")])
+def test_peak_is_the_backward_start_or_its_end(tmp_path, batch, seq, dominant):
+    """A step peaks at the start of the backward (activations + the loss's gradient, no gradients yet) or
+    at its end (all gradients, no activations); with gradient accumulation both coexist."""
+    r = estimate(_write(tmp_path, {"model_type": "llama", **SMALL}), Setup(batch, seq, precision="fp32"))
+    d, t = r.per_device, r.totals["adamw_fp32"]
+    held = d["weights"] + d["optimizer_adamw_fp32"]
+    live = d["activations"] + d["loss_backward"]
+    assert d["loss_backward"] == batch * seq * 4 * 300
+    assert t["peak"] == held + (live if dominant == "activations" else d["gradients"])
+    assert (live > d["gradients"]) == (dominant == "activations")
+    assert t["accumulating"] == held + d["gradients"] + live
+    assert t["peak_checkpointed"] < t["peak"] or dominant == "gradients"
 
 
 def test_stage3_gathers_root_and_layers(tmp_path):

@@ -5,9 +5,8 @@
    bytes of the live tensors (AdamW fp32, and ckptq AdamW8bit's real 8-bit state); activations are the
    distinct storages the forward hands to autograd (``torch.autograd.graph.saved_tensors_hooks``) plus the
    logits the model returns; the peak of the second step comes from torch's ``MemTracker``
-   (``torch.distributed._tools.mem_tracker``), with and without activation checkpointing. The estimate's
-   peak is its total, a sum of components that do not all coexist (gradients grow as activations are
-   freed): an upper bound.
+   (``torch.distributed._tools.mem_tracker``), with and without activation checkpointing, against the
+   estimate's ``peak`` (gradients freed after each step, as ``zero_grad(set_to_none=True)`` does).
 2. Model states under bf16 mixed precision against DeepSpeed's ``estimate_zero2_model_states_mem_needs`` /
    ``estimate_zero3_model_states_mem_needs`` (what the ``*_all_cold`` printers call), without offload,
    for the same parameter counts. DeepSpeed also counts an fp32 copy of each rank's gradient partition
@@ -122,7 +121,7 @@ def estimated(name: str, batch: int, seq: int) -> dict:
         _config(name).to_json_file(os.path.join(d, "config.json"))
         r = estimate(d, Setup(batch, seq, precision="fp32", attention="sdpa"))
     e = {k: r.per_device[k] for k in ("weights", "gradients", "optimizer_adamw_fp32", "optimizer_ckptq_8bit", "activations")}
-    return e | {"peak": r.totals["adamw_fp32"]["no_checkpointing"], "peak_checkpointed": r.totals["adamw_fp32"]["checkpointing"]}
+    return e | {k: r.totals["adamw_fp32"][k] for k in ("peak", "peak_checkpointed")}
 
 
 def _mb(n) -> str:
