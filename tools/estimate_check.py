@@ -32,7 +32,7 @@ from ckptq.estimate_params import model_from_config
 CONFIGS = {  # dropout off, as in current fine-tuning recipes (CPU kernels keep dropout masks at 4 bytes)
     "gpt2-30M": ("GPT2Config", dict(n_layer=6, n_embd=384, n_head=6, vocab_size=50257, n_positions=1024,
                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
-    "llama-40M": ("LlamaConfig", dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
+    "llama-50M": ("LlamaConfig", dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
                                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)),
 }
 
