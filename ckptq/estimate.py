@@ -115,9 +115,7 @@ def _gathered(model: Model, setup: Setup, p: int) -> int:
     """Stage 3: weights of the units being all-gathered at once, in the compute dtype, and their unsharded
     gradients before the reduce-scatter. FSDP2-style wrapping assumed: the root unit (embeddings, final
     norm, head) stays gathered through the forward, one decoder layer runs and the next is prefetched."""
-    if setup.zero_stage < 3 or setup.world_size == 1:
-        return 0
-    if model.arch is None:
+    if setup.zero_stage < 3 or setup.world_size == 1 or model.arch is None:
         return 0
     layer = sum(math.prod(s) for _, s in model.layer_tensors(0))
     root = model.count - layer * model.arch.num_layers
@@ -171,7 +169,8 @@ def estimate(spec: str, setup: Setup | None = None) -> Estimate:
         rows |= {"activations": acts["none"], "activations_checkpointed": acts["full"], "loss_backward": acts["loss"]}
     else:
         rows |= {"activations": None, "activations_checkpointed": None, "loss_backward": None}
-        notes.append("activations need the architecture: give a config.json instead of a parameter count")
+        notes.append("activations (and under ZeRO-3 the weights gathered for compute) need the architecture: "
+                     "give a config.json instead of a parameter count")
     totals = {opt: _totals(rows, rows[f"optimizer_{opt}"]) for opt in ("adamw_fp32", "ckptq_8bit", "ckptq_4bit")}
     arch = asdict(model.arch) if model.arch else None
     return Estimate(model.source, model.count, arch, asdict(setup), rows, totals, _disk(model, setup), notes)
