@@ -250,3 +250,59 @@ def _format_info(r: dict) -> str:
     ex = r["exact"]
     lines.append(f"  {'exact (kept)':<18}{ex['tensors']:>8}{'':>14}{'':>14}{_mb(ex['stored_bytes']):>14}")
     return "\n".join(lines)
+
+
+# --- ckptq estimate ---------------------------------------------------------------------------------
+
+@main.command()
+@click.argument("model")
+@click.option("-b", "--batch-size", default=1, show_default=True, type=int, help="Sequences per device per micro-step.")
+@click.option("-s", "--seq-len", type=int, help="Tokens per sequence (default: the config's context, at most 2048).")
+@click.option("-n", "--world-size", default=1, show_default=True, type=int, help="Devices the run is sharded over.")
+@click.option("--zero-stage", default=0, show_default=True, type=int,
+              help="What is sharded over the devices: 0 nothing (DDP), 1 optimizer state and master weights, "
+                   "2 + gradients, 3 + weights (FSDP full sharding).")
+@click.option("--precision", type=click.Choice(["bf16-mixed", "fp16-mixed", "fp32"]), default="bf16-mixed",
+              show_default=True, help="Mixed: 16-bit weights, gradients and activations, fp32 master weights.")
+@click.option("--attention", type=click.Choice(["sdpa", "eager"]), default="sdpa", show_default=True,
+              help="sdpa: flash/memory-efficient kernels (no seq² scores kept); eager: scores kept.")
+@click.option("--block-size", default=ops.DEFAULT_BLOCK_SIZE, show_default=True, type=int, help="8-bit state: as in convert.")
+@click.option("--min-size", default=4096, show_default=True, type=int, help="8-bit state: as in convert.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts (bytes).")
+def estimate(model, batch_size, seq_len, world_size, zero_stage, precision, attention, block_size, min_size, as_json):
+    """What full fine-tuning with AdamW needs per device, and its checkpoint on disk. MODEL: a Hugging Face
+    config.json, a folder holding one, or a parameter count (7B, 125M)."""
+    from .estimate import Setup, estimate as run
+
+    setup = Setup(batch_size, seq_len, world_size, zero_stage, precision, attention, block_size, min_size)
+    r = _run(run, model, setup)
+    click.echo(json.dumps(r.as_dict(), indent=1) if as_json else _format_estimate(r.as_dict()))
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:,.2f} GiB"
+
+
+def _format_estimate(r: dict) -> str:
+    s, d, t, c = r["setup"], r["per_device"], r["totals"], r["checkpoint"]
+    tokens = f"batch {s['batch_size']} x {s['seq_len']} tokens" if s["seq_len"] else f"batch {s['batch_size']}"
+    lines = [f"{r['model']}: {r['params']:,} parameters; {s['precision']}, {tokens}, {s['attention']} attention, "
+             f"{s['world_size']} device(s), ZeRO stage {s['zero_stage']}",
+             f"per device{'':<24}{'AdamW fp32':>14}{'ckptq 8-bit':>14}{'4-bit':>14}"]
+    opts = ("adamw_fp32", "ckptq_8bit", "ckptq_4bit")
+    single = [("weights", "weights (compute dtype)"), ("master_weights", "master weights (fp32)"),
+              ("gradients", "gradients"), ("gathered_for_compute", "gathered for compute"),
+              ("activations", "activations"), ("activations_checkpointed", "activations, checkpointed"),
+              ("loss_backward", "loss backward (transient)")]
+    for key, label in single[:4]:
+        lines.append(f"  {label:<32}{_gib(d[key]):>14}")
+    lines.append(f"  {'optimizer state':<32}" + "".join(f"{_gib(d['optimizer_' + o]):>14}" for o in opts))
+    for key, label in single[4:]:
+        lines.append(f"  {label:<32}{_gib(d[key]):>14}")
+    for key, label in (("model_states", "total, model states"), ("peak", "peak of a step"),
+                       ("peak_checkpointed", "peak, act. checkpointing"), ("accumulating", "peak, grad. accumulation"),
+                       ("accumulating_checkpointed", "peak, accum. + act. ckpt.")):
+        lines.append(f"  {label:<32}" + "".join(f"{_gib(t[o][key]):>14}" for o in opts))
+    lines.append(f"checkpoint on disk (all ranks): fp32 {_gib(c['fp32'])}, ckptq 8-bit {_gib(c['ckptq_8bit'])} "
+                 f"({_gib(c['ckptq_8bit_compressed'])} with --compress), 4-bit {_gib(c['ckptq_4bit'])}")
+    return "\n".join(lines + [f"note: {n}" for n in r["notes"]])

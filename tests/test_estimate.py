@@ -1,0 +1,223 @@
+"""ckptq estimate: parameter counts against models transformers builds from the same configs, the arithmetic
+against hand-computed cases, activations against the tensors a real forward keeps, and bad input."""
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptq.cli import main
+from ckptq.errors import InputError, UsageError
+from ckptq.estimate import Setup, estimate, moment_bytes, state_bytes
+from ckptq.estimate_activations import activation_bytes, layer_bytes_per_token
+from ckptq.estimate_params import Architecture, Model, model_from_config, parse_count
+
+SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
+CONFIGS = {
+    "gpt2 tied": ("GPT2Config", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=128)),
+    "gpt2 untied, n_inner": ("GPT2Config", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=128,
+                                                n_inner=96, tie_word_embeddings=False)),
+    "llama gqa": ("LlamaConfig", dict(SMALL, num_key_value_heads=2)),
+    "llama biases, tied, head_dim": ("LlamaConfig", dict(SMALL, attention_bias=True, mlp_bias=True,
+                                                         tie_word_embeddings=True, head_dim=32)),
+    "mistral mqa": ("MistralConfig", dict(SMALL, num_key_value_heads=1)),
+    "qwen2 tied": ("Qwen2Config", dict(SMALL, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(SMALL, num_key_value_heads=2, head_dim=24)),
+}
+
+
+def run(*args):
+    return CliRunner().invoke(main, ["estimate", *map(str, args)], catch_exceptions=False)
+
+
+def _hf_config(name, **overrides):
+    transformers = pytest.importorskip("transformers")
+    cls, kwargs = CONFIGS[name]
+    return getattr(transformers, cls)(**{**kwargs, **overrides})
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_parameter_shapes_match_transformers(name):
+    from transformers import AutoModelForCausalLM
+
+    config = _hf_config(name)
+    model = AutoModelForCausalLM.from_config(config)
+    counted = model_from_config(config.to_dict())
+    assert dict(counted.tensors) == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert counted.count == sum(p.numel() for p in model.parameters())
+
+
+def _saved_bytes(model, ids) -> int:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("name,attention,dtype", [("llama gqa", "sdpa", torch.float32), ("llama gqa", "eager", torch.bfloat16),
+                                                  ("qwen3", "sdpa", torch.bfloat16), ("qwen3", "eager", torch.float32),
+                                                  ("gpt2 tied", "eager", torch.float32)])
+def test_one_layer_keeps_what_the_formula_says(name, attention, dtype):
+    """What one decoder layer keeps for the backward, measured as the difference between 2- and 1-layer
+    models (the head, ids and rotary tables cancel), equals the estimate to the byte."""
+    from transformers import AutoModelForCausalLM
+
+    batch, seq = 2, 24
+    ids = torch.randint(0, 300, (batch, seq), generator=torch.Generator().manual_seed(0))
+    saved = {}
+    for layers in (1, 2):
+        key = "n_layer" if name.startswith("gpt2") else "num_hidden_layers"
+        config = _hf_config(name, **{key: layers}, **({"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+                                                     if name.startswith("gpt2") else {}))
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).to(dtype).train()
+        saved[layers] = _saved_bytes(model, ids)
+    arch = model_from_config(config.to_dict()).arch
+    p = torch.finfo(dtype).bits // 8
+    assert saved[2] - saved[1] == batch * seq * layer_bytes_per_token(arch, seq, p, attention)
+
+
+def _gpt(**changes) -> Architecture:
+    fields = dict(model_type="gpt2", family="gpt2", vocab_size=1000, hidden_size=512, num_layers=3, num_heads=8,
+                  num_kv_heads=8, head_dim=64, intermediate_size=2048, max_positions=1024, tied_embeddings=True,
+                  qkv_bias=True, out_bias=True, mlp_bias=True, qk_norm=False, dropout=True, attention_dropout=True,
+                  hidden_act="gelu")
+    return Architecture(**{**fields, **changes})
+
+
+def test_activations_reduce_to_korthikanti():
+    """GPT layer, 16-bit, dropout, eager attention: s*b*h*(34 + 5*a*s/h) bytes (Korthikanti et al. 2022), plus
+    the two LayerNorms' fp32 mean and 1/std per token, which the paper leaves out."""
+    a, s, b = _gpt(), 128, 3
+    korthikanti = 34 * 512 + 5 * 8 * s + 2 * 8
+    assert layer_bytes_per_token(a, s, 2, "eager") == korthikanti
+    head = 2 * 512 + 8 + 2 * 512 + 6 * 1000 + 512  # final LayerNorm, head input, logits + fp32 log-probs, embedding dropout
+    acts = activation_bytes(a, b, s, 2, "eager")
+    assert acts["none"] == s * b * (3 * korthikanti + head)
+    assert acts["full"] == s * b * (3 * 2 * 512 + korthikanti + head)  # inputs + one layer recomputed
+    # SDPA (flash): no s^2 scores or their dropout; an fp32 log-sum-exp per head instead
+    assert layer_bytes_per_token(a, s, 2, "sdpa") == korthikanti - 5 * 8 * s + 4 * 8
+
+
+def test_quantized_state_sizes():
+    assert moment_bytes(1000, 8, 256) == 1000 + 4 * 4
+    assert moment_bytes(1001, 4, 128) == 501 + 4 * 8  # two codes per byte, the last one half used
+    model = Model("hand", 64 * 256 + 100 + 64 * 100, (("w", (64, 256)), ("b", (100,)), ("odd", (64, 100))))
+    eight = 2 * (16384 + 4 * 64) + 8 * 100 + 2 * (6400 + 4 * 25)  # "b" is below min_size 4096: fp32 state
+    assert state_bytes(model, 8, 256, 4096, rows_whole=False) == eight
+    # FSDP2: a tensor whose rows are not whole blocks keeps fp32 state ("odd": rows of 100)
+    assert state_bytes(model, 8, 256, 4096, rows_whole=True) == 2 * (16384 + 4 * 64) + 8 * 100 + 8 * 6400
+
+
+@pytest.mark.parametrize("stage,sharded", [(0, ()), (1, ("master_weights", "opt")), (2, ("master_weights", "opt", "gradients")),
+                                           (3, ("master_weights", "opt", "gradients", "weights"))])
+def test_zero_stages_shard_what_they_should(stage, sharded):
+    r = estimate("1000M", Setup(world_size=4, zero_stage=stage))
+    n, d = 10**9, r.per_device
+    full = {"weights": 2 * n, "master_weights": 4 * n, "gradients": 2 * n, "opt": 8 * n}
+    for key, value in full.items():
+        got = d["optimizer_adamw_fp32"] if key == "opt" else d[key]
+        assert got == (value // 4 if key in sharded else value), key
+    eight, four = 2 * (n + 4 * math.ceil(n / 256)), 2 * (n // 2 + 4 * math.ceil(n / 128))
+    assert d["optimizer_ckptq_8bit"] == (eight // 4 if stage else eight)
+    assert d["optimizer_ckptq_4bit"] == (four // 4 if stage else four)
+    assert r.totals["ckptq_8bit"]["model_states"] == sum(v for k, v in d.items() if not k.startswith(("optimizer", "act", "loss"))) \
+        + d["optimizer_ckptq_8bit"]
+    assert d["activations"] is None and r.notes  # a bare count has no widths
+
+
+def test_fp32_has_no_master_copy_and_disk_sizes():
+    r = estimate("2B", Setup(precision="fp32"))
+    n = 2 * 10**9
+    assert r.per_device["weights"] == 4 * n and r.per_device["master_weights"] == 0 and r.per_device["gradients"] == 4 * n
+    assert r.checkpoint["fp32"] == 12 * n
+    assert r.checkpoint["ckptq_8bit"] == 4 * n + 2 * (n + 4 * math.ceil(n / 256))
+    assert r.checkpoint["ckptq_8bit_compressed"] < r.checkpoint["ckptq_8bit"]
+
+
+@pytest.mark.parametrize("batch,seq,dominant", [(8, 256, "activations"), (1, 1, "gradients")])
+def test_peak_is_the_backward_start_or_its_end(tmp_path, batch, seq, dominant):
+    """A step peaks at the start of the backward (activations + the loss's gradient, no gradients yet) or
+    at its end (all gradients, no activations); with gradient accumulation both coexist."""
+    r = estimate(_write(tmp_path, {"model_type": "llama", **SMALL}), Setup(batch, seq, precision="fp32"))
+    d, t = r.per_device, r.totals["adamw_fp32"]
+    held = d["weights"] + d["optimizer_adamw_fp32"]
+    live = d["activations"] + d["loss_backward"]
+    assert d["loss_backward"] == batch * seq * 4 * 300
+    assert t["peak"] == held + (live if dominant == "activations" else d["gradients"])
+    assert (live > d["gradients"]) == (dominant == "activations")
+    assert t["accumulating"] == held + d["gradients"] + live
+    assert t["peak_checkpointed"] < t["peak"] or dominant == "gradients"
+
+
+def test_stage3_gathers_root_and_layers(tmp_path):
+    config = {"model_type": "llama", **SMALL}
+    r = estimate(_write(tmp_path, config), Setup(world_size=2, zero_stage=3, seq_len=16))
+    model = model_from_config(config)
+    layer = sum(math.prod(s) for _, s in model.layer_tensors(0))
+    root = model.count - 2 * layer
+    assert r.per_device["gathered_for_compute"] == 2 * (root + 2 * layer) + 2 * layer
+
+
+def _write(tmp_path, obj):
+    path = tmp_path / "config.json"
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(path)
+
+
+def test_parse_count():
+    assert parse_count("7B") == 7 * 10**9 and parse_count("125m") == 125 * 10**6 and parse_count("1.5b") == 15 * 10**8
+    assert parse_count("350k") == 350_000 and parse_count("1000") == 1000 and parse_count("config.json") is None
+
+
+def test_cli_table_json_and_folder(tmp_path):
+    config = {"model_type": "qwen2", **SMALL, "num_key_value_heads": 2, "max_position_embeddings": 512}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = run(tmp_path, "-b", 2, "-n", 4, "--zero-stage", 2, "--json")
+    assert r.exit_code == 0
+    rep = json.loads(r.output)
+    assert rep["params"] == model_from_config(config).count and rep["setup"]["seq_len"] == 512
+    assert rep["per_device"]["activations"] > rep["per_device"]["activations_checkpointed"] > 0
+    text = run(tmp_path / "config.json", "-s", 128).output
+    assert "x 128 tokens" in text and "optimizer state" in text and "checkpoint on disk" in text
+    assert "note: sequence length 4096 is beyond the model's context (512)" in run(tmp_path, "-s", 4096).output
+
+
+@pytest.mark.parametrize("args,message", [
+    (("/nonexistent/config.json",), "no such config.json"),
+    (("{bad json",), "not valid JSON"),
+    (("[1, 2]",), "holds a JSON object"),
+    (({"model_type": "bert", "hidden_size": 8},), "model_type 'bert' is not one ckptq can count"),
+    (({"model_type": "llama", "hidden_size": 64},), "llama config needs vocab_size, intermediate_size"),
+    (({"model_type": "llama", **SMALL, "hidden_size": -64},), "hidden_size is -64"),
+    (({"model_type": "llama", **SMALL, "num_key_value_heads": 3},), "num_key_value_heads 3"),
+    (("0B",), "must be positive"),
+    (("7B", "-b", -1), "batch size -1 must be at least 1"),
+    (("7B", "-n", 0), "world size 0 must be at least 1"),
+    (("7B", "-s", -5), "sequence length -5"),
+    (("7B", "--zero-stage", 4), "ZeRO stage 4"),
+    (("7B", "--block-size", 100), "block"),
+])
+def test_cli_bad_input_is_one_line(args, message, tmp_path):
+    first = args[0]
+    if isinstance(first, dict) or (isinstance(first, str) and first[:1] in "{["):
+        args = (_write(tmp_path, first),) + args[1:]
+    r = run(*args)
+    assert r.exit_code != 0
+    assert r.output.startswith("ckptq: error: ") and r.output.count("\n") == 1 and message in r.output, r.output
+    assert "Traceback" not in r.output
+
+
+def test_library_errors_are_typed(tmp_path):
+    with pytest.raises(InputError):
+        estimate(_write(tmp_path, {"model_type": "gpt2"}))
+    with pytest.raises(UsageError):
+        estimate("7B", Setup(precision="int8"))
