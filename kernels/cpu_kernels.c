@@ -1,4 +1,4 @@
-/* ckptq CPU kernels: blockwise 8-bit quantize / dequantize and the fused 8-bit Adam step.
+/* ckptq CPU kernels: blockwise 8-bit and 4-bit quantize / dequantize and the fused low-bit Adam step.
  *
  * Plain C99 with no Python or torch headers, compiled on first use by ckptq/kernels/native.py
  * (`cc -O3 -march=native -ffp-contract=off -fno-math-errno`) and called through ctypes, which releases
@@ -21,6 +21,12 @@
  * in increasing value order, 0..65535, inside the bucket) of the first y above the one threshold that may
  * lie inside the bucket (65536: none). Then code = base + (rank(y) >= limit); a NaN y gets 255, as
  * torch.searchsorted gives it. ckptq.kernels.lut.native_code_table builds the table from the thresholds.
+ *
+ * 4-bit codes (bits == 4): the same table over 15 thresholds gives codes 0..15 (NaN: 15), packed two to a
+ * byte, element 2i in the low nibble of byte i (ckptq.kernels.contract). Every block starts on a byte
+ * (block sizes are even), so each block is unpacked into a byte per code, run through the 8-bit loops,
+ * and packed again. The codebooks the caller passes for decoding always have 256 entries (a 16-entry
+ * one padded with zeros), so the 8-bit decoders serve 4-bit codes unchanged.
  */
 #define _DEFAULT_SOURCE  /* madvise under -std=c99 */
 #include <math.h>
@@ -38,6 +44,7 @@
 
 #define MAX_BLOCK 4096  /* the largest block size; the exported functions return -1 for others */
 #define BAD_BLOCK(block) ((block) < 1 || (block) > MAX_BLOCK)
+#define BAD_BITS(bits, block) (((bits) != 8 && (bits) != 4) || ((bits) == 4 && (block) % 2))
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
@@ -112,14 +119,15 @@ static inline float block_absmax(const float *x, int len) {
     return mx > 0x7F800000u ? NAN : u2f(mx);
 }
 
-/* codes[i] = #{t < x[i] / safe} via the code table (see the header). */
-static inline void encode_block(const float *x, int len, float absmax, const int32_t *table, uint8_t *codes) {
+/* codes[i] = #{t < x[i] / safe} via the code table (see the header); a NaN gets nan_code (the top code). */
+static inline void encode_block(const float *x, int len, float absmax, const int32_t *table, uint8_t *codes,
+                                int nan_code) {
     float safe = absmax > 0.0f ? absmax : 1.0f;  /* NaN > 0 is false: a NaN block divides by 1 */
     int i = 0;
 #if VEC
     const __m512 vsafe = _mm512_set1_ps(safe);
     const __m512i bias = _mm512_set1_epi32(32768), low16 = _mm512_set1_epi32(0xFFFF);
-    const __m512i low17 = _mm512_set1_epi32(0x1FFFF), one = _mm512_set1_epi32(1), nan_code = _mm512_set1_epi32(255);
+    const __m512i low17 = _mm512_set1_epi32(0x1FFFF), one = _mm512_set1_epi32(1), vnan = _mm512_set1_epi32(nan_code);
     for (; i + VEC <= len; i += VEC) {
         __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), vsafe);
         __m512i bits = _mm512_castps_si512(y);
@@ -127,7 +135,7 @@ static inline void encode_block(const float *x, int len, float absmax, const int
         __m512i rank = _mm512_and_si512(_mm512_xor_si512(bits, _mm512_srai_epi32(bits, 31)), low16);
         __m512i code = _mm512_srai_epi32(e, 17);
         code = _mm512_mask_add_epi32(code, _mm512_cmpge_epi32_mask(rank, _mm512_and_si512(e, low17)), code, one);
-        code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), nan_code);
+        code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), vnan);
         _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
     }
 #endif
@@ -137,8 +145,29 @@ static inline void encode_block(const float *x, int len, float absmax, const int
         int32_t e = table[(bits >> 16) + 32768];
         int32_t rank = (bits ^ (bits >> 31)) & 0xFFFF;  /* negative floats: larger bits, smaller value */
         int32_t code = (e >> 17) + (rank >= (e & 0x1FFFF));
-        codes[i] = y != y ? 255 : (uint8_t)code;
+        codes[i] = y != y ? (uint8_t)nan_code : (uint8_t)code;
     }
+}
+
+/* 4-bit layout: len codes (each < 16) -> ceil(len / 2) bytes, and back. */
+static inline void pack_nibbles(const uint8_t *codes, int len, uint8_t *packed) {
+    int half = len / 2;
+    for (int i = 0; i < half; i++) packed[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
+    if (len % 2) packed[half] = codes[len - 1];
+}
+
+static inline void unpack_nibbles(const uint8_t *packed, int len, uint8_t *codes) {
+    int half = len / 2;
+    for (int i = 0; i < half; i++) {
+        codes[2 * i] = packed[i] & 15;
+        codes[2 * i + 1] = packed[i] >> 4;
+    }
+    if (len % 2) codes[len - 1] = packed[half] & 15;
+}
+
+/* Where a block's codes are read and written: in place for 8 bits, a byte-per-code buffer for 4. */
+static inline uint8_t *block_codes(uint8_t *codes, int64_t off, int bits, uint8_t *buf) {
+    return bits == 8 ? codes + off : buf;
 }
 
 #if VEC
@@ -194,16 +223,19 @@ static inline __m512 gather_codebook(const uint8_t *codes, const float *qmap) {
 }
 #endif
 
-/* Quantize elements [0, n) of src (dtype F32/BF16/F16) into codes [n] and absmax [ceil(n / block)]. */
+/* Quantize elements [0, n) of src (dtype F32/BF16/F16) into codes [n * bits / 8, rounded up] and absmax
+ * [ceil(n / block)]. */
 int ckq_quantize(const void *src, int dtype, int64_t n, int64_t block, int sqrt_transform,
-                  const int32_t *table, uint8_t *codes, float *absmax) {
-    if (BAD_BLOCK(block)) return -1;
+                  const int32_t *table, uint8_t *codes, float *absmax, int bits) {
+    if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
     float buf[block];  /* C99 VLA: a block's values, at most 16 KB */
+    uint8_t cbuf[block];  /* a block's 4-bit codes, one per byte, before packing */
     for (int64_t b = 0, off = 0; off < n; b++, off += block) {
         int len = (int)(n - off < block ? n - off : block);
         load_block(src, off, len, dtype, sqrt_transform, buf);
         absmax[b] = block_absmax(buf, len);
-        encode_block(buf, len, absmax[b], table, codes + off);
+        encode_block(buf, len, absmax[b], table, block_codes(codes, off, bits, cbuf), (1 << bits) - 1);
+        if (bits == 4) pack_nibbles(cbuf, len, codes + off / 2);
     }
     return 0;
 }
@@ -220,11 +252,12 @@ static void prefault(void *p, int64_t bytes) {
 #endif
 }
 
-/* out[i] = qmap[codes[i]] * absmax[i / block], then squared for the sqrt transform; fresh_out: out is
- * newly mapped memory, prefault it. */
+/* out[i] = qmap[code i] * absmax[i / block], then squared for the sqrt transform; fresh_out: out is
+ * newly mapped memory, prefault it. qmap: 256 entries (a 4-bit codebook padded). */
 int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap, int64_t n, int64_t block,
-                    int sqrt_transform, float *out, int fresh_out) {
-    if (BAD_BLOCK(block)) return -1;
+                    int sqrt_transform, float *out, int fresh_out, int bits) {
+    if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
+    uint8_t cbuf[block];
     if (fresh_out) prefault(out, n * 4);
 #if DECODE64
     planes_t planes;
@@ -234,6 +267,10 @@ int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap,
         int len = (int)(n - off < block ? n - off : block);
         float a = absmax[b];
         const uint8_t *c = codes + off;
+        if (bits == 4) {
+            unpack_nibbles(codes + off / 2, len, cbuf);
+            c = cbuf;
+        }
         float *o = out + off;
         int i = 0;
 #if VEC
@@ -299,16 +336,18 @@ static inline void step16(const vstep_t *k, __m512 s, __m512 m, __m512 xs, const
 
 /* The fused step on elements [0, n) (whole blocks but the last): param p (dtype pdtype) in place,
  * grad g (gdtype), first moment m (a ratio state when m_ratio), second moment v (sqrt transform), and
- * with amsgrad (x.codes != NULL) max_exp_avg_sq x (sqrt transform). Operation order as step_rows. */
+ * with amsgrad (x.codes != NULL) max_exp_avg_sq x (sqrt transform), all with codes of ``bits`` bits
+ * (decode maps of 256 entries). Operation order as step_rows. */
 int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int64_t block,
                    uint8_t *m_codes, float *m_absmax, const float *m_decode, const int32_t *m_table, int m_ratio,
                    uint8_t *v_codes, float *v_absmax, const float *v_decode, const int32_t *v_table,
                    uint8_t *x_codes, float *x_absmax, const float *x_decode, const int32_t *x_table,
-                   const float *h, int maximize) {
-    if (BAD_BLOCK(block)) return -1;
+                   const float *h, int maximize, int bits) {
+    if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
     /* one block each of param, grad (other dtypes than fp32), new ratio, sqrt(v), sqrt(vmax): C99 VLAs,
-     * 5 KB at the default block size, 80 KB at 4096 */
+     * 5 KB at the default block size, 80 KB at 4096; and with 4-bit codes, each state's codes unpacked */
     float pb[block], gb[block], mb[block], sb[block], xb[block];
+    uint8_t mcb[block], vcb[block], xcb[block];
     const float decay = h[DECAY], l2 = h[L2], omb1 = h[OMB1], beta2 = h[BETA2], omb2 = h[OMB2], eps = h[EPS];
     const float neg_step = h[NEG_STEP], bc2_sqrt = h[BC2_SQRT], dec_eps = h[DECODE_EPS], enc_eps = h[ENCODE_EPS];
     const int amsgrad = x_codes != 0;
@@ -332,7 +371,13 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
         if (pdtype != F32) load_block(p, off, len, pdtype, 0, pb);
         if (gdtype != F32) load_block(g, off, len, gdtype, 0, gb);
         const float ma = m_absmax[b], va = v_absmax[b], xa = amsgrad ? x_absmax[b] : 0.0f;
-        const uint8_t *mc = m_codes + off, *vc = v_codes + off, *xc = amsgrad ? x_codes + off : 0;
+        const uint8_t *mc = block_codes(m_codes, off, bits, mcb), *vc = block_codes(v_codes, off, bits, vcb);
+        const uint8_t *xc = amsgrad ? block_codes(x_codes, off, bits, xcb) : 0;
+        if (bits == 4) {
+            unpack_nibbles(m_codes + off / 2, len, mcb);
+            unpack_nibbles(v_codes + off / 2, len, vcb);
+            if (amsgrad) unpack_nibbles(x_codes + off / 2, len, xcb);
+        }
         int i = 0;
 #if VEC
         const __m512 vma = _mm512_set1_ps(ma), vva = _mm512_set1_ps(va), vxa = _mm512_set1_ps(xa);
@@ -386,13 +431,19 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
             uint16_t *d = (uint16_t *)p + off;
             for (int i = 0; i < len; i++) d[i] = f32_to_f16(pb[i]);
         }
+        const int top = (1 << bits) - 1;
         m_absmax[b] = block_absmax(mb, len);
-        encode_block(mb, len, m_absmax[b], m_table, m_codes + off);
+        encode_block(mb, len, m_absmax[b], m_table, block_codes(m_codes, off, bits, mcb), top);
         v_absmax[b] = block_absmax(sb, len);
-        encode_block(sb, len, v_absmax[b], v_table, v_codes + off);
+        encode_block(sb, len, v_absmax[b], v_table, block_codes(v_codes, off, bits, vcb), top);
         if (amsgrad) {
             x_absmax[b] = block_absmax(xb, len);
-            encode_block(xb, len, x_absmax[b], x_table, x_codes + off);
+            encode_block(xb, len, x_absmax[b], x_table, block_codes(x_codes, off, bits, xcb), top);
+        }
+        if (bits == 4) {
+            pack_nibbles(mcb, len, m_codes + off / 2);
+            pack_nibbles(vcb, len, v_codes + off / 2);
+            if (amsgrad) pack_nibbles(xcb, len, x_codes + off / 2);
         }
     }
     return 0;
