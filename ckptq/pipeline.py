@@ -44,11 +44,13 @@ class ConvertReport:
         return asdict(self) | {"ratio": self.ratio}
 
 
-def default_output(src: str) -> str:
-    """``ckpt.pt`` -> ``ckpt.q8.safetensors`` (beside the input)."""
-    base = os.path.basename(src.rstrip("/"))
+def default_output(src: str, bits: int = 8) -> str:
+    """``ckpt.pt`` -> ``ckpt.q8.safetensors`` (``ckpt.q4.safetensors`` for 4 bits; ``ckpt.q8.safetensors``
+    -> ``ckpt.q4.safetensors``), beside the input."""
+    base = os.path.basename(src.rstrip("/")).removesuffix(format.INDEX_SUFFIX)
     stem = base.rsplit(".", 1)[0] if "." in base else base
-    return os.path.join(os.path.dirname(src), stem + ".q8" + format.SUFFIX)
+    stem = stem.removesuffix(".q8").removesuffix(".q4")
+    return os.path.join(os.path.dirname(src), f"{stem}.q{bits}{format.SUFFIX}")
 
 
 def default_expanded(src: str) -> str:
@@ -56,17 +58,17 @@ def default_expanded(src: str) -> str:
     base = os.path.basename(src.rstrip("/"))
     for suffix in (format.INDEX_SUFFIX, format.SUFFIX, ".pt", ".pth", ".bin"):
         base = base.removesuffix(suffix)
-    return os.path.join(os.path.dirname(src), base.removesuffix(".q8") + ".fp32.pt")
+    return os.path.join(os.path.dirname(src), base.removesuffix(".q8").removesuffix(".q4") + ".fp32.pt")
 
 
 def mark_states(obj: Any, key: str | None, block_size: int, min_size: int, backend: str, device: str,
-                report: ConvertReport) -> plan.Plan:
-    """Replace each optimizer state tensor the plan stores 8-bit by a lazy PendingQuant, in place; fill
-    the report's counts. ``info`` runs the same, so that it shows what convert would do."""
+                report: ConvertReport, bits: int = 8) -> plan.Plan:
+    """Replace each optimizer state tensor the plan stores 8-bit (or 4-bit) by a lazy PendingQuant, in
+    place; fill the report's counts. ``info`` runs the same, so that it shows what convert would do."""
     p = plan.make_plan(obj, key, min_size)
     for d in p.quantized:
         _node(obj, d.path)[d.key] = tree.PendingQuant(d.tensor, d.key, block_size, backend, divisor=d.divisor,
-                                                      device=device)
+                                                      device=device, bits=bits)
     report.optimizers = len(p.optimizers)
     report.quantized = len(p.quantized)
     report.kept_small = len(p.kept("below min_size"))
@@ -104,7 +106,8 @@ def convert(
     src: str,
     dst: str | None = None,
     *,
-    block_size: int = ops.DEFAULT_BLOCK_SIZE,
+    bits: int = 8,
+    block_size: int | None = None,
     min_size: int = DEFAULT_MIN_SIZE,
     key: str | None = None,
     device: str = "auto",
@@ -115,38 +118,43 @@ def convert(
     trust: bool = False,
     progress: Progress | None = None,
 ) -> ConvertReport:
-    """Convert a torch.save checkpoint's fp32 optimizer states to blockwise 8-bit; write safetensors.
+    """Convert a torch.save checkpoint's fp32 optimizer states to blockwise 8-bit (``bits=4``: 4-bit) codes;
+    write safetensors. A converted ckptq file as ``src`` is decoded and re-encoded at ``bits`` (8 <-> 4).
+    ``block_size``: values per scale (default 256 for 8 bits, 128 for 4).
 
     Returns a :class:`ConvertReport`. The input is never modified; the output appears only complete.
     """
     t0 = time.perf_counter()
+    block_size = ops.default_block_size(bits) if block_size is None else block_size
     ops.check_block_size(block_size)
     if min_size < 1:
         raise UsageError(f"min size {min_size} must be at least 1")
     if checkpoint.is_dcp_folder(src):
+        if bits != 8:
+            raise UsageError(f"{bits}-bit state is not supported for DCP folders yet; convert them with --bits 8")
         return _convert_dcp(src, dst, block_size, min_size, force, t0)
     if os.path.isdir(src):
         raise InputError(f"{src} is a folder but not a torch.distributed.checkpoint folder (no .metadata); "
                          "pass a torch.save file or a DCP folder")
-    dst = dst or default_output(src)
+    dst = dst or default_output(src, bits)
     _not_the_input(src, dst)
     if compression is not None and not (1 <= compression.level <= 22 and compression.threads >= 0):
         raise UsageError(f"compression level {compression.level} / threads {compression.threads}: use a level "
                          "from 1 to 22 and threads >= 0 (0 = all cores)")
-    if format.is_safetensors(src):
-        raise InputError(f"{src} is a safetensors file; convert takes torch.save checkpoints "
-                         "(for a converted file use `ckptq info` or `ckptq expand`)")
     device = _quant_device(device)
-    obj = checkpoint.load_torch(src, trust=trust)  # memory-mapped on the CPU; states visit `device` one at a time
+    if format.is_safetensors(src):  # a converted file (8 <-> 4 bits): its states decoded to their dtype
+        obj = format.Converted(src).read(dequantize=True)
+    else:  # memory-mapped on the CPU; states visit `device` one at a time
+        obj = checkpoint.load_torch(src, trust=trust)
     report = ConvertReport(src, [], os.path.getsize(src), 0)
     report.foreign_states = foreign.to_torch(obj)  # bitsandbytes / torchao 8-bit state, decoded first
-    marked = mark_states(obj, key, block_size, min_size, backend, device, report)
+    marked = mark_states(obj, key, block_size, min_size, backend, device, report, ops.check_bits(bits))
     if report.optimizers == 0:
         raise InputError(f"{src}: no optimizer state dict (a dict with 'state' and 'param_groups') found; "
                          "name it with --key if it is stored differently")
     if not report.quantized:
         raise InputError(f"{src}: {nothing_to_quantize(marked, min_size)}")
-    info = convert_info(report, block_size, min_size)
+    info = convert_info(report, block_size, min_size) | ({"bits": bits} if bits != 8 else {})
     report.outputs = save(obj, dst, info=info, force=force, compression=compression,
                           max_shard_size=max_shard_size, progress=progress)
     report.output_bytes = sum(os.path.getsize(p) for p in report.outputs)
