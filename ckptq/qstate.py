@@ -54,6 +54,7 @@ CODEBOOKS = {
     "power-signed-1.5": functools.partial(codebooks.power_map, True, 1.5),
     "4bit-power-signed-1.5": functools.partial(codebooks.power_map, True, 1.5, 4),
     "4bit-power-unsigned-3": functools.partial(codebooks.power_map, False, 3.0, 4),
+    "4bit-lloyd-gaussian": codebooks.lloyd_gaussian_map,
 }
 RATIO_TRANSFORM = "ratio"
 TRANSFORMS = ops.TRANSFORMS + (RATIO_TRANSFORM,)
@@ -140,14 +141,16 @@ DEFAULT_POLICY = Policy("power-signed-2.5", "none")
 RATIO_POLICY = Policy("power-signed-1.5", RATIO_TRANSFORM)
 RATIO_PAIRS = {"exp_avg": "exp_avg_sq"}  # state key -> the divisor's state key
 
-# 4-bit states (16-entry codebooks), chosen the same way; figures in README ("4-bit state").
+# 4-bit states (16-entry codebooks), chosen the same way; figures in README. The update error is the
+# ratio's own rounding error, so the ratio gets the codebook of least squared error for block-normalized
+# Gaussian values (codebooks.LLOYD_GAUSSIAN_128); second moments keep the sqrt transform on (k/15)**3.
 POLICIES_4BIT = {
     "exp_avg": Policy("4bit-power-signed-1.5", "none"),
     "exp_avg_sq": Policy("4bit-power-unsigned-3", "sqrt"),
     "max_exp_avg_sq": Policy("4bit-power-unsigned-3", "sqrt"),
 }
 DEFAULT_POLICY_4BIT = Policy("4bit-power-signed-1.5", "none")
-RATIO_POLICY_4BIT = Policy("4bit-power-signed-1.5", RATIO_TRANSFORM)
+RATIO_POLICY_4BIT = Policy("4bit-lloyd-gaussian", RATIO_TRANSFORM)
 
 
 def policy_for(key: str, bits: int = 8) -> Policy:
