@@ -24,9 +24,10 @@
  *
  * 4-bit codes (bits == 4): the same table over 15 thresholds gives codes 0..15 (NaN: 15), packed two to a
  * byte, element 2i in the low nibble of byte i (ckptq.kernels.contract). Every block starts on a byte
- * (block sizes are even), so each block is unpacked into a byte per code, run through the 8-bit loops,
- * and packed again. The codebooks the caller passes for decoding always have 256 entries (a 16-entry
- * one padded with zeros), so the 8-bit decoders serve 4-bit codes unchanged.
+ * (block sizes are even). Encoding packs pairs of codes as it goes; decoding splits nibbles and looks
+ * them up in a 16-entry codebook held in one AVX-512 register (vpermps), or per element in scalar C.
+ * The codebooks the caller passes for decoding always have 256 entries (a 16-entry one padded with
+ * zeros), so table reads stay in bounds whatever the width.
  */
 #define _DEFAULT_SOURCE  /* madvise under -std=c99 */
 #include <math.h>
@@ -119,9 +120,11 @@ static inline float block_absmax(const float *x, int len) {
     return mx > 0x7F800000u ? NAN : u2f(mx);
 }
 
-/* codes[i] = #{t < x[i] / safe} via the code table (see the header); a NaN gets nan_code (the top code). */
+/* code i = #{t < x[i] / safe} via the code table (see the header); a NaN gets the top code. 8 bits:
+ * codes[i]; 4 bits: the nibble i % 2 of codes[i / 2] (an odd len leaves the last high nibble 0). */
 static inline void encode_block(const float *x, int len, float absmax, const int32_t *table, uint8_t *codes,
-                                int nan_code) {
+                                int bits) {
+    const int nan_code = (1 << bits) - 1;
     float safe = absmax > 0.0f ? absmax : 1.0f;  /* NaN > 0 is false: a NaN block divides by 1 */
     int i = 0;
 #if VEC
@@ -130,44 +133,34 @@ static inline void encode_block(const float *x, int len, float absmax, const int
     const __m512i low17 = _mm512_set1_epi32(0x1FFFF), one = _mm512_set1_epi32(1), vnan = _mm512_set1_epi32(nan_code);
     for (; i + VEC <= len; i += VEC) {
         __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), vsafe);
-        __m512i bits = _mm512_castps_si512(y);
-        __m512i e = _mm512_i32gather_epi32(_mm512_add_epi32(_mm512_srai_epi32(bits, 16), bias), table, 4);
-        __m512i rank = _mm512_and_si512(_mm512_xor_si512(bits, _mm512_srai_epi32(bits, 31)), low16);
+        __m512i ybits = _mm512_castps_si512(y);
+        __m512i e = _mm512_i32gather_epi32(_mm512_add_epi32(_mm512_srai_epi32(ybits, 16), bias), table, 4);
+        __m512i rank = _mm512_and_si512(_mm512_xor_si512(ybits, _mm512_srai_epi32(ybits, 31)), low16);
         __m512i code = _mm512_srai_epi32(e, 17);
         code = _mm512_mask_add_epi32(code, _mm512_cmpge_epi32_mask(rank, _mm512_and_si512(e, low17)), code, one);
         code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), vnan);
-        _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+        if (bits == 8) {
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+        } else {  /* as 8 qwords c[2k] | c[2k+1] << 32: fold the high dword onto bits 4..7, keep the low byte */
+            __m512i pair = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
+            _mm_storel_epi64((__m128i *)(codes + i / 2), _mm512_cvtepi64_epi8(pair));
+        }
     }
 #endif
     for (; i < len; i++) {
         float y = x[i] / safe;
-        int32_t bits = (int32_t)f2u(y);
-        int32_t e = table[(bits >> 16) + 32768];
-        int32_t rank = (bits ^ (bits >> 31)) & 0xFFFF;  /* negative floats: larger bits, smaller value */
+        int32_t ybits = (int32_t)f2u(y);
+        int32_t e = table[(ybits >> 16) + 32768];
+        int32_t rank = (ybits ^ (ybits >> 31)) & 0xFFFF;  /* negative floats: larger bits, smaller value */
         int32_t code = (e >> 17) + (rank >= (e & 0x1FFFF));
-        codes[i] = y != y ? (uint8_t)nan_code : (uint8_t)code;
+        uint8_t c = y != y ? (uint8_t)nan_code : (uint8_t)code;
+        if (bits == 8)
+            codes[i] = c;
+        else if (i % 2 == 0)  /* the vector loop stops at a multiple of 16: i starts even */
+            codes[i / 2] = c;
+        else
+            codes[i / 2] |= (uint8_t)(c << 4);
     }
-}
-
-/* 4-bit layout: len codes (each < 16) -> ceil(len / 2) bytes, and back. */
-static inline void pack_nibbles(const uint8_t *codes, int len, uint8_t *packed) {
-    int half = len / 2;
-    for (int i = 0; i < half; i++) packed[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
-    if (len % 2) packed[half] = codes[len - 1];
-}
-
-static inline void unpack_nibbles(const uint8_t *packed, int len, uint8_t *codes) {
-    int half = len / 2;
-    for (int i = 0; i < half; i++) {
-        codes[2 * i] = packed[i] & 15;
-        codes[2 * i + 1] = packed[i] >> 4;
-    }
-    if (len % 2) codes[len - 1] = packed[half] & 15;
-}
-
-/* Where a block's codes are read and written: in place for 8 bits, a byte-per-code buffer for 4. */
-static inline uint8_t *block_codes(uint8_t *codes, int64_t off, int bits, uint8_t *buf) {
-    return bits == 8 ? codes + off : buf;
 }
 
 #if VEC
@@ -221,7 +214,24 @@ static inline void decode64(const planes_t *t, const uint8_t *codes, __m512 out[
 static inline __m512 gather_codebook(const uint8_t *codes, const float *qmap) {
     return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes)), qmap, 4);
 }
+
+/* qmap[code] for the 32 4-bit codes of packed[0..15], as two vectors of 16 fp32 in element order: a
+ * 16-entry codebook fits one register (q16), so vpermps looks the codes up without a gather. Low and high
+ * nibbles are split into two vectors of bytes 0..15, then interleaved back into element order. */
+static inline void decode32_nibbles(const uint8_t *packed, __m512 q16, __m512 out[2]) {
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)packed));
+    __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(bytes, 4);
+    out[0] = _mm512_permutexvar_ps(_mm512_permutex2var_epi32(lo, first, hi), q16);
+    out[1] = _mm512_permutexvar_ps(_mm512_permutex2var_epi32(lo, second, hi), q16);
+}
 #endif
+
+/* Code i of a block's codes: 8 bits, codes[i]; 4 bits, nibble i % 2 of codes[i / 2]. */
+static inline int code_at(const uint8_t *codes, int i, int bits) {
+    return bits == 8 ? codes[i] : (codes[i >> 1] >> ((i & 1) * 4)) & 15;
+}
 
 /* Quantize elements [0, n) of src (dtype F32/BF16/F16) into codes [n * bits / 8, rounded up] and absmax
  * [ceil(n / block)]. */
@@ -229,13 +239,11 @@ int ckq_quantize(const void *src, int dtype, int64_t n, int64_t block, int sqrt_
                   const int32_t *table, uint8_t *codes, float *absmax, int bits) {
     if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
     float buf[block];  /* C99 VLA: a block's values, at most 16 KB */
-    uint8_t cbuf[block];  /* a block's 4-bit codes, one per byte, before packing */
     for (int64_t b = 0, off = 0; off < n; b++, off += block) {
         int len = (int)(n - off < block ? n - off : block);
         load_block(src, off, len, dtype, sqrt_transform, buf);
         absmax[b] = block_absmax(buf, len);
-        encode_block(buf, len, absmax[b], table, block_codes(codes, off, bits, cbuf), (1 << bits) - 1);
-        if (bits == 4) pack_nibbles(cbuf, len, codes + off / 2);
+        encode_block(buf, len, absmax[b], table, codes + off * bits / 8, bits);
     }
     return 0;
 }
@@ -257,7 +265,6 @@ static void prefault(void *p, int64_t bytes) {
 int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap, int64_t n, int64_t block,
                     int sqrt_transform, float *out, int fresh_out, int bits) {
     if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
-    uint8_t cbuf[block];
     if (fresh_out) prefault(out, n * 4);
 #if DECODE64
     planes_t planes;
@@ -266,17 +273,24 @@ int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap,
     for (int64_t b = 0, off = 0; off < n; b++, off += block) {
         int len = (int)(n - off < block ? n - off : block);
         float a = absmax[b];
-        const uint8_t *c = codes + off;
-        if (bits == 4) {
-            unpack_nibbles(codes + off / 2, len, cbuf);
-            c = cbuf;
-        }
+        const uint8_t *c = codes + off * bits / 8;
         float *o = out + off;
         int i = 0;
 #if VEC
         const __m512 va = _mm512_set1_ps(a);
+        if (bits == 4) {
+            const __m512 q16 = _mm512_loadu_ps(qmap);
+            for (; i + 32 <= len; i += 32) {
+                __m512 q[2];
+                decode32_nibbles(c + i / 2, q16, q);
+                for (int r = 0; r < 2; r++) {
+                    __m512 v = _mm512_mul_ps(q[r], va);
+                    _mm512_storeu_ps(o + i + 16 * r, sqrt_transform ? _mm512_mul_ps(v, v) : v);
+                }
+            }
+        }
 #if DECODE64
-        for (; i + 64 <= len; i += 64) {
+        for (; bits == 8 && i + 64 <= len; i += 64) {
             __m512 q[4];
             decode64(&planes, c + i, q);
             for (int r = 0; r < 4; r++) {
@@ -285,13 +299,13 @@ int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap,
             }
         }
 #endif
-        for (; i + VEC <= len; i += VEC) {
+        for (; bits == 8 && i + VEC <= len; i += VEC) {
             __m512 v = _mm512_mul_ps(gather_codebook(c + i, qmap), va);
             _mm512_storeu_ps(o + i, sqrt_transform ? _mm512_mul_ps(v, v) : v);
         }
 #endif
         for (; i < len; i++) {
-            float v = qmap[c[i]] * a;
+            float v = qmap[code_at(c, i, bits)] * a;
             o[i] = sqrt_transform ? v * v : v;
         }
     }
@@ -345,9 +359,8 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
                    const float *h, int maximize, int bits) {
     if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
     /* one block each of param, grad (other dtypes than fp32), new ratio, sqrt(v), sqrt(vmax): C99 VLAs,
-     * 5 KB at the default block size, 80 KB at 4096; and with 4-bit codes, each state's codes unpacked */
+     * 5 KB at the default block size, 80 KB at 4096 */
     float pb[block], gb[block], mb[block], sb[block], xb[block];
-    uint8_t mcb[block], vcb[block], xcb[block];
     const float decay = h[DECAY], l2 = h[L2], omb1 = h[OMB1], beta2 = h[BETA2], omb2 = h[OMB2], eps = h[EPS];
     const float neg_step = h[NEG_STEP], bc2_sqrt = h[BC2_SQRT], dec_eps = h[DECODE_EPS], enc_eps = h[ENCODE_EPS];
     const int amsgrad = x_codes != 0;
@@ -356,6 +369,10 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
         _mm512_set1_ps(dec_eps), _mm512_set1_ps(l2), _mm512_set1_ps(omb1), _mm512_set1_ps(beta2),
         _mm512_set1_ps(omb2), _mm512_set1_ps(bc2_sqrt), _mm512_set1_ps(eps), _mm512_set1_ps(decay),
         _mm512_set1_ps(neg_step), _mm512_set1_ps(enc_eps), m_ratio, maximize, amsgrad};
+#endif
+#if VEC  /* 4-bit codebooks, one register each (the first 16 entries of the decode maps) */
+    const __m512 m16 = _mm512_loadu_ps(m_decode), v16 = _mm512_loadu_ps(v_decode);
+    const __m512 x16 = amsgrad ? _mm512_loadu_ps(x_decode) : v16;
 #endif
 #if DECODE64
     planes_t m_planes, v_planes, x_planes;
@@ -371,18 +388,26 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
         if (pdtype != F32) load_block(p, off, len, pdtype, 0, pb);
         if (gdtype != F32) load_block(g, off, len, gdtype, 0, gb);
         const float ma = m_absmax[b], va = v_absmax[b], xa = amsgrad ? x_absmax[b] : 0.0f;
-        const uint8_t *mc = block_codes(m_codes, off, bits, mcb), *vc = block_codes(v_codes, off, bits, vcb);
-        const uint8_t *xc = amsgrad ? block_codes(x_codes, off, bits, xcb) : 0;
-        if (bits == 4) {
-            unpack_nibbles(m_codes + off / 2, len, mcb);
-            unpack_nibbles(v_codes + off / 2, len, vcb);
-            if (amsgrad) unpack_nibbles(x_codes + off / 2, len, xcb);
-        }
+        const int64_t at = off * bits / 8;  /* the block's first code byte */
+        const uint8_t *mc = m_codes + at, *vc = v_codes + at, *xc = amsgrad ? x_codes + at : 0;
         int i = 0;
 #if VEC
         const __m512 vma = _mm512_set1_ps(ma), vva = _mm512_set1_ps(va), vxa = _mm512_set1_ps(xa);
+        if (bits == 4) {
+            for (; i + 32 <= len; i += 32) {
+                __m512 sq[2], mq[2], xq[2] = {vxa, vxa};
+                decode32_nibbles(vc + i / 2, v16, sq);
+                decode32_nibbles(mc + i / 2, m16, mq);
+                if (amsgrad) decode32_nibbles(xc + i / 2, x16, xq);
+                for (int r = 0; r < 2; r++) {
+                    int j = i + 16 * r;
+                    step16(&k, _mm512_mul_ps(sq[r], vva), _mm512_mul_ps(mq[r], vma),
+                           amsgrad ? _mm512_mul_ps(xq[r], vxa) : vxa, gf + j, pf + j, mb + j, sb + j, xb + j);
+                }
+            }
+        }
 #if DECODE64
-        for (; i + 64 <= len; i += 64) {
+        for (; bits == 8 && i + 64 <= len; i += 64) {
             __m512 sq[4], mq[4], xq[4];
             decode64(&v_planes, vc + i, sq);
             decode64(&m_planes, mc + i, mq);
@@ -394,7 +419,7 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
             }
         }
 #endif
-        for (; i + VEC <= len; i += VEC) {
+        for (; bits == 8 && i + VEC <= len; i += VEC) {
             __m512 s = _mm512_mul_ps(gather_codebook(vc + i, v_decode), vva);
             __m512 m = _mm512_mul_ps(gather_codebook(mc + i, m_decode), vma);
             __m512 xs = amsgrad ? _mm512_mul_ps(gather_codebook(xc + i, x_decode), vxa) : vxa;
@@ -402,8 +427,8 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
         }
 #endif
         for (; i < len; i++) {
-            float s = v_decode[vc[i]] * va;  /* sqrt(v) as stored */
-            float m = m_decode[mc[i]] * ma;
+            float s = v_decode[code_at(vc, i, bits)] * va;  /* sqrt(v) as stored */
+            float m = m_decode[code_at(mc, i, bits)] * ma;
             if (m_ratio) m = m * (s + dec_eps);
             float gi = maximize ? -gf[i] : gf[i];
             float pi = pf[i];
@@ -413,7 +438,7 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
             float snew = sqrtf(v);
             float denom_root = snew;
             if (amsgrad) {
-                float xs = x_decode[xc[i]] * xa;
+                float xs = x_decode[code_at(xc, i, bits)] * xa;
                 float vmax = xs * xs;
                 vmax = (vmax != vmax || v != v) ? NAN : (vmax > v ? vmax : v);  /* torch.maximum */
                 denom_root = sqrtf(vmax);
@@ -431,19 +456,13 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
             uint16_t *d = (uint16_t *)p + off;
             for (int i = 0; i < len; i++) d[i] = f32_to_f16(pb[i]);
         }
-        const int top = (1 << bits) - 1;
         m_absmax[b] = block_absmax(mb, len);
-        encode_block(mb, len, m_absmax[b], m_table, block_codes(m_codes, off, bits, mcb), top);
+        encode_block(mb, len, m_absmax[b], m_table, m_codes + at, bits);
         v_absmax[b] = block_absmax(sb, len);
-        encode_block(sb, len, v_absmax[b], v_table, block_codes(v_codes, off, bits, vcb), top);
+        encode_block(sb, len, v_absmax[b], v_table, v_codes + at, bits);
         if (amsgrad) {
             x_absmax[b] = block_absmax(xb, len);
-            encode_block(xb, len, x_absmax[b], x_table, block_codes(x_codes, off, bits, xcb), top);
-        }
-        if (bits == 4) {
-            pack_nibbles(mcb, len, m_codes + off / 2);
-            pack_nibbles(vcb, len, v_codes + off / 2);
-            if (amsgrad) pack_nibbles(xcb, len, x_codes + off / 2);
+            encode_block(xb, len, x_absmax[b], x_table, x_codes + at, bits);
         }
     }
     return 0;
