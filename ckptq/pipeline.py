@@ -143,7 +143,7 @@ def convert(
                          "from 1 to 22 and threads >= 0 (0 = all cores)")
     device = _quant_device(device)
     if format.is_safetensors(src):  # a converted file (8 <-> 4 bits): its states decoded to their dtype
-        obj = format.Converted(src).read(dequantize=True)
+        obj = _read_converted(src, bits)
     else:  # memory-mapped on the CPU; states visit `device` one at a time
         obj = checkpoint.load_torch(src, trust=trust)
     report = ConvertReport(src, [], os.path.getsize(src), 0)
@@ -160,6 +160,25 @@ def convert(
     report.output_bytes = sum(os.path.getsize(p) for p in report.outputs)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _widths(node: Any) -> set:
+    """The code widths of the quantized nodes in a converted file's skeleton."""
+    if isinstance(node, dict):
+        q = node.get("quantized")
+        return {q.get("bits")} if isinstance(q, dict) else set().union(*map(_widths, node.values()))
+    return set().union(*map(_widths, node)) if isinstance(node, list) else set()
+
+
+def _read_converted(src: str, bits: int) -> Any:
+    """A converted file's contents with its states decoded, to be re-encoded at ``bits``; InputError if
+    they already have that width (quantizing them again would only add rounding)."""
+    conv = format.Converted(src)
+    if _widths(conv.skeleton) == {bits}:
+        other = 4 if bits == 8 else 8
+        raise InputError(f"{src} already holds {bits}-bit states; `ckptq convert --bits {other}` re-encodes them "
+                         f"at {other} bits, `ckptq expand` turns them back into fp32")
+    return conv.read(dequantize=True)
 
 
 def _convert_dcp(src: str, dst: str | None, block_size: int, min_size: int, force: bool, t0: float) -> ConvertReport:

@@ -69,6 +69,8 @@ def test_convert_between_8_and_4_bits_equals_expand_then_convert(trained_ckpt, t
         for key, q in direct[pid].items():
             assert q["bits"] == 4 and torch.equal(q["codes"], via[pid][key]["codes"])
             assert torch.equal(q["absmax"], via[pid][key]["absmax"])
+    r = run("convert", tmp_path / "ckpt.q4.safetensors", "--bits", 4, "-o", tmp_path / "same.safetensors")
+    assert r.exit_code == 3 and "already holds 4-bit states" in r.output and not (tmp_path / "same.safetensors").exists()
     back = str(tmp_path / "back.q8.safetensors")
     assert run("convert", tmp_path / "ckpt.q4.safetensors", "-o", back, "--min-size", 1000).exit_code == 0
     assert {q["bits"] for st in _quantized(ckptq.load(back)["optimizer"]["state"]).values() for q in st.values()} == {8}
