@@ -35,28 +35,29 @@ def _moments(exp_avg: dict, exp_avg_sq: dict, max_exp_avg_sq: dict | None) -> li
     plain or the ratio to exp_avg_sq (``ckptq.optim_io`` requantizes anything else on load)."""
     moments = [QState.from_dict(sharded.unplace(d)) for d in (exp_avg, exp_avg_sq, max_exp_avg_sq) if d is not None]
     m = moments[0]
-    if len({q.block_size for q in moments}) != 1 or any(q.transform != "sqrt" for q in moments[1:]) \
+    if len({(q.block_size, q.bits) for q in moments}) != 1 or any(q.transform != "sqrt" for q in moments[1:]) \
             or not (m.transform == "none" or (m.is_ratio and m.divisor == "exp_avg_sq")):
-        raise UsageError("the 8-bit moments of a parameter must share one block size, store second moments as "
-                         "sqrt and the first as plain values or the ratio to exp_avg_sq; reload the state dict")
+        raise UsageError("the quantized moments of a parameter must share one block size and bit width, store "
+                         "second moments as sqrt and the first as plain values or the ratio to exp_avg_sq; "
+                         "reload the state dict")
     return moments
 
 
 def step_quantized(param, grad, exp_avg: dict, exp_avg_sq: dict, max_exp_avg_sq: dict | None, hyper: torch.Tensor, *,
                    ratio_eps: float, maximize: bool = False, backend: str = "auto") -> None:
-    """One 8-bit Adam(W) step on one parameter, in place (param, and each qstate dict's codes/absmax).
+    """One 8-bit or 4-bit Adam(W) step on one parameter, in place (param, and each qstate dict's codes/absmax).
 
     ``hyper``: ``hyper_tensor``'s fp32 [8]. Afterwards exp_avg holds ratio codes with eps' = ``ratio_eps``
-    (``qstate.ratio_eps`` of this step) on ``qstate.RATIO_POLICY``'s codebook, whatever it held before.
+    (``qstate.ratio_eps`` of this step) on ``qstate.ratio_policy``'s codebook, whatever it held before.
     """
     moments = _moments(exp_avg, exp_avg_sq, max_exp_avg_sq)
     m = moments[0]
-    encode = m.qmap if m.is_ratio else qstate.RATIO_POLICY.qmap().to(m.qmap.device)
+    encode = m.qmap if m.is_ratio else qstate.ratio_policy(m.bits).qmap().to(m.qmap.device)
     eps = torch.tensor((m.eps if m.is_ratio else 0.0, ratio_eps), dtype=torch.float32, device=hyper.device)
     h = torch.cat((hyper.to(torch.float32)[:8], eps))  # + decode eps', encode eps'
     inputs = [ops.StepInput(q.codes, q.absmax, q.qmap, encode if i == 0 else q.qmap) for i, q in enumerate(moments)]
     ops.adam8bit_step(param, grad, inputs, h, block_size=m.block_size, ratio=m.is_ratio, maximize=maximize,
-                      backend=backend)
+                      backend=backend, bits=m.bits)
     exp_avg.update(qmap=encode, transform=qstate.RATIO_TRANSFORM, eps=float(ratio_eps), divisor="exp_avg_sq")
 
 

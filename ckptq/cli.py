@@ -103,9 +103,11 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 @main.command()
 @click.argument("src", type=click.Path())
-@click.option("-o", "--output", help="Output path (default: SRC with .q8.safetensors beside it).")
-@click.option("--block-size", default=ops.DEFAULT_BLOCK_SIZE, show_default=True, type=int,
-              help="Values per absmax scale: a power of two, 64..4096.")
+@click.option("-o", "--output", help="Output path (default: SRC with .q8.safetensors, or .q4, beside it).")
+@click.option("--bits", default=8, show_default=True, type=int,
+              help="Code width of the moments: 8, or 4 (half the size; SRC may also be a converted file).")
+@click.option("--block-size", default=None, type=int,
+              help="Values per absmax scale: a power of two, 64..4096 (default: 256 for 8 bits, 128 for 4).")
 @click.option("--min-size", default=4096, show_default=True, type=int,
               help="States with fewer elements stay exact fp32.")
 @click.option("--key", help="'/'-separated key path of the optimizer state dict (default: found by shape).")
@@ -123,25 +125,26 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 @click.option("--replace", is_flag=True, help=_REPLACE_HELP.format(what="fp32 original"))
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, no summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def convert(src, output, block_size, min_size, key, device, compress, level, threads, max_shard_size, trust,
+def convert(src, output, bits, block_size, min_size, key, device, compress, level, threads, max_shard_size, trust,
             force, replace, quiet, as_json):
-    """Convert the fp32 Adam moments in SRC to 8-bit: a torch.save file -> safetensors; a Trainer,
-    accelerate or Lightning checkpoint folder -> each optimizer file beside it (optimizer.pt ->
-    optimizer.q8.safetensors); a torch.distributed.checkpoint folder -> a DCP folder (SRC.q8; under
-    torchrun the ranks share the work)."""
+    """Convert the fp32 Adam moments in SRC to 8-bit (--bits 4: 4-bit): a torch.save file or a converted
+    file -> safetensors; a Trainer, accelerate or Lightning checkpoint folder -> each optimizer file beside
+    it (optimizer.pt -> optimizer.q8.safetensors); a torch.distributed.checkpoint folder -> a DCP folder
+    (SRC.q8; under torchrun the ranks share the work); a DeepSpeed ZeRO checkpoint -> its optimizer
+    partitions beside them."""
     from .pipeline import convert as run
 
     shard = _run(parse_size, max_shard_size) or None
     comp = Compression(level, threads) if compress else None
     with _progress(quiet or as_json, "convert") as progress:
-        r = _run(run, src, output, block_size=block_size, min_size=min_size, key=key, device=device,
+        r = _run(run, src, output, bits=bits, block_size=block_size, min_size=min_size, key=key, device=device,
                  compression=comp, max_shard_size=shard, force=force, trust=trust, replace=replace,
                  progress=progress)
     if as_json:
         click.echo(json.dumps(r.as_dict(), indent=1))
     elif not quiet:
         click.echo(f"wrote {', '.join(r.outputs)}: {_mb(r.output_bytes)} from {_mb(r.source_bytes)} "
-                   f"({r.ratio:.2f}x smaller) in {r.seconds:.1f} s; {r.quantized} states 8-bit, "
+                   f"({r.ratio:.2f}x smaller) in {r.seconds:.1f} s; {r.quantized} states {bits}-bit, "
                    f"{r.kept_small} small kept exact"
                    + (f"; read {r.foreign_states} params of bitsandbytes/torchao 8-bit state" if r.foreign_states else ""))
         _echo_removed(r.removed)

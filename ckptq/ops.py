@@ -1,5 +1,8 @@
 """The operations, declared once: blockwise quantize, dequantize, and the fused 8-bit Adam step.
 
+Every operation takes the code width ``bits``: 8 (one code per byte, 256-entry codebooks) or 4 (two codes
+per byte, 16-entry codebooks; layout in ``ckptq/kernels/contract.py``). Every backend serves both.
+
 Each public function here validates its inputs once, resolves the backend once, and hands flat,
 contiguous, already-checked tensors to one backend implementation in ``ckptq.kernels`` (signatures in
 ``ckptq/kernels/contract.py``):
@@ -32,23 +35,26 @@ import torch
 
 from .errors import UsageError
 from .kernels import backend_native, backend_torch, contract, cpu_runtime
-from .kernels.contract import KERNEL_DTYPES, StepFlags, StepState, midpoints, num_blocks
+from .kernels.contract import KERNEL_DTYPES, StepFlags, StepState, code_bytes, midpoints, num_blocks
 
 BACKENDS = ("auto", "torch", "native", "triton")  # the one place that knows which backends exist
 BLOCK_SIZES = tuple(2**k for k in range(6, 13))  # 64 ... 4096
 DEFAULT_BLOCK_SIZE = 256
 TRANSFORMS = ("none", "sqrt")
-SUPPORTED_BITS = (8,)  # code width; a 2**bits-entry codebook
+SUPPORTED_BITS = (8, 4)  # code width; a 2**bits-entry codebook
+# Block size by code width, chosen by update fidelity (tools/fidelity.py): 4-bit state at 128 keeps the
+# two moments at 1.0625 bytes per parameter.
+DEFAULT_BLOCK_SIZES = {8: DEFAULT_BLOCK_SIZE, 4: 128}
 
 ieee_sqrt, ieee_sqrt_into = backend_torch.ieee_sqrt, backend_torch.ieee_sqrt_into
 __all__ = ["quantize_blockwise", "dequantize_blockwise", "adam8bit_step", "adam_dense_step", "StepInput",
-           "resolve_backend", "midpoints", "num_blocks", "ieee_sqrt", "ieee_sqrt_into"]
+           "resolve_backend", "midpoints", "num_blocks", "code_bytes", "default_block_size", "ieee_sqrt", "ieee_sqrt_into"]
 
 
 class StepInput(NamedTuple):
     """One quantized moment of a param for ``adam8bit_step``."""
 
-    codes: torch.Tensor  # uint8 [n], flat and contiguous: rewritten in place
+    codes: torch.Tensor  # uint8 [code_bytes(n, bits)], flat and contiguous: rewritten in place
     absmax: torch.Tensor  # fp32 [ceil(n / block_size)], contiguous: rewritten in place
     qmap: torch.Tensor  # the codebook the stored codes refer to
     encode_qmap: torch.Tensor  # the codebook the new codes are written with
@@ -61,9 +67,14 @@ def check_block_size(block_size: int) -> int:
 
 
 def check_bits(bits: int) -> int:
-    if bits not in SUPPORTED_BITS:
-        raise UsageError(f"{bits}-bit codes are not supported; this ckptq writes {SUPPORTED_BITS} bits")
+    if type(bits) is not int or bits not in SUPPORTED_BITS:
+        raise UsageError(f"{bits}-bit codes are not supported; use bits={' or '.join(map(str, SUPPORTED_BITS))}")
     return bits
+
+
+def default_block_size(bits: int) -> int:
+    """The block size new states of this code width get unless told otherwise."""
+    return DEFAULT_BLOCK_SIZES[check_bits(bits)]
 
 
 def check_codebook(qmap: torch.Tensor, bits: int = 8) -> None:
@@ -73,23 +84,29 @@ def check_codebook(qmap: torch.Tensor, bits: int = 8) -> None:
         raise UsageError(f"codebook must be a float tensor of {2**bits} entries, got {got}")
 
 
-def check_quantized(codes, absmax, qmap, block_size: int, bits: int = 8) -> None:
-    """UsageError unless codes are uint8, absmax holds one float scale per block of ``block_size`` codes on the
-    same device, and ``qmap`` is a codebook of 2**bits entries: what every dequantize path relies on."""
+def check_quantized(codes, absmax, qmap, block_size: int, bits: int = 8, numel: int | None = None) -> int:
+    """UsageError unless codes are uint8 and hold ``numel`` codes of ``bits`` bits (default: as many as
+    fit), absmax holds one float scale per block of ``block_size`` codes on the same device, and ``qmap``
+    is a codebook of 2**bits entries: what every dequantize path relies on. Returns the element count."""
     check_block_size(block_size)
     check_bits(bits)
     check_codebook(qmap, bits)
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         raise UsageError(f"codes must be a uint8 tensor, got {getattr(codes, 'dtype', type(codes).__name__)}")
-    n_blocks = num_blocks(codes.numel(), block_size)
+    n = codes.numel() * 8 // bits if numel is None else numel
+    if code_bytes(n, bits) != codes.numel():
+        raise UsageError(f"{codes.numel()} bytes of codes cannot hold {n} {bits}-bit codes "
+                         f"({code_bytes(n, bits)} bytes); pass the element count of the quantized tensor")
+    n_blocks = num_blocks(n, block_size)
     if not isinstance(absmax, torch.Tensor) or not absmax.is_floating_point() or absmax.numel() != n_blocks:
         raise UsageError(
-            f"absmax must be float with {n_blocks} entries for {codes.numel()} codes in blocks of {block_size}, "
+            f"absmax must be float with {n_blocks} entries for {n} codes in blocks of {block_size}, "
             f"got {getattr(absmax, 'dtype', type(absmax).__name__)} with {getattr(absmax, 'numel', lambda: '?')()}; "
             "pass the absmax that quantize_blockwise returned"
         )
     if absmax.device != codes.device:
         raise UsageError(f"codes are on {codes.device} but absmax is on {absmax.device}; move them together")
+    return n
 
 
 def _check_transform(transform: str) -> bool:
@@ -149,9 +166,11 @@ def quantize_blockwise(x: torch.Tensor, qmap: torch.Tensor, block_size: int = DE
                        transform: str = "none", backend: str = "auto", bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` (any float dtype and shape) blockwise on the codebook ``qmap``.
 
-    Returns ``(codes, absmax)``: ``codes`` uint8 of shape ``[x.numel()]`` and ``absmax`` fp32 of shape
-    ``[ceil(numel / block_size)]``, both on ``x.device``. ``transform="sqrt"`` stores sqrt(x) (x >= 0).
-    NaN/Inf inputs follow the rounding contract (a NaN block's absmax is NaN; NaN codes are 255).
+    Returns ``(codes, absmax)``: ``codes`` uint8 of shape ``[x.numel()]`` (8 bits) or
+    ``[ceil(x.numel() / 2)]`` (4 bits, two codes per byte) and ``absmax`` fp32 of shape
+    ``[ceil(numel / block_size)]``, both on ``x.device``. ``qmap`` has 2**bits entries.
+    ``transform="sqrt"`` stores sqrt(x) (x >= 0). NaN/Inf inputs follow the rounding contract (a NaN
+    block's absmax is NaN; NaN codes are 2**bits - 1).
     """
     check_block_size(block_size)
     check_bits(bits)
@@ -166,9 +185,9 @@ def quantize_blockwise(x: torch.Tensor, qmap: torch.Tensor, block_size: int = DE
     if impl is not backend_torch and flat.dtype not in KERNEL_DTYPES:
         flat = flat.to(torch.float32)  # the rounding the reference applies chunk by chunk
     n = flat.numel()
-    codes = cpu_runtime.new_buffer(n, torch.uint8, flat.device)
+    codes = cpu_runtime.new_buffer(code_bytes(n, bits), torch.uint8, flat.device)
     absmax = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=flat.device)
-    impl.quantize(flat, thresholds, block_size, sqrt, codes, absmax)
+    impl.quantize(flat, thresholds, block_size, sqrt, codes, absmax, bits)
     return codes, absmax
 
 
@@ -184,36 +203,38 @@ def _output(out: torch.Tensor | None, n: int, device: torch.device) -> torch.Ten
 
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor,
                          block_size: int = DEFAULT_BLOCK_SIZE, transform: str = "none", backend: str = "auto",
-                         out: torch.Tensor | None = None, bits: int = 8) -> torch.Tensor:
-    """Inverse of :func:`quantize_blockwise`: fp32 tensor of shape ``[codes.numel()]``.
+                         out: torch.Tensor | None = None, bits: int = 8, numel: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_blockwise`: fp32 tensor of shape ``[numel]``.
 
-    Value = ``qmap[code] * absmax[block]``, squared afterwards when ``transform == "sqrt"``. With ``out``
-    (a contiguous fp32 tensor of ``codes.numel()`` elements on the codes' device) the result is written
+    Value = ``qmap[code] * absmax[block]``, squared afterwards when ``transform == "sqrt"``. ``numel``: the
+    number of codes (default ``codes.numel()``, for 4 bits ``2 * codes.numel()``: pass it for an odd count).
+    With ``out`` (a contiguous fp32 tensor of ``numel`` elements on the codes' device) the result is written
     there: reusing a buffer saves the page faults of a fresh allocation.
     """
-    check_quantized(codes, absmax, qmap, block_size, bits)
+    n = check_quantized(codes, absmax, qmap, block_size, bits, numel)
     sqrt = _check_transform(transform)
     flat = _flat(codes)
     name = resolve_backend(backend, flat.device)
     qmap = qmap.to(device=flat.device, dtype=torch.float32).contiguous()
     absmax = absmax.to(device=flat.device, dtype=torch.float32).reshape(-1).contiguous()
     fresh = out is None
-    out = _output(out, flat.numel(), flat.device)
-    _implementation(name).dequantize(flat, absmax, qmap, block_size, sqrt, out, fresh)
+    out = _output(out, n, flat.device)
+    _implementation(name).dequantize(flat, absmax, qmap, block_size, sqrt, out, fresh, bits)
     return out
 
 
-def _step_states(states: Sequence[StepInput], n: int, block_size: int, device) -> tuple[StepState, ...]:
+def _step_states(states: Sequence[StepInput], n: int, block_size: int, device, bits: int) -> tuple[StepState, ...]:
     """Check each moment against the param (n elements on ``device``) and build the kernels' view."""
     if len(states) not in (2, 3):
         raise UsageError(f"the Adam step takes 2 or 3 moments (exp_avg, exp_avg_sq[, max_exp_avg_sq]), got {len(states)}")
     out = []
     for i, s in enumerate(states):
-        check_quantized(s.codes, s.absmax, s.qmap, block_size)
-        check_codebook(s.encode_qmap)
-        if s.codes.numel() != n or s.codes.device != device:
-            raise UsageError(f"moment {i} holds {s.codes.numel()} codes on {s.codes.device} but the parameter has "
-                             f"{n} elements on {device}; its state does not belong to this parameter")
+        check_codebook(s.encode_qmap, bits)
+        if not isinstance(s.codes, torch.Tensor) or s.codes.numel() != code_bytes(n, bits) or s.codes.device != device:
+            raise UsageError(f"moment {i} holds {getattr(s.codes, 'numel', lambda: '?')()} code bytes on "
+                             f"{getattr(s.codes, 'device', '?')} but the parameter has {n} elements on {device} "
+                             f"({code_bytes(n, bits)} bytes at {bits} bits); its state does not belong to this parameter")
+        check_quantized(s.codes, s.absmax, s.qmap, block_size, bits, n)
         if s.codes.dim() != 1 or not s.codes.is_contiguous() or s.absmax.dtype != torch.float32 \
                 or not s.absmax.is_contiguous():
             raise UsageError(f"moment {i} must hold flat contiguous uint8 codes and contiguous float32 scales")
@@ -223,27 +244,29 @@ def _step_states(states: Sequence[StepInput], n: int, block_size: int, device) -
 
 
 def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[StepInput], hyper: torch.Tensor, *,
-                  block_size: int, ratio: bool, maximize: bool = False, backend: str = "auto") -> None:
-    """One fused 8-bit Adam(W) step on one parameter, in place: the param and each moment's codes/absmax.
+                  block_size: int, ratio: bool, maximize: bool = False, backend: str = "auto", bits: int = 8) -> None:
+    """One fused low-bit Adam(W) step on one parameter, in place: the param and each moment's codes/absmax.
+    ``bits``: the code width of every moment (8 or 4; codebooks of 2**bits entries).
 
     ``states``: exp_avg, exp_avg_sq and optionally max_exp_avg_sq (both stored as sqrt(v)); exp_avg's codes
     are ratios m / (sqrt(v) + decode_eps) when ``ratio``, plain values otherwise, and are always written
     back as ratios with encode_eps. ``hyper``: fp32 [10] (``ckptq.kernels.contract.HYPER_FIELDS``).
     """
     check_block_size(block_size)
+    check_bits(bits)
     p, g = _local(param, "the parameter"), _local(grad, "the gradient")
     if not p.is_floating_point() or not g.is_floating_point() or g.numel() != p.numel() or g.device != p.device:
         raise UsageError(f"the gradient ({g.dtype}, {g.numel()} elements on {g.device}) does not fit the parameter "
                          f"({p.dtype}, {p.numel()} elements on {p.device})")
     if hyper.numel() != len(contract.HYPER_FIELDS):
         raise UsageError(f"hyper must hold {len(contract.HYPER_FIELDS)} values ({', '.join(contract.HYPER_FIELDS)})")
-    kernel_states = _step_states(states, p.numel(), block_size, p.device)
+    kernel_states = _step_states(states, p.numel(), block_size, p.device, bits)
     name = resolve_backend(backend, p.device)
     impl = _implementation(name, (p.dtype, g.dtype), [s.thresholds for s in kernel_states])
     data = p.detach()
     flat = data.reshape(-1) if data.is_contiguous() else data.contiguous().view(-1)  # a copy only if strided
     h = hyper.to(device=p.device, dtype=torch.float32).contiguous()
-    impl.adam_step(flat, _flat(g), kernel_states, h, StepFlags(block_size, bool(ratio), bool(maximize)))
+    impl.adam_step(flat, _flat(g), kernel_states, h, StepFlags(block_size, bool(ratio), bool(maximize), bits))
     if not data.is_contiguous():
         data.copy_(flat.view(data.shape))
 

@@ -83,13 +83,18 @@ def check_flags(group: dict) -> None:
         )
 
 
-def check_options(block_size, min_size, backend) -> None:
+def check_options(block_size, min_size, backend, bits=8) -> int:
+    """Check ckptq's own options; returns the block size (``None``: the default for ``bits``)."""
+    if type(bits) is not int or bits not in ops.SUPPORTED_BITS:
+        raise ArgumentError(f"bits {bits!r} is not supported; use 8 or 4")
+    block_size = ops.DEFAULT_BLOCK_SIZES[bits] if block_size is None else block_size
     if block_size not in ops.BLOCK_SIZES:
         raise ArgumentError(f"block_size {block_size!r} is not supported; use a power of two from 64 to 4096")
     if not _is_number(min_size) or int(min_size) != min_size or min_size < 0:
         raise ArgumentError(f"min_size must be a whole number >= 0, got {min_size!r}")
     if backend not in ops.BACKENDS:
         raise ArgumentError(f"backend {backend!r} is not one of {', '.join(ops.BACKENDS)}")
+    return block_size
 
 
 def check_group(group: dict, where: str) -> None:

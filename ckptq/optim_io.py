@@ -86,7 +86,7 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
         _check_shape(p, pid, key, value)
     step = _step_value(pid, saved.get("step", 0))
     out = {"step": torch.tensor(step, dtype=torch.float32)}
-    if _steppable(moments):
+    if _steppable(moments, getattr(opt, "bits", 8)):
         out.update({k: _copy_qstate(v, p.device) for k, v in moments.items()})
         return out
     quantized = opt._quantized(p) or any(qstate.is_qstate(v) for v in moments.values())
@@ -113,14 +113,16 @@ def _step_value(pid, step) -> float:
     raise StateMismatchError(f"state 'step' of parameter {pid} is {shown}; expected a number or 1-element tensor")
 
 
-def _steppable(moments: dict) -> bool:
-    """Whether qstates can be stepped as stored: one block size (one fused step), sqrt second moments,
-    a plain or ratio first moment whose divisor is exp_avg_sq. Anything else is requantized."""
+def _steppable(moments: dict, bits: int) -> bool:
+    """Whether qstates can be stepped as stored: the optimizer's code width, one block size (one fused
+    step), sqrt second moments, a plain or ratio first moment whose divisor is exp_avg_sq. Anything else
+    is requantized (so an 8-bit state loads into a 4-bit optimizer and the other way round)."""
     if not all(qstate.is_qstate(v) for v in moments.values()):
         return False
     m = moments["exp_avg"]
     return (
-        len({v["block_size"] for v in moments.values()}) == 1
+        all(v["bits"] == bits for v in moments.values())
+        and len({v["block_size"] for v in moments.values()}) == 1
         and all(v["transform"] == "sqrt" for k, v in moments.items() if k != "exp_avg")
         and (m["transform"] == "none" or (m.get("divisor") == "exp_avg_sq" and isinstance(m.get("eps"), float)))
     )
@@ -148,10 +150,11 @@ def _check_shape(p: torch.Tensor, pid, key: str, value) -> None:
     if qstate.is_qstate(value):
         qstate.check_qstate(value)
         try:
-            ops.check_quantized(value["codes"], value["absmax"], value["qmap"], value["block_size"])
-        except (UsageError, KeyError) as e:
+            shape = tuple(value["shape"])
+            n_codes = ops.check_quantized(value["codes"], value["absmax"], value["qmap"], value["block_size"],
+                                          value["bits"], p.numel() if shape == tuple(p.shape) else None)
+        except (UsageError, KeyError, TypeError) as e:
             raise StateMismatchError(f"state {key!r} of parameter {pid} is malformed: {e}") from None
-        shape, n_codes = tuple(value["shape"]), value["codes"].numel()
     elif isinstance(value, torch.Tensor):
         shape, n_codes = tuple(value.shape), value.numel()
     else:

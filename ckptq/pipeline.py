@@ -52,11 +52,18 @@ def _no_zero_replace(replace: bool) -> None:
                          "check the result, then delete the originals yourself")
 
 
-def default_output(src: str) -> str:
-    """``ckpt.pt`` -> ``ckpt.q8.safetensors`` (beside the input)."""
-    base = os.path.basename(src.rstrip("/"))
+def _only_8bit(bits: int, what: str) -> None:
+    if bits != 8:
+        raise UsageError(f"{bits}-bit state is not supported for {what} yet; convert them with --bits 8")
+
+
+def default_output(src: str, bits: int = 8) -> str:
+    """``ckpt.pt`` -> ``ckpt.q8.safetensors`` (``ckpt.q4.safetensors`` for 4 bits; ``ckpt.q8.safetensors``
+    -> ``ckpt.q4.safetensors``), beside the input."""
+    base = os.path.basename(src.rstrip("/")).removesuffix(format.INDEX_SUFFIX)
     stem = base.rsplit(".", 1)[0] if "." in base else base
-    return os.path.join(os.path.dirname(src), stem + ".q8" + format.SUFFIX)
+    stem = stem.removesuffix(".q8").removesuffix(".q4")
+    return os.path.join(os.path.dirname(src), f"{stem}.q{bits}{format.SUFFIX}")
 
 
 def default_expanded(src: str) -> str:
@@ -64,17 +71,17 @@ def default_expanded(src: str) -> str:
     base = os.path.basename(src.rstrip("/"))
     for suffix in (format.INDEX_SUFFIX, format.SUFFIX, ".pt", ".pth", ".bin"):
         base = base.removesuffix(suffix)
-    return os.path.join(os.path.dirname(src), base.removesuffix(".q8") + ".fp32.pt")
+    return os.path.join(os.path.dirname(src), base.removesuffix(".q8").removesuffix(".q4") + ".fp32.pt")
 
 
 def mark_states(obj: Any, key: str | None, block_size: int, min_size: int, backend: str, device: str,
-                report: ConvertReport) -> plan.Plan:
-    """Replace each optimizer state tensor the plan stores 8-bit by a lazy PendingQuant, in place; fill
-    the report's counts. ``info`` runs the same, so that it shows what convert would do."""
+                report: ConvertReport, bits: int = 8) -> plan.Plan:
+    """Replace each optimizer state tensor the plan stores 8-bit (or 4-bit) by a lazy PendingQuant, in
+    place; fill the report's counts. ``info`` runs the same, so that it shows what convert would do."""
     p = plan.make_plan(obj, key, min_size)
     for d in p.quantized:
         _node(obj, d.path)[d.key] = tree.PendingQuant(d.tensor, d.key, block_size, backend, divisor=d.divisor,
-                                                      device=device)
+                                                      device=device, bits=bits)
     report.optimizers = len(p.optimizers)
     report.quantized = len(p.quantized)
     report.kept_small = len(p.kept("below min_size"))
@@ -112,7 +119,8 @@ def convert(
     src: str,
     dst: str | None = None,
     *,
-    block_size: int = ops.DEFAULT_BLOCK_SIZE,
+    bits: int = 8,
+    block_size: int | None = None,
     min_size: int = DEFAULT_MIN_SIZE,
     key: str | None = None,
     device: str = "auto",
@@ -124,44 +132,56 @@ def convert(
     replace: bool = False,
     progress: Progress | None = None,
 ) -> ConvertReport:
-    """Convert a torch.save checkpoint's fp32 optimizer states to blockwise 8-bit; write safetensors (a
-    Trainer / accelerate / Lightning checkpoint folder: its optimizer files, each beside its original).
+    """Convert a torch.save checkpoint's fp32 optimizer states to blockwise 8-bit (``bits=4``: 4-bit) codes;
+    write safetensors. A converted ckptq file as ``src`` is decoded and re-encoded at ``bits`` (8 <-> 4). A
+    Trainer / accelerate / Lightning checkpoint folder: its optimizer files, each beside its original.
+    ``block_size``: values per scale (default 256 for 8 bits, 128 for 4).
+
     Returns a :class:`ConvertReport`. The output appears only complete. The input is never modified, and
     kept unless ``replace``: then it is deleted once the output was written, synced, read back and checked."""
     t0 = time.perf_counter()
+    block_size = ops.default_block_size(bits) if block_size is None else block_size
     ops.check_block_size(block_size)
     if min_size < 1:
         raise UsageError(f"min size {min_size} must be at least 1")
     if zero.is_zero_checkpoint(src):
         _no_zero_replace(replace)
+        _only_8bit(bits, "DeepSpeed checkpoints")
         return ConvertReport(**zero.convert(src, dst, block_size=block_size, min_size=min_size, force=force, progress=progress))
     if checkpoint.is_dcp_folder(src):
+        _only_8bit(bits, "DCP folders")
         folder_run.no_dcp_replace([src], replace)
         return _convert_dcp(src, dst, block_size, min_size, force, t0)
     if os.path.isdir(src):  # Trainer / accelerate / Lightning checkpoint folders (ckptq.folders)
-        one = functools.partial(convert, block_size=block_size, min_size=min_size, key=key, device=device,
+        one = functools.partial(convert, bits=bits, block_size=block_size, min_size=min_size, key=key, device=device,
                                 backend=backend, compression=compression, max_shard_size=max_shard_size,
                                 force=force, trust=trust, progress=progress)
         return _folder_report(src, *folder_run.convert(src, dst, one, replace=replace, trust=trust), t0)
-    dst = dst or default_output(src)
+    return _convert_file(src, dst or default_output(src, bits), bits, block_size, min_size, key, device, backend,
+                         compression, max_shard_size, force, trust, replace, progress, t0)
+
+
+def _convert_file(src, dst, bits, block_size, min_size, key, device, backend, compression, max_shard_size,
+                  force, trust, replace, progress, t0) -> ConvertReport:
+    """``convert`` of one torch.save file, or of a converted file (re-encoded at ``bits``)."""
     _not_the_input(src, dst)
     if compression is not None and not (1 <= compression.level <= 22 and compression.threads >= 0):
         raise UsageError(f"compression level {compression.level} / threads {compression.threads}: use a level "
                          "from 1 to 22 and threads >= 0 (0 = all cores)")
-    if format.is_safetensors(src):
-        raise InputError(f"{src} is a safetensors file; convert takes torch.save checkpoints "
-                         "(for a converted file use `ckptq info` or `ckptq expand`)")
     device = _quant_device(device)
-    obj = checkpoint.load_torch(src, trust=trust)  # memory-mapped on the CPU; states visit `device` one at a time
+    if format.is_safetensors(src):  # a converted file (8 <-> 4 bits): its states decoded to their dtype
+        obj = _read_converted(src, bits)
+    else:  # memory-mapped on the CPU; states visit `device` one at a time
+        obj = checkpoint.load_torch(src, trust=trust)
     report = ConvertReport(src, [], os.path.getsize(src), 0)
     report.foreign_states = foreign.to_torch(obj)  # bitsandbytes / torchao 8-bit state, decoded first
-    marked = mark_states(obj, key, block_size, min_size, backend, device, report)
+    marked = mark_states(obj, key, block_size, min_size, backend, device, report, ops.check_bits(bits))
     if report.optimizers == 0:
         raise InputError(f"{src}: no optimizer state dict (a dict with 'state' and 'param_groups') found; "
                          "name it with --key if it is stored differently")
     if not report.quantized:
         raise InputError(f"{src}: {nothing_to_quantize(marked, min_size)}")
-    info = convert_info(report, block_size, min_size)
+    info = convert_info(report, block_size, min_size) | ({"bits": bits} if bits != 8 else {})
     report.outputs = save(obj, dst, info=info, force=force, compression=compression,
                           max_shard_size=max_shard_size, progress=progress)
     report.output_bytes = sum(os.path.getsize(p) for p in report.outputs)
@@ -181,6 +201,25 @@ def _folder_report(src: str, layout, reports: list[ConvertReport], removed: list
     total.warnings = [w for r in reports for w in r.warnings]
     total.seconds = time.perf_counter() - t0
     return total
+
+
+def _widths(node: Any) -> set:
+    """The code widths of the quantized nodes in a converted file's skeleton."""
+    if isinstance(node, dict):
+        q = node.get("quantized")
+        return {q.get("bits")} if isinstance(q, dict) else set().union(*map(_widths, node.values()))
+    return set().union(*map(_widths, node)) if isinstance(node, list) else set()
+
+
+def _read_converted(src: str, bits: int) -> Any:
+    """A converted file's contents with its states decoded, to be re-encoded at ``bits``; InputError if
+    they already have that width (quantizing them again would only add rounding)."""
+    conv = format.Converted(src)
+    if _widths(conv.skeleton) == {bits}:
+        other = 4 if bits == 8 else 8
+        raise InputError(f"{src} already holds {bits}-bit states; `ckptq convert --bits {other}` re-encodes them "
+                         f"at {other} bits, `ckptq expand` turns them back into fp32")
+    return conv.read(dequantize=True)
 
 
 def _convert_dcp(src: str, dst: str | None, block_size: int, min_size: int, force: bool, t0: float) -> ConvertReport:

@@ -4,10 +4,10 @@ In checkpoints and in optimizer state a quantized state is a ``dict`` (so that `
 sits under PyTorch's own state key, e.g. ``state[0]["exp_avg"]``)::
 
     {"ckptq": "blockwise",      # marks the dict; the codec name
-     "bits": 8,
-     "codes": uint8 [numel],    # one code per element, flat, C order
+     "bits": 8,                 # or 4
+     "codes": uint8 [numel],    # one code per element, flat, C order (4 bits: [ceil(numel / 2)], two per byte)
      "absmax": float32 [ceil(numel / block_size)],
-     "qmap": float32 [256],     # the codebook, sorted ascending
+     "qmap": float32 [256],     # the codebook, sorted ascending (4 bits: [16])
      "block_size": 256,
      "transform": "none" | "sqrt" | "ratio",
      "shape": (d0, d1, ...),    # the original tensor's shape
@@ -52,6 +52,9 @@ CODEBOOKS = {
     "power-signed-2.5": functools.partial(codebooks.power_map, True, 2.5),
     "power-unsigned-3": functools.partial(codebooks.power_map, False, 3.0),
     "power-signed-1.5": functools.partial(codebooks.power_map, True, 1.5),
+    "4bit-power-signed-1.5": functools.partial(codebooks.power_map, True, 1.5, 4),
+    "4bit-power-unsigned-3": functools.partial(codebooks.power_map, False, 3.0, 4),
+    "4bit-lloyd-gaussian": codebooks.lloyd_gaussian_map,
 }
 RATIO_TRANSFORM = "ratio"
 TRANSFORMS = ops.TRANSFORMS + (RATIO_TRANSFORM,)
@@ -62,7 +65,7 @@ _REQUIRED = ("bits", "codes", "absmax", "qmap", "block_size", "transform", "shap
 class QState:
     """One quantized tensor: what the dict form above holds, as a type. ``to_dict``/``from_dict`` convert."""
 
-    codes: torch.Tensor  # uint8 [numel], flat
+    codes: torch.Tensor  # uint8 [code_bytes(numel, bits)], flat
     absmax: torch.Tensor  # fp32 [ceil(numel / block_size)]
     qmap: torch.Tensor  # fp32 [2**bits] codebook, ascending
     block_size: int
@@ -101,6 +104,13 @@ class QState:
         return dataclasses.replace(self, **changes)
 
     @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+    @property
     def nbytes(self) -> int:
         return self.codes.numel() + 4 * self.absmax.numel()
 
@@ -131,21 +141,40 @@ DEFAULT_POLICY = Policy("power-signed-2.5", "none")
 RATIO_POLICY = Policy("power-signed-1.5", RATIO_TRANSFORM)
 RATIO_PAIRS = {"exp_avg": "exp_avg_sq"}  # state key -> the divisor's state key
 
+# 4-bit states (16-entry codebooks), chosen the same way; figures in README. The update error is the
+# ratio's own rounding error, so the ratio gets the codebook of least squared error for block-normalized
+# Gaussian values (codebooks.LLOYD_GAUSSIAN_128); second moments keep the sqrt transform on (k/15)**3.
+POLICIES_4BIT = {
+    "exp_avg": Policy("4bit-power-signed-1.5", "none"),
+    "exp_avg_sq": Policy("4bit-power-unsigned-3", "sqrt"),
+    "max_exp_avg_sq": Policy("4bit-power-unsigned-3", "sqrt"),
+}
+DEFAULT_POLICY_4BIT = Policy("4bit-power-signed-1.5", "none")
+RATIO_POLICY_4BIT = Policy("4bit-lloyd-gaussian", RATIO_TRANSFORM)
 
-def policy_for(key: str) -> Policy:
+
+def policy_for(key: str, bits: int = 8) -> Policy:
+    if bits == 4:
+        return POLICIES_4BIT.get(key, DEFAULT_POLICY_4BIT)
     return POLICIES.get(key, DEFAULT_POLICY)
+
+
+def ratio_policy(bits: int = 8) -> Policy:
+    return RATIO_POLICY_4BIT if bits == 4 else RATIO_POLICY
 
 
 def is_qstate(obj) -> bool:
     return isinstance(obj, dict) and obj.get("ckptq") == CODEC and "codes" in obj
 
 
-def quantize_state(t: torch.Tensor, key: str, block_size: int = ops.DEFAULT_BLOCK_SIZE, backend: str = "auto") -> dict:
-    """Quantize one optimizer state tensor under the policy for its state key (dict form)."""
-    pol = policy_for(key)
+def quantize_state(t: torch.Tensor, key: str, block_size: int = ops.DEFAULT_BLOCK_SIZE, backend: str = "auto",
+                   bits: int = 8) -> dict:
+    """Quantize one optimizer state tensor under the policy for its state key (dict form), with codes of
+    ``bits`` bits (8 or 4)."""
+    pol = policy_for(key, ops.check_bits(bits))
     qmap = pol.qmap().to(t.device)
-    codes, absmax = ops.quantize_blockwise(t, qmap, block_size, pol.transform, backend)
-    return QState(codes, absmax, qmap, block_size, pol.transform, tuple(t.shape), _dtype_name(t.dtype)).to_dict()
+    codes, absmax = ops.quantize_blockwise(t, qmap, block_size, pol.transform, backend, bits)
+    return QState(codes, absmax, qmap, block_size, pol.transform, tuple(t.shape), _dtype_name(t.dtype), bits).to_dict()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -178,29 +207,32 @@ def _divisor_values(v: QState, start: int, stop: int) -> torch.Tensor:
         raise FormatError(f"a ratio state's divisor must use the sqrt transform, not {v.transform!r}")
     B = v.block_size
     a = v.absmax[start // B : ops.num_blocks(stop, B)]
-    first = start - (start // B) * B
-    s = ops.dequantize_blockwise(v.codes.reshape(-1)[start - first : stop], a, v.qmap, B, "none")
+    first = start - (start // B) * B  # start - first is a block boundary: an even element, a whole byte
+    codes = v.codes.reshape(-1)[ops.code_bytes(start - first, v.bits) : ops.code_bytes(stop, v.bits)]
+    s = ops.dequantize_blockwise(codes, a, v.qmap, B, "none", bits=v.bits, numel=stop - start + first)
     return s[first:]
 
 
 def quantize_ratio(m: torch.Tensor, v: torch.Tensor, eps: float, block_size: int = ops.DEFAULT_BLOCK_SIZE,
-                   backend: str = "auto", divisor_key: str = "exp_avg_sq") -> dict:
-    """Quantize a first moment ``m`` as r = m / (sqrt(v) + eps), ``v`` its exact second moment (dict form)."""
+                   backend: str = "auto", divisor_key: str = "exp_avg_sq", bits: int = 8) -> dict:
+    """Quantize a first moment ``m`` as r = m / (sqrt(v) + eps), ``v`` its exact second moment (dict form),
+    with codes of ``bits`` bits."""
     if m.numel() != v.numel():
         raise FormatError(f"ratio state has {m.numel()} elements but its divisor {v.numel()}")
     vflat = v.detach().reshape(-1)
-    qmap = RATIO_POLICY.qmap().to(m.device)
+    qmap = ratio_policy(ops.check_bits(bits)).qmap().to(m.device)
     flat = m.detach().reshape(-1)
-    codes = torch.empty(flat.numel(), dtype=torch.uint8, device=m.device)
+    codes = torch.empty(ops.code_bytes(flat.numel(), bits), dtype=torch.uint8, device=m.device)
     absmax = torch.empty(ops.num_blocks(flat.numel(), block_size), dtype=torch.float32, device=m.device)
     buf = torch.empty(min(_RATIO_CHUNK, flat.numel()), dtype=torch.float32, device=m.device)
     for start in range(0, flat.numel(), _RATIO_CHUNK):
         stop = min(start + _RATIO_CHUNK, flat.numel())
         r = ops.ieee_sqrt_into(vflat[start:stop], buf[: stop - start]).add_(eps)  # sqrt(v) + eps, in place
         torch.div(flat[start:stop], r, out=r)  # r = m / (sqrt(v) + eps): IEEE division, m promoted to fp32
-        c, a = ops.quantize_blockwise(r, qmap, block_size, "none", backend)
-        codes[start:stop], absmax[start // block_size : start // block_size + a.numel()] = c, a
-    return QState(codes, absmax, qmap, block_size, RATIO_TRANSFORM, tuple(m.shape), _dtype_name(m.dtype),
+        c, a = ops.quantize_blockwise(r, qmap, block_size, "none", backend, bits)
+        first = ops.code_bytes(start, bits)  # start is a multiple of _RATIO_CHUNK: a whole byte
+        codes[first : first + c.numel()], absmax[start // block_size : start // block_size + a.numel()] = c, a
+    return QState(codes, absmax, qmap, block_size, RATIO_TRANSFORM, tuple(m.shape), _dtype_name(m.dtype), bits,
                   eps=float(eps), divisor=divisor_key).to_dict()
 
 
@@ -219,7 +251,7 @@ def _decode(q: QState, backend: str, out: torch.Tensor | None = None) -> torch.T
     """The stored values, flat fp32 (sqrt transform undone; a ratio state's raw ratios)."""
     try:
         return ops.dequantize_blockwise(q.codes, q.absmax, q.qmap, q.block_size,
-                                        "none" if q.is_ratio else q.transform, backend, out, q.bits)
+                                        "none" if q.is_ratio else q.transform, backend, out, q.bits, q.numel)
     except UsageError as exc:
         raise FormatError(f"quantized state is malformed: {exc}") from None
 
@@ -241,8 +273,8 @@ def dequantize_state(q: dict, backend: str = "auto", divisor: dict | None = None
     if divisor is None or not is_qstate(divisor):
         raise FormatError(f"a ratio state needs its divisor {qs.divisor!r} to decode; pass the param's whole state")
     v = QState.from_dict(divisor)
-    if v.codes.numel() != r.numel():
-        raise FormatError(f"ratio state has {r.numel()} elements but its divisor {v.codes.numel()}")
+    if v.numel != r.numel():
+        raise FormatError(f"ratio state has {r.numel()} elements but its divisor {v.numel}")
     for start in range(0, r.numel(), _RATIO_CHUNK):
         stop = min(start + _RATIO_CHUNK, r.numel())
         r[start:stop].mul_(_divisor_values(v, start, stop).add_(qs.eps))  # m = r * (s_q + eps')

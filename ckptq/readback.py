@@ -39,7 +39,10 @@ def discarding(outputs: list[str]) -> Iterator[None]:
 def check_converted(src: str, outputs: list[str], trust: bool = False) -> None:
     """Raise :class:`ReadbackError` (and remove ``outputs``) unless the converted ``outputs`` (file, or
     index + shards) of the torch.save file ``src`` decode to exactly what convert meant to write."""
-    want = checkpoint.load_torch(src, trust=trust)
+    if format.is_safetensors(src):  # a converted file re-encoded at another width: its decoded states
+        want = format.Converted(src).read(dequantize=True)
+    else:
+        want = checkpoint.load_torch(src, trust=trust)
     foreign.to_torch(want)  # bitsandbytes / torchao state is converted from its fp32 form, as convert does
     with discarding(outputs):
         conv = format.Converted(outputs[0], verify=True)  # verify: each tensor's crc32 is checked as it is read
@@ -109,11 +112,11 @@ def _requantize(t: torch.Tensor, q: dict, path: str, where: str, siblings: dict 
     """What convert meant to store for source tensor ``t``, with the parameters the file records."""
     key = path.rsplit("/", 1)[-1]
     if q.get("transform") != qstate.RATIO_TRANSFORM:
-        return qstate.quantize_state(t, key, q["block_size"])
+        return qstate.quantize_state(t, key, q["block_size"], bits=q.get("bits", 8))
     v = (siblings or {}).get(q.get("divisor"))
     if not isinstance(v, torch.Tensor):
         raise _mismatch(where, path, "ratio state without its second moment in the source")
-    return qstate.quantize_ratio(t, v, q["eps"], q["block_size"], divisor_key=q["divisor"])
+    return qstate.quantize_ratio(t, v, q["eps"], q["block_size"], divisor_key=q["divisor"], bits=q.get("bits", 8))
 
 
 def _materialize(x: Any) -> Any:

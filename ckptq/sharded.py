@@ -17,6 +17,7 @@ import sys
 import torch
 
 from . import plan, qstate
+from .errors import UsageError
 
 
 def is_dtensor(t) -> bool:
@@ -73,9 +74,10 @@ def unplace(q: dict) -> dict:
 def row_layout(q: dict) -> dict:
     """A plain qstate (flat codes and scales, as one process keeps them) in the row layout a DTensor's
     qstate has: codes of the tensor's shape, scales ``[rows, row / block_size]`` (views, no copy). Saved
-    this way, a DCP folder loads at any world size. Unchanged when the rows are not whole blocks."""
+    this way, a DCP folder loads at any world size. Unchanged when the rows are not whole blocks, and for
+    4-bit codes (two per byte: no code per element to lay out)."""
     shape = tuple(q["shape"])
-    if is_dtensor(q["codes"]) or not shape or 0 in shape:
+    if is_dtensor(q["codes"]) or not shape or 0 in shape or q.get("bits", 8) != 8:
         return q
     row = q["codes"].numel() // shape[0]
     if row % q["block_size"] or q["absmax"].numel() != shape[0] * (row // q["block_size"]):
@@ -83,22 +85,25 @@ def row_layout(q: dict) -> dict:
     return {**q, "codes": q["codes"].view(shape), "absmax": q["absmax"].view(shape[0], row // q["block_size"])}
 
 
-def quantize(t, key: str, block_size: int) -> dict:
-    """fp32 state ``t`` (a tensor, or a DTensor: quantized shard by shard and placed like it) -> qstate."""
-    q = qstate.quantize_state(local(t).float(), key, block_size)
+def quantize(t, key: str, block_size: int, bits: int = 8) -> dict:
+    """fp32 state ``t`` (a tensor, or a DTensor: quantized shard by shard and placed like it) -> qstate.
+    DTensors take 8-bit codes only (the layout above keeps a code per element)."""
+    if bits != 8 and is_dtensor(t):
+        raise UsageError(f"{bits}-bit state is not supported for DTensor (FSDP2) parameters; use bits=8")
+    q = qstate.quantize_state(local(t).float(), key, block_size, bits=bits)
     q["dtype"] = "float32"  # the state is fp32 whatever the checkpoint stored
     return place(q, t) if is_dtensor(t) else q
 
 
-def quantize_moments(dense: dict, group: dict, step, block_size: int) -> dict:
+def quantize_moments(dense: dict, group: dict, step, block_size: int, bits: int = 8) -> dict:
     """fp32 Adam moments {key: tensor or DTensor} -> qstates, exp_avg as the ratio to the exact exp_avg_sq
     with eps' of ``step`` under ``group``'s eps/betas: the codes ``ckptq convert`` writes."""
-    out = {k: quantize(v, k, block_size) for k, v in dense.items() if k != "exp_avg"}
+    out = {k: quantize(v, k, block_size, bits) for k, v in dense.items() if k != "exp_avg"}
     m, v = dense["exp_avg"], dense["exp_avg_sq"]
     eps = qstate.ratio_eps_for(group, step)
     if not plan.ratio_fits(local(m), local(v), eps):  # the ratio would overflow fp32: m on its own
-        out["exp_avg"] = quantize(m, "exp_avg", block_size)
+        out["exp_avg"] = quantize(m, "exp_avg", block_size, bits)
     else:
-        q = qstate.quantize_ratio(local(m).float(), local(v).float(), eps, block_size)
+        q = qstate.quantize_ratio(local(m).float(), local(v).float(), eps, block_size, bits=bits)
         out["exp_avg"] = place(q, m) if is_dtensor(m) else q
     return {k: out[k] for k in dense}

@@ -67,16 +67,18 @@ class PendingQuant:
     backend: str = "auto"
     divisor: tuple | None = None  # (sibling key, its exact tensor, eps'): store as a ratio state
     device: str = "cpu"  # where quantization runs ("cuda": the Triton kernels); inputs stay on the CPU
+    bits: int = 8  # code width: 8 or 4
     _result: dict | None = field(default=None, repr=False)
 
     def result(self) -> dict:
         if self._result is None:
             t = self.tensor.to(self.device)
             if self.divisor is None:
-                self._result = qstate.quantize_state(t, self.key, self.block_size, self.backend)
+                self._result = qstate.quantize_state(t, self.key, self.block_size, self.backend, self.bits)
             else:
                 key, v, eps = self.divisor
-                self._result = qstate.quantize_ratio(t, v.to(self.device), eps, self.block_size, self.backend, key)
+                self._result = qstate.quantize_ratio(t, v.to(self.device), eps, self.block_size, self.backend, key,
+                                                     self.bits)
         return self._result
 
     def take(self, part: str) -> torch.Tensor:
@@ -176,30 +178,30 @@ class _Flattener:
     def quantized(self, q, path: str) -> dict:
         lazy = isinstance(q, PendingQuant)
         if lazy:
-            pol = qstate.RATIO_POLICY if q.divisor else qstate.policy_for(q.key)
-            numel, qmap = q.tensor.numel(), pol.qmap()
+            pol = qstate.ratio_policy(q.bits) if q.divisor else qstate.policy_for(q.key, q.bits)
+            numel, qmap, bits = q.tensor.numel(), pol.qmap(), q.bits
             meta = {"block_size": q.block_size, "transform": pol.transform,
                     "shape": list(q.tensor.shape), "dtype": dtype_name(q.tensor.dtype)}
             if q.divisor:
                 meta |= {"eps": q.divisor[2], "divisor": q.divisor[0]}
         else:
             qs = qstate.QState.from_dict(q)
-            numel, qmap = qs.codes.numel(), qs.qmap
+            numel, qmap, bits = qs.numel, qs.qmap, qs.bits
             meta = {"block_size": qs.block_size, "transform": qs.transform, "dtype": qs.dtype}
             meta |= {"eps": qs.eps, "divisor": qs.divisor} if qs.is_ratio else {}
             meta["shape"] = list(qs.shape)
         nb = -(-numel // meta["block_size"])
         get = (lambda part: q.take(part)) if lazy else (lambda part: q[part].detach().contiguous().cpu())
-        codes = self.add(_join(path, "codes"), torch.uint8, (numel,), lambda: get("codes"), "codes")
+        codes = self.add(_join(path, "codes"), torch.uint8, (ops.code_bytes(numel, bits),), lambda: get("codes"), "codes")
         absmax = self.add(_join(path, "absmax"), torch.float32, (nb,), lambda: get("absmax"), "absmax")
-        return {"quantized": {"codec": qstate.CODEC, "bits": 8, "codes": codes, "absmax": absmax,
+        return {"quantized": {"codec": qstate.CODEC, "bits": bits, "codes": codes, "absmax": absmax,
                               "qmap": self.codebook(qmap), **meta}}
 
     def codebook(self, qmap: torch.Tensor) -> str:
         qmap = qmap.detach().to("cpu", torch.float32).contiguous()
         key = tuple(qmap.tolist())
         if key not in self.codebooks:
-            self.codebooks[key] = self.add(f"codebooks/{len(self.codebooks)}", torch.float32, (256,),
+            self.codebooks[key] = self.add(f"codebooks/{len(self.codebooks)}", torch.float32, (qmap.numel(),),
                                            lambda: qmap, "codebook")
         return self.codebooks[key]
 
@@ -292,7 +294,8 @@ def _build_quantized(n, u: _Unflattener):
                           spec["transform"], tuple(spec["shape"]), spec["dtype"], spec["bits"], spec.get("eps"),
                           spec.get("divisor"))
         n = math.prod(q.shape)
-        if q.codes.numel() != n or q.absmax.numel() != ops.num_blocks(n, q.block_size) or q.qmap.numel() != 2**q.bits:
+        if q.codes.numel() != ops.code_bytes(n, q.bits) or q.absmax.numel() != ops.num_blocks(n, q.block_size) \
+                or q.qmap.numel() != 2**q.bits:
             raise FormatError(f"quantized state {spec['codes']!r}: codes, scales and shape {list(q.shape)} "
                               "disagree; the file is corrupt")
         return q.to_dict()

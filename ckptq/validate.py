@@ -165,7 +165,8 @@ class _Checker:
             raise self.fail(at, f"has dtype {spec['dtype']}, not a float dtype")
         numel = math.prod(check_shape(spec["shape"], f"{self.where}: skeleton node {at}"))
         nb = ops.num_blocks(numel, spec["block_size"])
-        for part, dtype, size in (("codes", "U8", numel), ("absmax", "F32", nb), ("qmap", "F32", 256)):
+        parts = (("codes", "U8", ops.code_bytes(numel, spec["bits"])), ("absmax", "F32", nb), ("qmap", "F32", 2 ** spec["bits"]))
+        for part, dtype, size in parts:
             row = self._row(spec[part], at)
             if row["dtype"] != dtype or row["shape"] != [size]:
                 raise self.fail(at, f"names {part} {row['dtype']} {row['shape'][:4]}, expected {dtype} [{size}]")

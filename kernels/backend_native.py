@@ -28,43 +28,59 @@ def usable(thresholds: torch.Tensor) -> bool:
 
 
 def _check(rc: int) -> None:
-    # The kernels return -1 only for a block size outside 1..4096, which ckptq.ops never passes.
+    # The kernels return -1 only for a block size outside 1..4096 or a code width other than 8 or 4
+    # (4 with an odd block), which ckptq.ops never passes.
     if rc != 0:
         raise RuntimeError(f"ckptq internal error: the C kernels refused their arguments (code {rc})")
 
 
-def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax) -> None:
+def _decode_map(qmap: torch.Tensor) -> torch.Tensor:
+    """The kernels' decode map: 256 fp32 entries (a 16-entry codebook padded with zeros: 4-bit codes
+    never index the padding)."""
+    if qmap.numel() == 256:
+        return qmap
+    return torch.cat([qmap, qmap.new_zeros(256 - qmap.numel())])
+
+
+def _code_offset(start: int, bits: int) -> int:
+    """Byte offset of element ``start``'s code (``start`` is even: chunks are whole blocks)."""
+    return start * bits // 8
+
+
+def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: int = 8) -> None:
     lib, table = native.library(), lut.native_code_table(thresholds)
     dtype, size = KERNEL_DTYPES[src.dtype], src.element_size()
 
     def span(start: int, stop: int) -> None:
         _check(lib.ckq_quantize(src.data_ptr() + start * size, dtype, stop - start, block_size, sqrt,
-                                table.data_ptr(), codes.data_ptr() + start, absmax.data_ptr() + 4 * (start // block_size)))
+                                table.data_ptr(), codes.data_ptr() + _code_offset(start, bits),
+                                absmax.data_ptr() + 4 * (start // block_size), bits))
 
     cpu_runtime.for_each_chunk(span, src.numel(), cpu_runtime.native_chunk(src.numel()), src.device)
 
 
-def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool) -> None:
-    lib = native.library()
+def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool, bits: int = 8) -> None:
+    lib, qmap = native.library(), _decode_map(qmap)
 
     def span(start: int, stop: int) -> None:
-        _check(lib.ckq_dequantize(codes.data_ptr() + start, absmax.data_ptr() + 4 * (start // block_size),
-                                  qmap.data_ptr(), stop - start, block_size, sqrt, out.data_ptr() + 4 * start, fresh))
+        _check(lib.ckq_dequantize(codes.data_ptr() + _code_offset(start, bits), absmax.data_ptr() + 4 * (start // block_size),
+                                  qmap.data_ptr(), stop - start, block_size, sqrt, out.data_ptr() + 4 * start, fresh, bits))
 
-    cpu_runtime.for_each_chunk(span, codes.numel(), cpu_runtime.native_chunk(codes.numel()), codes.device)
+    cpu_runtime.for_each_chunk(span, out.numel(), cpu_runtime.native_chunk(out.numel()), codes.device)
 
 
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
-    lib, block = native.library(), flags.block_size
+    lib, block, bits = native.library(), flags.block_size, flags.bits
     tables = [lut.native_code_table(s.thresholds) for s in states]
+    decode = [_decode_map(s.qmap) for s in states]
     n = p.numel()
 
     def span(start: int, stop: int) -> None:
-        ptrs = [(s.codes.data_ptr() + start, s.absmax.data_ptr() + 4 * (start // block), s.qmap.data_ptr(),
-                 t.data_ptr()) for s, t in zip(states, tables)]
+        ptrs = [(s.codes.data_ptr() + _code_offset(start, bits), s.absmax.data_ptr() + 4 * (start // block),
+                 q.data_ptr(), t.data_ptr()) for s, q, t in zip(states, decode, tables)]
         m, v, x = ptrs + [(None,) * 4] * (3 - len(ptrs))
         _check(lib.ckq_adam_step(p.data_ptr() + start * p.element_size(), KERNEL_DTYPES[p.dtype],
                                  g.data_ptr() + start * g.element_size(), KERNEL_DTYPES[g.dtype], stop - start, block,
-                                 *m, flags.ratio, *v, *x, h.data_ptr(), flags.maximize))
+                                 *m, flags.ratio, *v, *x, h.data_ptr(), flags.maximize, bits))
 
     cpu_runtime.for_each_chunk(span, n, cpu_runtime.native_chunk(n), p.device)

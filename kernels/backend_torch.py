@@ -11,6 +11,9 @@ The Adam step follows ``torch.optim.AdamW`` / ``Adam`` (single-tensor path) and 
 the first (m = r * (s + eps') for ratio codes, qmap[code] * absmax for plain ones), runs the update in
 fp32 (``adam_math``), and requantizes with new block scales: v as sqrt(v), m as the ratio
 r = m / (sqrt(v) + eps_new) with the new exact v. The C and Triton kernels equal this bit for bit.
+
+4-bit codes (``bits=4``) are computed exactly as 8-bit ones, on a 16-entry codebook, then packed two to
+a byte (``pack_nibbles``, layout in ``contract``); decoding and the step unpack them first.
 """
 
 from __future__ import annotations
@@ -98,19 +101,39 @@ def _quantize_span(src, codes, absmax, thresholds, table, block_size, sqrt, ws) 
         codes[full:], absmax[nb:] = reference_codes(x[full:], thresholds, block_size)
 
 
+def pack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """out uint8 [ceil(n / 2)] = codes[2i] | codes[2i + 1] << 4, for codes uint8 [n] below 16; an odd n's
+    last byte holds its last code alone (high nibble 0)."""
+    n = codes.numel()
+    even = n - n % 2
+    pairs = codes[:even].view(-1, 2)
+    torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=out[: even // 2])
+    if n % 2:
+        out[-1:].copy_(codes[-1:])
+
+
+def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The n codes (uint8 [n]) that ``pack_nibbles`` packed into ``packed``."""
+    both = torch.stack((packed & 15, packed >> 4), dim=1)  # [ceil(n / 2), 2]: element order
+    return both.view(-1)[:n]
+
+
 def _chunk(device: torch.device) -> int:
     return cpu_runtime.CPU_CHUNK if device.type == "cpu" else cpu_runtime.DEVICE_CHUNK
 
 
-def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax) -> None:
+def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: int = 8) -> None:
     """Blockwise quantize (contract in ``contract``), in chunks of whole blocks on the CPU pool."""
     table = lut.code_table(thresholds)
     n, chunk = src.numel(), _chunk(src.device)
 
     def span(start: int, stop: int) -> None:
         ws = cpu_runtime.workspace(src.device, min(chunk, n))
-        _quantize_span(src[start:stop], codes[start:stop], absmax[start // block_size : num_blocks(stop, block_size)],
+        dst = codes[start:stop] if bits == 8 else torch.empty(stop - start, dtype=torch.uint8, device=src.device)
+        _quantize_span(src[start:stop], dst, absmax[start // block_size : num_blocks(stop, block_size)],
                        thresholds, table, block_size, sqrt, ws)
+        if bits == 4:  # chunks start on even elements (whole blocks): byte start // 2
+            pack_nibbles(dst, codes[start // 2 : (stop + 1) // 2])
 
     cpu_runtime.for_each_chunk(span, n, chunk, src.device)
 
@@ -141,14 +164,31 @@ def _gather_codes(codes: torch.Tensor, qmap: torch.Tensor, out: torch.Tensor, ws
     torch.index_select(qmap, 0, idx, out=out)
 
 
-def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool) -> None:
+def _gather_nibbles(packed: torch.Tensor, qmap: torch.Tensor, out: torch.Tensor, ws: cpu_runtime.Workspace) -> None:
+    """out [n] = qmap[code] for the n 4-bit codes in ``packed``; one gather per byte (two codes) where out
+    can be viewed as float64 pairs."""
+    n = out.numel()
+    even = n - n % 2
+    if out.storage_offset() % 2 == 0:
+        idx = ws.idx[: even // 2].copy_(packed[: even // 2])
+        torch.index_select(lut.nibble_pair_table(qmap), 0, idx, out=out[:even].view(torch.float64))
+        if n % 2:
+            out[-1:].copy_(qmap[(packed[-1:] & 15).to(torch.int64)])
+        return
+    torch.index_select(qmap, 0, unpack_nibbles(packed, n).to(torch.int32), out=out)
+
+
+def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool, bits: int = 8) -> None:
     """out = qmap[codes] * absmax[block], squared for ``sqrt`` (contract in ``contract``)."""
-    n, chunk = codes.numel(), _chunk(codes.device)
+    n, chunk = out.numel(), _chunk(codes.device)
 
     def span(start: int, stop: int) -> None:
         ws = cpu_runtime.workspace(codes.device, min(chunk, n))
-        c, o = codes[start:stop], out[start:stop]
-        _gather_codes(c, qmap, o, ws)
+        o = out[start:stop]
+        if bits == 8:
+            _gather_codes(codes[start:stop], qmap, o, ws)
+        else:
+            _gather_nibbles(codes[start // 2 : (stop + 1) // 2], qmap, o, ws)
         a = absmax[start // block_size : num_blocks(stop, block_size)]
         full = (stop - start) - (stop - start) % block_size
         o[:full].view(-1, block_size).mul_(a[: full // block_size, None])
@@ -204,13 +244,19 @@ def step_rows(p, g, h, states: tuple[StepState, ...], ratio: bool, maximize: boo
 def _step_span(p, g, h, states, flags: StepFlags, lo: int, hi: int, width: int) -> None:
     """Step elements [lo, hi) as rows of ``width`` (whole blocks, or one short last block), in place."""
     rows, b0 = (hi - lo) // width, lo // flags.block_size
-    views = tuple(StepState(s.codes[lo:hi].view(rows, width), s.absmax[b0 : b0 + rows], s.qmap, s.thresholds)
-                  for s in states)
+    nibbles = flags.bits == 4  # lo is even (whole blocks before it): its codes start at byte lo // 2
+    stored = [s.codes[lo // 2 : (hi + 1) // 2] if nibbles else s.codes[lo:hi] for s in states]
+    codes = [unpack_nibbles(c, hi - lo) if nibbles else c for c in stored]
+    views = tuple(StepState(c.view(rows, width), s.absmax[b0 : b0 + rows], s.qmap, s.thresholds)
+                  for s, c in zip(states, codes))
     p_new, new = step_rows(p[lo:hi].view(rows, width), g[lo:hi].view(rows, width), h, views, flags.ratio,
                            flags.maximize)
     p[lo:hi].view(rows, width).copy_(p_new)
-    for view, (codes, absmax) in zip(views, new):
-        view.codes.copy_(codes)
+    for view, out, (new_codes, absmax) in zip(views, stored, new):
+        if nibbles:
+            pack_nibbles(new_codes.reshape(-1), out)
+        else:
+            out.copy_(new_codes.view(-1))
         view.absmax.copy_(absmax)
 
 

@@ -1,4 +1,4 @@
-"""The Triton backend (CUDA): blockwise quantize, dequantize and the fused 8-bit Adam step.
+"""The Triton backend (CUDA): blockwise quantize, dequantize and the fused low-bit Adam step.
 
 Signatures and contract in ``contract``; results equal ``backend_torch`` bit for bit, NaN and Inf
 included. Each program handles ``ROWS`` consecutive quantization blocks as a ``[ROWS, BLOCK]`` tile, so
@@ -8,6 +8,8 @@ holds one, as torch's amax), then a branch-free binary search over the 255 codeb
 bitsandbytes' ``kQuantizeBlockwise`` (csrc/kernels.cu). Exactness on CUDA needs the IEEE-rounded
 ``tl.math.div_rn`` / ``sqrt_rn`` (Triton's ``/`` and ``tl.sqrt`` on fp32 are approximate there), and the
 step is launched without fp contraction, so no mul+add turns into an FMA the reference does not do.
+4-bit codes (``BITS=4``): the search runs 4 levels over 15 midpoints; codes are read as nibbles of byte
+offs // 2, and written by splitting each tile's codes into (even, odd) element pairs packed into one byte.
 Importing this module imports triton: ``ckptq.ops`` does so only on the Triton path.
 """
 
@@ -22,28 +24,37 @@ _TILE = 2048  # elements per program when blocks are small
 
 
 @triton.jit
-def _encode(x, mask, thr_ptr):
+def _encode(x, mask, thr_ptr, BITS: tl.constexpr):
     # x: fp32 [ROWS, BLOCK] (transform applied), mask: the lanes that exist. Returns (codes int32
     # [ROWS, BLOCK], absmax fp32 [ROWS]). code = #{j : t[j] < y} with y = x / absmax. Invariant of the
-    # search: t[pos - 1] < y; testing "not t >= y" sends NaN to 255, like torch.searchsorted. Probed
-    # indices stay within 0..254. tl.max skips NaNs but torch's amax returns NaN: put it back.
+    # search: t[pos - 1] < y; testing "not t >= y" sends NaN to the top code, like torch.searchsorted.
+    # Probed indices stay within 0..2**BITS - 2. tl.max skips NaNs but torch's amax returns NaN: put it back.
     ax = tl.where(mask, tl.abs(x), 0.0)  # padding is 0, which never wins the absmax
     has_nan = tl.max((ax != ax).to(tl.int32), axis=1) > 0  # [ROWS]
     absmax = tl.where(has_nan, float("nan"), tl.max(ax, axis=1))  # [ROWS]
     safe = tl.where(absmax > 0, absmax, 1.0)  # all-zero (or NaN) block: divide by 1
     y = tl.math.div_rn(x, safe[:, None])
     pos = tl.zeros(y.shape, dtype=tl.int32)
-    for level in tl.static_range(8):
-        step = 128 >> level
+    for level in tl.static_range(BITS):
+        step = (1 << (BITS - 1)) >> level
         t = tl.load(thr_ptr + pos + (step - 1))
         pos = tl.where(t >= y, pos, pos + step)
     return pos, absmax
 
 
 @triton.jit
-def _decode(codes_ptr, absmax_ptr, qmap_ptr, offs, rows, mask, rmask):
+def _load_codes(codes_ptr, offs, mask, BITS: tl.constexpr):
+    # the codes of elements offs [ROWS, BLOCK], int32; 4 bits: nibble offs % 2 of byte offs // 2
+    if BITS == 8:
+        return tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+    byte = tl.load(codes_ptr + offs // 2, mask=mask, other=0).to(tl.int32)
+    return (byte >> ((offs % 2) * 4).to(tl.int32)) & 15
+
+
+@triton.jit
+def _decode(codes_ptr, absmax_ptr, qmap_ptr, offs, rows, mask, rmask, BITS: tl.constexpr):
     # codes [ROWS, BLOCK] -> qmap[code] * absmax (no transform; two separate roundings); padded lanes 0.
-    code = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+    code = _load_codes(codes_ptr, offs, mask, BITS)
     scale = tl.load(absmax_ptr + rows, mask=rmask, other=0.0)
     x = tl.load(qmap_ptr + code) * scale[:, None]
     return tl.where(mask, x, 0.0)
@@ -57,8 +68,14 @@ def _tile(n, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _store(codes, absmax, codes_ptr, absmax_ptr, offs, rows, mask, rmask):
-    tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
+def _store(codes, absmax, codes_ptr, absmax_ptr, offs, rows, mask, rmask, n,
+           BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
+    if BITS == 8:
+        tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
+    else:  # element pairs (2i, 2i + 1) -> byte i: low, high nibble; lanes past n give 0
+        lo, hi = tl.split(tl.reshape(tl.where(mask, codes, 0), (ROWS, BLOCK // 2, 2)))
+        boffs = rows[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]  # [ROWS, BLOCK / 2] bytes
+        tl.store(codes_ptr + boffs, (lo | (hi << 4)).to(tl.uint8), mask=boffs < (n + 1) // 2)
     tl.store(absmax_ptr + rows, absmax, mask=rmask)
 
 
@@ -71,24 +88,25 @@ def _quantize_kernel(
     n, n_blocks,
     BLOCK: tl.constexpr, ROWS: tl.constexpr,  # quantization block (64..4096), blocks per program
     SQRT: tl.constexpr,  # store sqrt(x) instead of x
+    BITS: tl.constexpr,  # code width: 8 (a byte per code) or 4 (two codes per byte)
 ):
     rows, offs, mask, rmask = _tile(n, n_blocks, BLOCK, ROWS)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if SQRT:
         x = tl.math.sqrt_rn(x)
-    codes, absmax = _encode(x, mask, thr_ptr)
-    _store(codes, absmax, codes_ptr, absmax_ptr, offs, rows, mask, rmask)
+    codes, absmax = _encode(x, mask, thr_ptr, BITS)
+    _store(codes, absmax, codes_ptr, absmax_ptr, offs, rows, mask, rmask, n, BLOCK, ROWS, BITS)
 
 
 @triton.jit
 def _dequantize_kernel(
-    codes_ptr, absmax_ptr, qmap_ptr,  # [n] uint8, [n_blocks] fp32, [256] fp32 codebook
+    codes_ptr, absmax_ptr, qmap_ptr,  # [n * BITS / 8] uint8, [n_blocks] fp32, [2**BITS] fp32 codebook
     out_ptr,  # [n] fp32 out: qmap[code] * absmax[block], squared when SQRT
     n, n_blocks,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, SQRT: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, SQRT: tl.constexpr, BITS: tl.constexpr,
 ):
     rows, offs, mask, rmask = _tile(n, n_blocks, BLOCK, ROWS)
-    vals = _decode(codes_ptr, absmax_ptr, qmap_ptr, offs, rows, mask, rmask)
+    vals = _decode(codes_ptr, absmax_ptr, qmap_ptr, offs, rows, mask, rmask, BITS)
     if SQRT:
         vals = vals * vals
     tl.store(out_ptr + offs, vals, mask=mask)
@@ -97,13 +115,14 @@ def _dequantize_kernel(
 @triton.jit
 def _adam_kernel(
     p_ptr, g_ptr, h_ptr,  # param [n] (updated in place), grad [n], hyper fp32 [10] (contract.HYPER_FIELDS)
-    m_codes, m_absmax, m_qmap, m_thr,  # exp_avg: uint8 [n], fp32 [nb], fp32 [256] decode map, fp32 [255]
+    m_codes, m_absmax, m_qmap, m_thr,  # exp_avg: uint8 [n * BITS / 8], fp32 [nb], fp32 [2**BITS] decode map,
+    #                                    fp32 [2**BITS - 1] midpoints of the encode map
     v_codes, v_absmax, v_qmap, v_thr,  # exp_avg_sq (sqrt transform), same layout
     x_codes, x_absmax, x_qmap, x_thr,  # max_exp_avg_sq (sqrt transform; read only when AMSGRAD)
     n, n_blocks,
     BLOCK: tl.constexpr, ROWS: tl.constexpr,
     M_RATIO: tl.constexpr,  # exp_avg's codes are ratios (else plain values); new codes always are
-    AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+    AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, BITS: tl.constexpr,
 ):
     rows, offs, mask, rmask = _tile(n, n_blocks, BLOCK, ROWS)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -111,27 +130,27 @@ def _adam_kernel(
     if MAXIMIZE:
         g = -g
     g = g + tl.load(h_ptr + 1) * p
-    s = _decode(v_codes, v_absmax, v_qmap, offs, rows, mask, rmask)  # sqrt(v) as stored
-    m = _decode(m_codes, m_absmax, m_qmap, offs, rows, mask, rmask)
+    s = _decode(v_codes, v_absmax, v_qmap, offs, rows, mask, rmask, BITS)  # sqrt(v) as stored
+    m = _decode(m_codes, m_absmax, m_qmap, offs, rows, mask, rmask, BITS)
     if M_RATIO:
         m = m * (s + tl.load(h_ptr + 8))  # m = r * (s_q + eps')
     m = m + tl.load(h_ptr + 2) * (g - m)
     v = (s * s) * tl.load(h_ptr + 3) + tl.load(h_ptr + 4) * (g * g)
     s = tl.math.sqrt_rn(v)
     if AMSGRAD:
-        x = _decode(x_codes, x_absmax, x_qmap, offs, rows, mask, rmask)
+        x = _decode(x_codes, x_absmax, x_qmap, offs, rows, mask, rmask, BITS)
         sx = tl.math.sqrt_rn(tl.maximum(x * x, v, propagate_nan=tl.PropagateNan.ALL))  # NaN wins, as torch.maximum
         denom = tl.math.div_rn(sx, tl.load(h_ptr + 7)) + tl.load(h_ptr + 5)
-        codes, absmax = _encode(sx, mask, x_thr)
-        _store(codes, absmax, x_codes, x_absmax, offs, rows, mask, rmask)
+        codes, absmax = _encode(sx, mask, x_thr, BITS)
+        _store(codes, absmax, x_codes, x_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, BITS)
     else:
         denom = tl.math.div_rn(s, tl.load(h_ptr + 7)) + tl.load(h_ptr + 5)
     p = p * tl.load(h_ptr + 0) + tl.load(h_ptr + 6) * tl.math.div_rn(m, denom)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-    codes, absmax = _encode(tl.math.div_rn(m, s + tl.load(h_ptr + 9)), mask, m_thr)  # the new ratio
-    _store(codes, absmax, m_codes, m_absmax, offs, rows, mask, rmask)
-    codes, absmax = _encode(s, mask, v_thr)
-    _store(codes, absmax, v_codes, v_absmax, offs, rows, mask, rmask)
+    codes, absmax = _encode(tl.math.div_rn(m, s + tl.load(h_ptr + 9)), mask, m_thr, BITS)  # the new ratio
+    _store(codes, absmax, m_codes, m_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, BITS)
+    codes, absmax = _encode(s, mask, v_thr, BITS)
+    _store(codes, absmax, v_codes, v_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, BITS)
 
 
 def _launch(kernel, n: int, block_size: int, *args, **constexprs) -> None:
@@ -145,15 +164,15 @@ def _launch(kernel, n: int, block_size: int, *args, **constexprs) -> None:
                                      num_warps=8 if rows * block_size > _TILE else 4, **constexprs)
 
 
-def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax) -> None:
-    _launch(_quantize_kernel, src.numel(), block_size, src, thresholds, codes, absmax, SQRT=sqrt)
+def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: int = 8) -> None:
+    _launch(_quantize_kernel, src.numel(), block_size, src, thresholds, codes, absmax, SQRT=sqrt, BITS=bits)
 
 
-def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool) -> None:
-    _launch(_dequantize_kernel, codes.numel(), block_size, codes, absmax, qmap, out, SQRT=sqrt)
+def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool, bits: int = 8) -> None:
+    _launch(_dequantize_kernel, out.numel(), block_size, codes, absmax, qmap, out, SQRT=sqrt, BITS=bits)
 
 
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
     m, v, *x = states
     _launch(_adam_kernel, p.numel(), flags.block_size, p, g, h, *m, *v, *(x[0] if x else v),
-            M_RATIO=flags.ratio, AMSGRAD=bool(x), MAXIMIZE=flags.maximize, enable_fp_fusion=False)
+            M_RATIO=flags.ratio, AMSGRAD=bool(x), MAXIMIZE=flags.maximize, BITS=flags.bits, enable_fp_fusion=False)

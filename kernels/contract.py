@@ -6,15 +6,20 @@ validates their inputs and picks the backend once; the backend modules beside th
 the Triton CUDA kernels) then receive flat, contiguous, already-checked tensors and plain flags, with
 identical signatures::
 
-    quantize(src, thresholds, block_size, sqrt, codes, absmax) -> None
+    quantize(src, thresholds, block_size, sqrt, codes, absmax, bits) -> None
         src         [n] float (float32/bfloat16/float16; the PyTorch backend takes any float dtype)
-        thresholds  fp32 [255] ascending: midpoints of the codebook (see ``midpoints``)
-        codes       uint8 [n] out;  absmax  fp32 [num_blocks(n, block_size)] out
-    dequantize(codes, absmax, qmap, block_size, sqrt, out, fresh) -> None
-        qmap        fp32 [256] codebook;  out  fp32 [n] out (``fresh``: newly allocated memory)
+        thresholds  fp32 [2**bits - 1] ascending: midpoints of the codebook (see ``midpoints``)
+        codes       uint8 [code_bytes(n, bits)] out;  absmax  fp32 [num_blocks(n, block_size)] out
+    dequantize(codes, absmax, qmap, block_size, sqrt, out, fresh, bits) -> None
+        qmap        fp32 [2**bits] codebook;  out  fp32 [n] out (``fresh``: newly allocated memory)
     adam_step(p, g, states, h, flags) -> None
         p [n] param (updated in place), g [n] grad, states: 2 or 3 ``StepState`` (exp_avg, exp_avg_sq,
         max_exp_avg_sq), h fp32 [10] (``HYPER_FIELDS``), flags: ``StepFlags``
+
+Code layout (``bits``): 8 bits, one code per byte; 4 bits, two codes per byte, element 2i in the low
+nibble of byte i and element 2i+1 in its high nibble; with an odd n the last byte's high nibble is 0.
+Block sizes are even, so every block starts on a byte. Rounding: code = #{j : t[j] < y} (``lut``); a
+NaN y gets the top code, 2**bits - 1.
 
 Nothing in this package imports from ``ckptq`` above it.
 """
@@ -40,20 +45,26 @@ HYPER_FIELDS = ("decay", "l2", "one_minus_beta1", "beta2", "one_minus_beta2", "e
 class StepState(NamedTuple):
     """One quantized moment as the step kernels see it (all flat, contiguous, on the param's device)."""
 
-    codes: torch.Tensor  # uint8 [n], rewritten in place
+    codes: torch.Tensor  # uint8 [code_bytes(n, bits)], rewritten in place
     absmax: torch.Tensor  # fp32 [num_blocks(n, block_size)], rewritten in place
-    qmap: torch.Tensor  # fp32 [256]: the codebook the stored codes refer to
-    thresholds: torch.Tensor  # fp32 [255]: midpoints of the codebook the new codes are written with
+    qmap: torch.Tensor  # fp32 [2**bits]: the codebook the stored codes refer to
+    thresholds: torch.Tensor  # fp32 [2**bits - 1]: midpoints of the codebook the new codes are written with
 
 
 class StepFlags(NamedTuple):
     block_size: int  # one quantization block size for every state of the param
     ratio: bool  # exp_avg's stored codes are ratios m / (sqrt(v) + decode_eps); else plain values
     maximize: bool
+    bits: int = 8  # code width of every state of the param: 8 or 4
 
 
 def num_blocks(n: int, block_size: int) -> int:
     return (n + block_size - 1) // block_size
+
+
+def code_bytes(n: int, bits: int) -> int:
+    """Bytes that hold n codes of ``bits`` bits (8: one per byte, 4: two per byte)."""
+    return n if bits == 8 else (n + 1) // 2
 
 
 def midpoints(qmap: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-/* ckptq CPU kernels: blockwise 8-bit quantize / dequantize and the fused 8-bit Adam step.
+/* ckptq CPU kernels: blockwise 8-bit and 4-bit quantize / dequantize and the fused low-bit Adam step.
  *
  * Plain C99 with no Python or torch headers, compiled on first use by ckptq/kernels/native.py
  * (`cc -O3 -march=native -ffp-contract=off -fno-math-errno`) and called through ctypes, which releases
@@ -21,6 +21,13 @@
  * in increasing value order, 0..65535, inside the bucket) of the first y above the one threshold that may
  * lie inside the bucket (65536: none). Then code = base + (rank(y) >= limit); a NaN y gets 255, as
  * torch.searchsorted gives it. ckptq.kernels.lut.native_code_table builds the table from the thresholds.
+ *
+ * 4-bit codes (bits == 4): the same table over 15 thresholds gives codes 0..15 (NaN: 15), packed two to a
+ * byte, element 2i in the low nibble of byte i (ckptq.kernels.contract). Every block starts on a byte
+ * (block sizes are even). Encoding packs pairs of codes as it goes; decoding splits nibbles and looks
+ * them up in a 16-entry codebook held in one AVX-512 register (vpermps), or per element in scalar C.
+ * The codebooks the caller passes for decoding always have 256 entries (a 16-entry one padded with
+ * zeros), so table reads stay in bounds whatever the width.
  */
 #define _DEFAULT_SOURCE  /* madvise under -std=c99 */
 #include <math.h>
@@ -38,6 +45,7 @@
 
 #define MAX_BLOCK 4096  /* the largest block size; the exported functions return -1 for others */
 #define BAD_BLOCK(block) ((block) < 1 || (block) > MAX_BLOCK)
+#define BAD_BITS(bits, block) (((bits) != 8 && (bits) != 4) || ((bits) == 4 && (block) % 2))
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
@@ -112,32 +120,57 @@ static inline float block_absmax(const float *x, int len) {
     return mx > 0x7F800000u ? NAN : u2f(mx);
 }
 
-/* codes[i] = #{t < x[i] / safe} via the code table (see the header). */
-static inline void encode_block(const float *x, int len, float absmax, const int32_t *table, uint8_t *codes) {
+/* The absmax that block_absmax gives, from the unsigned max of the bit patterns with the sign cleared. */
+static inline float bits_to_absmax(uint32_t mx) { return mx > 0x7F800000u ? NAN : u2f(mx); }
+
+#if VEC
+/* acc = unsigned max(acc, bits of |x[0..15]|): block_absmax, 16 lanes at a time. */
+static inline __m512i max_abs_bits(__m512i acc, const float *x) {
+    __m512i a = _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x)), _mm512_set1_epi32(0x7FFFFFFF));
+    return _mm512_max_epu32(acc, a);
+}
+#endif
+
+/* code i = #{t < x[i] / safe} via the code table (see the header); a NaN gets the top code. 8 bits:
+ * codes[i]; 4 bits: the nibble i % 2 of codes[i / 2] (an odd len leaves the last high nibble 0). */
+static inline void encode_block(const float *x, int len, float absmax, const int32_t *table, uint8_t *codes,
+                                int bits) {
+    const int nan_code = (1 << bits) - 1;
     float safe = absmax > 0.0f ? absmax : 1.0f;  /* NaN > 0 is false: a NaN block divides by 1 */
     int i = 0;
 #if VEC
     const __m512 vsafe = _mm512_set1_ps(safe);
     const __m512i bias = _mm512_set1_epi32(32768), low16 = _mm512_set1_epi32(0xFFFF);
-    const __m512i low17 = _mm512_set1_epi32(0x1FFFF), one = _mm512_set1_epi32(1), nan_code = _mm512_set1_epi32(255);
+    const __m512i low17 = _mm512_set1_epi32(0x1FFFF), one = _mm512_set1_epi32(1), vnan = _mm512_set1_epi32(nan_code);
     for (; i + VEC <= len; i += VEC) {
         __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), vsafe);
-        __m512i bits = _mm512_castps_si512(y);
-        __m512i e = _mm512_i32gather_epi32(_mm512_add_epi32(_mm512_srai_epi32(bits, 16), bias), table, 4);
-        __m512i rank = _mm512_and_si512(_mm512_xor_si512(bits, _mm512_srai_epi32(bits, 31)), low16);
+        __m512i ybits = _mm512_castps_si512(y);
+        __m512i e = _mm512_i32gather_epi32(_mm512_add_epi32(_mm512_srai_epi32(ybits, 16), bias), table, 4);
+        __m512i rank = _mm512_and_si512(_mm512_xor_si512(ybits, _mm512_srai_epi32(ybits, 31)), low16);
         __m512i code = _mm512_srai_epi32(e, 17);
         code = _mm512_mask_add_epi32(code, _mm512_cmpge_epi32_mask(rank, _mm512_and_si512(e, low17)), code, one);
-        code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), nan_code);
-        _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+        code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), vnan);
+        if (bits == 8) {
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+        } else {  /* as 8 qwords c[2k] | c[2k+1] << 32: fold the high dword onto bits 4..7, keep the low byte */
+            __m512i pair = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
+            _mm_storel_epi64((__m128i *)(codes + i / 2), _mm512_cvtepi64_epi8(pair));
+        }
     }
 #endif
     for (; i < len; i++) {
         float y = x[i] / safe;
-        int32_t bits = (int32_t)f2u(y);
-        int32_t e = table[(bits >> 16) + 32768];
-        int32_t rank = (bits ^ (bits >> 31)) & 0xFFFF;  /* negative floats: larger bits, smaller value */
+        int32_t ybits = (int32_t)f2u(y);
+        int32_t e = table[(ybits >> 16) + 32768];
+        int32_t rank = (ybits ^ (ybits >> 31)) & 0xFFFF;  /* negative floats: larger bits, smaller value */
         int32_t code = (e >> 17) + (rank >= (e & 0x1FFFF));
-        codes[i] = y != y ? 255 : (uint8_t)code;
+        uint8_t c = y != y ? (uint8_t)nan_code : (uint8_t)code;
+        if (bits == 8)
+            codes[i] = c;
+        else if (i % 2 == 0)  /* the vector loop stops at a multiple of 16: i starts even */
+            codes[i / 2] = c;
+        else
+            codes[i / 2] |= (uint8_t)(c << 4);
     }
 }
 
@@ -192,18 +225,36 @@ static inline void decode64(const planes_t *t, const uint8_t *codes, __m512 out[
 static inline __m512 gather_codebook(const uint8_t *codes, const float *qmap) {
     return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes)), qmap, 4);
 }
+
+/* qmap[code] for the 32 4-bit codes of packed[0..15], as two vectors of 16 fp32 in element order: a
+ * 16-entry codebook fits one register (q16), so vpermps looks the codes up without a gather. Low and high
+ * nibbles are split into two vectors of bytes 0..15, then interleaved back into element order. */
+static inline void decode32_nibbles(const uint8_t *packed, __m512 q16, __m512 out[2]) {
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)packed));
+    __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(bytes, 4);
+    out[0] = _mm512_permutexvar_ps(_mm512_permutex2var_epi32(lo, first, hi), q16);
+    out[1] = _mm512_permutexvar_ps(_mm512_permutex2var_epi32(lo, second, hi), q16);
+}
 #endif
 
-/* Quantize elements [0, n) of src (dtype F32/BF16/F16) into codes [n] and absmax [ceil(n / block)]. */
+/* Code i of a block's codes: 8 bits, codes[i]; 4 bits, nibble i % 2 of codes[i / 2]. */
+static inline int code_at(const uint8_t *codes, int i, int bits) {
+    return bits == 8 ? codes[i] : (codes[i >> 1] >> ((i & 1) * 4)) & 15;
+}
+
+/* Quantize elements [0, n) of src (dtype F32/BF16/F16) into codes [n * bits / 8, rounded up] and absmax
+ * [ceil(n / block)]. */
 int ckq_quantize(const void *src, int dtype, int64_t n, int64_t block, int sqrt_transform,
-                  const int32_t *table, uint8_t *codes, float *absmax) {
-    if (BAD_BLOCK(block)) return -1;
+                  const int32_t *table, uint8_t *codes, float *absmax, int bits) {
+    if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
     float buf[block];  /* C99 VLA: a block's values, at most 16 KB */
     for (int64_t b = 0, off = 0; off < n; b++, off += block) {
         int len = (int)(n - off < block ? n - off : block);
         load_block(src, off, len, dtype, sqrt_transform, buf);
         absmax[b] = block_absmax(buf, len);
-        encode_block(buf, len, absmax[b], table, codes + off);
+        encode_block(buf, len, absmax[b], table, codes + off * bits / 8, bits);
     }
     return 0;
 }
@@ -220,11 +271,11 @@ static void prefault(void *p, int64_t bytes) {
 #endif
 }
 
-/* out[i] = qmap[codes[i]] * absmax[i / block], then squared for the sqrt transform; fresh_out: out is
- * newly mapped memory, prefault it. */
+/* out[i] = qmap[code i] * absmax[i / block], then squared for the sqrt transform; fresh_out: out is
+ * newly mapped memory, prefault it. qmap: 256 entries (a 4-bit codebook padded). */
 int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap, int64_t n, int64_t block,
-                    int sqrt_transform, float *out, int fresh_out) {
-    if (BAD_BLOCK(block)) return -1;
+                    int sqrt_transform, float *out, int fresh_out, int bits) {
+    if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
     if (fresh_out) prefault(out, n * 4);
 #if DECODE64
     planes_t planes;
@@ -233,13 +284,24 @@ int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap,
     for (int64_t b = 0, off = 0; off < n; b++, off += block) {
         int len = (int)(n - off < block ? n - off : block);
         float a = absmax[b];
-        const uint8_t *c = codes + off;
+        const uint8_t *c = codes + off * bits / 8;
         float *o = out + off;
         int i = 0;
 #if VEC
         const __m512 va = _mm512_set1_ps(a);
+        if (bits == 4) {
+            const __m512 q16 = _mm512_loadu_ps(qmap);
+            for (; i + 32 <= len; i += 32) {
+                __m512 q[2];
+                decode32_nibbles(c + i / 2, q16, q);
+                for (int r = 0; r < 2; r++) {
+                    __m512 v = _mm512_mul_ps(q[r], va);
+                    _mm512_storeu_ps(o + i + 16 * r, sqrt_transform ? _mm512_mul_ps(v, v) : v);
+                }
+            }
+        }
 #if DECODE64
-        for (; i + 64 <= len; i += 64) {
+        for (; bits == 8 && i + 64 <= len; i += 64) {
             __m512 q[4];
             decode64(&planes, c + i, q);
             for (int r = 0; r < 4; r++) {
@@ -248,13 +310,13 @@ int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap,
             }
         }
 #endif
-        for (; i + VEC <= len; i += VEC) {
+        for (; bits == 8 && i + VEC <= len; i += VEC) {
             __m512 v = _mm512_mul_ps(gather_codebook(c + i, qmap), va);
             _mm512_storeu_ps(o + i, sqrt_transform ? _mm512_mul_ps(v, v) : v);
         }
 #endif
         for (; i < len; i++) {
-            float v = qmap[c[i]] * a;
+            float v = qmap[code_at(c, i, bits)] * a;
             o[i] = sqrt_transform ? v * v : v;
         }
     }
@@ -299,13 +361,14 @@ static inline void step16(const vstep_t *k, __m512 s, __m512 m, __m512 xs, const
 
 /* The fused step on elements [0, n) (whole blocks but the last): param p (dtype pdtype) in place,
  * grad g (gdtype), first moment m (a ratio state when m_ratio), second moment v (sqrt transform), and
- * with amsgrad (x.codes != NULL) max_exp_avg_sq x (sqrt transform). Operation order as step_rows. */
+ * with amsgrad (x.codes != NULL) max_exp_avg_sq x (sqrt transform), all with codes of ``bits`` bits
+ * (decode maps of 256 entries). Operation order as step_rows. */
 int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int64_t block,
                    uint8_t *m_codes, float *m_absmax, const float *m_decode, const int32_t *m_table, int m_ratio,
                    uint8_t *v_codes, float *v_absmax, const float *v_decode, const int32_t *v_table,
                    uint8_t *x_codes, float *x_absmax, const float *x_decode, const int32_t *x_table,
-                   const float *h, int maximize) {
-    if (BAD_BLOCK(block)) return -1;
+                   const float *h, int maximize, int bits) {
+    if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
     /* one block each of param, grad (other dtypes than fp32), new ratio, sqrt(v), sqrt(vmax): C99 VLAs,
      * 5 KB at the default block size, 80 KB at 4096 */
     float pb[block], gb[block], mb[block], sb[block], xb[block];
@@ -317,6 +380,10 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
         _mm512_set1_ps(dec_eps), _mm512_set1_ps(l2), _mm512_set1_ps(omb1), _mm512_set1_ps(beta2),
         _mm512_set1_ps(omb2), _mm512_set1_ps(bc2_sqrt), _mm512_set1_ps(eps), _mm512_set1_ps(decay),
         _mm512_set1_ps(neg_step), _mm512_set1_ps(enc_eps), m_ratio, maximize, amsgrad};
+#endif
+#if VEC  /* 4-bit codebooks, one register each (the first 16 entries of the decode maps) */
+    const __m512 m16 = _mm512_loadu_ps(m_decode), v16 = _mm512_loadu_ps(v_decode);
+    const __m512 x16 = amsgrad ? _mm512_loadu_ps(x_decode) : v16;
 #endif
 #if DECODE64
     planes_t m_planes, v_planes, x_planes;
@@ -332,12 +399,39 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
         if (pdtype != F32) load_block(p, off, len, pdtype, 0, pb);
         if (gdtype != F32) load_block(g, off, len, gdtype, 0, gb);
         const float ma = m_absmax[b], va = v_absmax[b], xa = amsgrad ? x_absmax[b] : 0.0f;
-        const uint8_t *mc = m_codes + off, *vc = v_codes + off, *xc = amsgrad ? x_codes + off : 0;
-        int i = 0;
+        const int64_t at = off * bits / 8;  /* the block's first code byte */
+        const uint8_t *mc = m_codes + at, *vc = v_codes + at, *xc = amsgrad ? x_codes + at : 0;
+        int i = 0, have_max = 0;  /* have_max: mx, sx, xx hold the block maxima of mb, sb, xb */
+        float mx = 0.0f, sx = 0.0f, xx = 0.0f;
 #if VEC
         const __m512 vma = _mm512_set1_ps(ma), vva = _mm512_set1_ps(va), vxa = _mm512_set1_ps(xa);
+        if (bits == 4) {
+            /* the new values' block maxima as they are made (block_absmax's unsigned max on the bits): small
+             * blocks then skip a pass each, which is what makes block 128 as fast as 8 bits' 256 */
+            __m512i mmax = _mm512_setzero_si512(), smax = mmax, xmax = mmax;
+            for (; i + 32 <= len; i += 32) {
+                __m512 sq[2], mq[2], xq[2] = {vxa, vxa};
+                decode32_nibbles(vc + i / 2, v16, sq);
+                decode32_nibbles(mc + i / 2, m16, mq);
+                if (amsgrad) decode32_nibbles(xc + i / 2, x16, xq);
+                for (int r = 0; r < 2; r++) {
+                    int j = i + 16 * r;
+                    step16(&k, _mm512_mul_ps(sq[r], vva), _mm512_mul_ps(mq[r], vma),
+                           amsgrad ? _mm512_mul_ps(xq[r], vxa) : vxa, gf + j, pf + j, mb + j, sb + j, xb + j);
+                    mmax = max_abs_bits(mmax, mb + j);
+                    smax = max_abs_bits(smax, sb + j);
+                    if (amsgrad) xmax = max_abs_bits(xmax, xb + j);
+                }
+            }
+            if (i == len) {
+                have_max = 1;
+                mx = bits_to_absmax(_mm512_reduce_max_epu32(mmax));
+                sx = bits_to_absmax(_mm512_reduce_max_epu32(smax));
+                xx = bits_to_absmax(_mm512_reduce_max_epu32(xmax));
+            }
+        }
 #if DECODE64
-        for (; i + 64 <= len; i += 64) {
+        for (; bits == 8 && i + 64 <= len; i += 64) {
             __m512 sq[4], mq[4], xq[4];
             decode64(&v_planes, vc + i, sq);
             decode64(&m_planes, mc + i, mq);
@@ -349,7 +443,7 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
             }
         }
 #endif
-        for (; i + VEC <= len; i += VEC) {
+        for (; bits == 8 && i + VEC <= len; i += VEC) {
             __m512 s = _mm512_mul_ps(gather_codebook(vc + i, v_decode), vva);
             __m512 m = _mm512_mul_ps(gather_codebook(mc + i, m_decode), vma);
             __m512 xs = amsgrad ? _mm512_mul_ps(gather_codebook(xc + i, x_decode), vxa) : vxa;
@@ -357,8 +451,8 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
         }
 #endif
         for (; i < len; i++) {
-            float s = v_decode[vc[i]] * va;  /* sqrt(v) as stored */
-            float m = m_decode[mc[i]] * ma;
+            float s = v_decode[code_at(vc, i, bits)] * va;  /* sqrt(v) as stored */
+            float m = m_decode[code_at(mc, i, bits)] * ma;
             if (m_ratio) m = m * (s + dec_eps);
             float gi = maximize ? -gf[i] : gf[i];
             float pi = pf[i];
@@ -368,7 +462,7 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
             float snew = sqrtf(v);
             float denom_root = snew;
             if (amsgrad) {
-                float xs = x_decode[xc[i]] * xa;
+                float xs = x_decode[code_at(xc, i, bits)] * xa;
                 float vmax = xs * xs;
                 vmax = (vmax != vmax || v != v) ? NAN : (vmax > v ? vmax : v);  /* torch.maximum */
                 denom_root = sqrtf(vmax);
@@ -386,13 +480,13 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
             uint16_t *d = (uint16_t *)p + off;
             for (int i = 0; i < len; i++) d[i] = f32_to_f16(pb[i]);
         }
-        m_absmax[b] = block_absmax(mb, len);
-        encode_block(mb, len, m_absmax[b], m_table, m_codes + off);
-        v_absmax[b] = block_absmax(sb, len);
-        encode_block(sb, len, v_absmax[b], v_table, v_codes + off);
+        m_absmax[b] = have_max ? mx : block_absmax(mb, len);
+        encode_block(mb, len, m_absmax[b], m_table, m_codes + at, bits);
+        v_absmax[b] = have_max ? sx : block_absmax(sb, len);
+        encode_block(sb, len, v_absmax[b], v_table, v_codes + at, bits);
         if (amsgrad) {
-            x_absmax[b] = block_absmax(xb, len);
-            encode_block(xb, len, x_absmax[b], x_table, x_codes + off);
+            x_absmax[b] = have_max ? xx : block_absmax(xb, len);
+            encode_block(xb, len, x_absmax[b], x_table, x_codes + at, bits);
         }
     }
     return 0;

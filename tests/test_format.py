@@ -211,11 +211,15 @@ def test_newer_version_and_unknown_bit_width_are_refused_clearly(tmp_path):
         ckptq.load(path)
     ckptq.save(obj, path, force=True)
 
-    def four_bit(m):
-        m["ckptq.skeleton"] = m["ckptq.skeleton"].replace('"bits":8', '"bits":4')
+    def bits(width):
+        return lambda m: m.update({"ckptq.skeleton": m["ckptq.skeleton"].replace('"bits":8', f'"bits":{width}')})
 
-    _rewrite_metadata(path, four_bit)
-    with pytest.raises(FormatError, match="4 bits.*cannot decode"):
+    _rewrite_metadata(path, bits(2))
+    with pytest.raises(FormatError, match="2 bits.*cannot decode"):
+        ckptq.load(path)
+    ckptq.save(obj, path, force=True)
+    _rewrite_metadata(path, bits(4))  # a width ckptq reads, but 8-bit-sized codes: damage, not a new format
+    with pytest.raises(FormatError, match=r"names codes U8 \[5000\], expected U8 \[2500\]; the file is corrupt"):
         ckptq.load(path)
 
 

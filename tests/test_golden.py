@@ -24,13 +24,14 @@ from test_format import assert_same
 
 GOLDEN_V1 = os.path.join(os.path.dirname(__file__), "golden", "v1.safetensors")
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v2.safetensors")
+GOLDEN_4BIT = os.path.join(os.path.dirname(__file__), "golden", "v2-4bit.safetensors")  # 4-bit states, version 2
 INFO = {"created_by": "golden"}
 
 
-def _q(x, signed, transform, block_size):
-    qmap = codebooks.dynamic_map(signed)
-    codes, absmax = ops.quantize_blockwise(x, qmap, block_size, transform)
-    return {"ckptq": "blockwise", "bits": 8, "codes": codes, "absmax": absmax, "qmap": qmap,
+def _q(x, signed, transform, block_size, bits=8):
+    qmap = codebooks.dynamic_map(signed) if bits == 8 else codebooks.power_map(signed, 1.5 if signed else 3.0, 4)
+    codes, absmax = ops.quantize_blockwise(x, qmap, block_size, transform, bits=bits)
+    return {"ckptq": "blockwise", "bits": bits, "codes": codes, "absmax": absmax, "qmap": qmap,
             "block_size": block_size, "transform": transform, "shape": tuple(x.shape), "dtype": "float32"}
 
 
@@ -56,13 +57,28 @@ def golden_object():
             "best_val_loss": torch.tensor(2.5), "config": {"name": "golden", "dropout": 0.0, "nan": float("nan")}}
 
 
-def test_golden_file_is_pinned(tmp_path):
+def golden_object_4bit():
+    """4-bit states: odd element counts (the last byte holds one code), a plain, a sqrt and a ratio state."""
+    g = torch.Generator().manual_seed(4)
+    m = torch.randn(301, generator=g) * 1e-3
+    v = (torch.randn(19, 15, generator=g) * 1e-2) ** 2
+    m2 = torch.randn(19, 15, generator=g) * v.sqrt()
+    ratio = _q(m2 / (v.sqrt() + 1e-9), True, "none", 64, 4) | {"transform": "ratio", "eps": 1e-9, "divisor": "exp_avg_sq"}
+    state = {0: {"step": torch.tensor(3.0), "exp_avg": _q(m, True, "none", 128, 4),
+                 "exp_avg_sq": _q(m * m, False, "sqrt", 128, 4)},
+             1: {"step": torch.tensor(3.0), "exp_avg": ratio, "exp_avg_sq": _q(v, False, "sqrt", 64, 4)}}
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "params": [0, 1]}]
+    return {"optimizer": {"state": state, "param_groups": groups}}
+
+
+@pytest.mark.parametrize("path,build", [(GOLDEN, golden_object), (GOLDEN_4BIT, golden_object_4bit)])
+def test_golden_file_is_pinned(tmp_path, path, build):
     if os.environ.get("CKPTQ_REGEN_GOLDEN"):
-        ckptq.save(golden_object(), GOLDEN, info=INFO, force=True)
+        ckptq.save(build(), path, info=INFO, force=True)
     out = str(tmp_path / "again.safetensors")
-    ckptq.save(golden_object(), out, info=INFO)
-    assert open(out, "rb").read() == open(GOLDEN, "rb").read(), "the writer's bytes changed: that is a format change"
-    assert_same(golden_object(), ckptq.load(GOLDEN))
+    ckptq.save(build(), out, info=INFO)
+    assert open(out, "rb").read() == open(path, "rb").read(), "the writer's bytes changed: that is a format change"
+    assert_same(build(), ckptq.load(path))
 
 
 def test_version_1_file_still_loads_exactly():
@@ -83,10 +99,13 @@ def test_third_party_header_checksum_agrees():
 
 def _numpy_values(path, q):
     """qmap[codes] * absmax[block], fp32, flat (docs/FORMAT.md section 5)."""
-    assert q["codec"] == "blockwise" and q["bits"] == 8
+    assert q["codec"] == "blockwise" and q["bits"] in (8, 4)
     with safe_open(path, "np") as f:
         codes, absmax, qmap = (f.get_tensor(q[k]) for k in ("codes", "absmax", "qmap"))
     n = int(np.prod(q["shape"]))
+    assert qmap.shape == (2 ** q["bits"],) and codes.shape == ((n * q["bits"] + 7) // 8,)
+    if q["bits"] == 4:  # element 2i: low nibble of byte i; 2i + 1: high nibble
+        codes = np.stack([codes & 15, codes >> 4], axis=1).reshape(-1)[:n]
     return qmap[codes].astype(np.float32) * np.repeat(absmax, q["block_size"])[:n]
 
 
@@ -109,8 +128,9 @@ def _find(node, key):
     raise KeyError(key)
 
 
-@pytest.mark.parametrize("golden", [GOLDEN_V1, GOLDEN])
-@pytest.mark.parametrize("pid,role", [(0, "exp_avg"), (0, "exp_avg_sq"), (2, "exp_avg"), (2, "exp_avg_sq")])
+@pytest.mark.parametrize("golden,pid,role", [(g, pid, role) for g in (GOLDEN_V1, GOLDEN) for pid in (0, 2)
+                                              for role in ("exp_avg", "exp_avg_sq")]
+                         + [(GOLDEN_4BIT, pid, role) for pid in (0, 1) for role in ("exp_avg", "exp_avg_sq")])
 def test_third_party_decoder_agrees(pid, role, golden):
     with safe_open(golden, "np") as f:
         skeleton = json.loads(f.metadata()["ckptq.skeleton"])

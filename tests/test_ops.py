@@ -48,7 +48,9 @@ def test_non_float_and_bad_bits_are_usage_errors():
     qmap = qstate.RATIO_POLICY.qmap()
     with pytest.raises(UsageError, match="floating-point"):
         ops.quantize_blockwise(torch.ones(8, dtype=torch.int64), qmap)
-    with pytest.raises(UsageError, match="4-bit codes are not supported"):
+    with pytest.raises(UsageError, match="2-bit codes are not supported; use bits=8 or 4"):
+        ops.quantize_blockwise(torch.ones(8), qmap, bits=2)
+    with pytest.raises(UsageError, match="codebook must be a float tensor of 16 entries"):
         ops.quantize_blockwise(torch.ones(8), qmap, bits=4)
 
 
@@ -59,7 +61,7 @@ def test_step_refuses_states_that_do_not_fit_the_param(backend):
     m, v = _moments(1000)
     p = torch.randn(999)
     before = m["codes"].clone()
-    with pytest.raises(UsageError, match="holds 1000 codes .* 999 elements"):
+    with pytest.raises(UsageError, match="holds 1000 code bytes .* 999 elements"):
         ops.adam8bit_step(p, torch.randn(999), _inputs(m, v), _hyper10(), block_size=256, ratio=True, backend=backend)
     with pytest.raises(UsageError, match="block size 100"):
         ops.adam8bit_step(p, torch.randn(999), _inputs(m, v), _hyper10(), block_size=100, ratio=True, backend=backend)

@@ -1,4 +1,4 @@
-"""Benchmark ckptq's PyTorch blockwise codec against bitsandbytes' on the CPU, side by side.
+"""Benchmark ckptq's blockwise codec (8-bit, and 4-bit) against bitsandbytes' on the CPU, side by side.
 
 One run, interleaved rounds (ckptq and bitsandbytes alternate on the same tensors, so load from other
 processes hits both alike); prints medians and ratios as a markdown table.
@@ -7,7 +7,9 @@ processes hits both alike); prints medians and ratios as a markdown table.
 
 Tensors: an Adam first moment (randn * 1e-3; ckptq: signed map) and a second moment spread over six
 decades (randn^2 * 10^U(-8, -2); ckptq: sqrt transform + unsigned map, as ``ckptq.qstate`` stores it).
-bitsandbytes uses its default dynamic map on both, at the same block size.
+bitsandbytes uses its default dynamic map on both, at the same block size. The ckptq 4-bit column runs the
+same operations with ``bits=4`` (16-entry codebooks, block 128 as ``convert --bits 4`` uses); its ratio
+is against ckptq's own 8-bit figure.
 """
 
 from __future__ import annotations
@@ -62,20 +64,33 @@ def run_round(tensors, block_size: int, times: dict[str, list[float]], buffers: 
         cases["dequantize, ckptq out= reused"] = (
             lambda: ops.dequantize_blockwise(codes, absmax, qmap, block_size, transform, out=buf),
             lambda: bnbf.dequantize_blockwise(bcodes, state))
+        four = _four_bit_cases(x, signed, transform, buf)
         for j, (op, (ours, bnb)) in enumerate(cases.items()):
-            order = (("ckptq", ours), ("bnb", bnb))
+            order = (("ckptq", ours), ("bnb", bnb), ("ckptq4", four[op]))
             for who, fn in order if (i + j + round_no) % 2 else order[::-1]:
                 t, result = timed(fn)
                 del result
                 times.setdefault(f"{op} {name}|{who}", []).append(t)
 
 
+def _four_bit_cases(x, signed: bool, transform: str, buf) -> dict:
+    """The same operations at 4 bits: block 128, 16-entry codebooks."""
+    qmap = codebooks.power_map(signed, 1.5 if signed else 3.0, 4)
+    codes, absmax = ops.quantize_blockwise(x, qmap, 128, transform, bits=4)
+    n = x.numel()
+    return {"quantize": lambda: ops.quantize_blockwise(x, qmap, 128, transform, bits=4),
+            "dequantize, new tensor": lambda: ops.dequantize_blockwise(codes, absmax, qmap, 128, transform, bits=4,
+                                                                       numel=n),
+            "dequantize, ckptq out= reused": lambda: ops.dequantize_blockwise(codes, absmax, qmap, 128, transform,
+                                                                              out=buf, bits=4, numel=n)}
+
+
 def table(times: dict[str, list[float]], numel: int) -> str:
-    rows = ["| operation | ckptq M elem/s | bitsandbytes M elem/s | ratio |", "|---|---:|---:|---:|"]
+    rows = ["| operation | ckptq M elem/s | bitsandbytes M elem/s | ratio | ckptq 4-bit M elem/s | 4-bit / 8-bit |",
+            "|---|---:|---:|---:|---:|---:|"]
     for op in dict.fromkeys(k.split("|")[0] for k in times):
-        ours = numel / statistics.median(times[f"{op}|ckptq"]) / 1e6
-        bnb = numel / statistics.median(times[f"{op}|bnb"]) / 1e6
-        rows.append(f"| {op} | {ours:,.0f} | {bnb:,.0f} | {ours / bnb:.2f}x |")
+        ours, bnb, four = (numel / statistics.median(times[f"{op}|{who}"]) / 1e6 for who in ("ckptq", "bnb", "ckptq4"))
+        rows.append(f"| {op} | {ours:,.0f} | {bnb:,.0f} | {ours / bnb:.2f}x | {four:,.0f} | {four / ours:.2f}x |")
     return "\n".join(rows)
 
 

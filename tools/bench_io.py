@@ -6,6 +6,7 @@ then, in one run with interleaved rounds, times in fresh processes:
   floor      torch.load(mmap=True) of it + writing the same tensor bytes raw to a file (+ fsync)
   convert    ckptq convert (no compression)
   convert+z  ckptq convert --compress
+  convert4   ckptq convert --bits 4
   expand     ckptq expand of the converted file
 
 Peak RssAnon (anonymous memory: what the process itself needs; file-backed pages of a memory-mapped
@@ -110,6 +111,8 @@ def main() -> None:
         "convert": [py, "-m", "ckptq", "convert", src, "-o", out("c.safetensors"), "-f", "-q", "--device", args.device],
         "convert --compress": [py, "-m", "ckptq", "convert", src, "-o", out("cz.safetensors"), "-f", "-q", "--compress",
                                "--device", args.device],
+        "convert --bits 4": [py, "-m", "ckptq", "convert", src, "-o", out("c4.safetensors"), "-f", "-q", "--bits", "4",
+                             "--device", args.device],
         "expand": [py, "-m", "ckptq", "expand", out("c.safetensors"), "-o", out("e.pt"), "-f", "-q"],
     }
     if args.no_compress:
@@ -125,6 +128,7 @@ def main() -> None:
     print("| step | wall s | GB/s of input | vs floor | peak RssAnon MB | output MB |")
     print("|---|---|---|---|---|---|")
     outputs = {"convert": "c.safetensors", "convert --compress": "cz.safetensors", "expand": "e.pt",
+               "convert --bits 4": "c4.safetensors",
                "floor (mmap load + raw write)": "floor.bin"}
     for name, rows in results.items():
         t = statistics.median(r[0] for r in rows)

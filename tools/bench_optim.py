@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-OPTIMIZERS = ("torch-foreach", "torch-fused", "bnb", "torchao", "ckptq", "ckptq-torch")
+OPTIMIZERS = ("torch-foreach", "torch-fused", "bnb", "torchao", "ckptq", "ckptq-torch", "torchao4", "ckptq4")
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 
 
@@ -41,15 +41,17 @@ def make_optimizer(name: str, params: list[torch.Tensor], gpu: bool) -> torch.op
         import bitsandbytes.optim
 
         return bitsandbytes.optim.AdamW8bit(params, **HYPER)
-    if name == "torchao":
+    if name in ("torchao", "torchao4"):
         import torchao.optim
 
-        return torchao.optim.AdamW8bit(params, **HYPER)
-    from ckptq.optim import AdamW8bit
+        return (torchao.optim.AdamW8bit if name == "torchao" else torchao.optim.AdamW4bit)(params, **HYPER)
+    from ckptq.optim import AdamW4bit, AdamW8bit
 
     # "ckptq": the default (C kernel on the CPU, Triton on CUDA); the others are the PyTorch fallbacks.
     if name == "ckptq":
         return AdamW8bit(params, **HYPER)
+    if name == "ckptq4":
+        return AdamW4bit(params, **HYPER)
     return AdamW8bit(params, **HYPER, backend="torch")
 
 
@@ -62,6 +64,8 @@ def label(name: str, gpu: bool) -> str:
         "torchao": "torchao AdamW8bit",
         "ckptq": ckptq_label,
         "ckptq-torch": "ckptq AdamW8bit (PyTorch fallback)",
+        "torchao4": "torchao AdamW4bit",
+        "ckptq4": ckptq_label.replace("8bit", "4bit"),
     }[name]
 
 

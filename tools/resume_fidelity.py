@@ -8,6 +8,9 @@ steps, saves a checkpoint, then continues ``--steps`` steps on identical batches
   (c) expanded  torch AdamW from ``ckptq.expand`` of that file (8-bit state back in fp32)
   (d) bnb       bitsandbytes AdamW8bit given the same fp32 moments through its own quantizer
   (e) fresh     torch AdamW with no state (the state lost: the floor)
+  (f) ckptq4    ckptq AdamW4bit from ``ckptq.convert(..., bits=4)``'s file
+  (g) expanded4 torch AdamW from ``ckptq.expand`` of the 4-bit file
+(``--variants`` picks a subset.)
 
 Per variant: mean loss over the continuation and max loss over its first 20 steps, each against (a)
 (difference and ratio). (b) and (c) should sit as close to (a) as (d) does; (e) spikes.
@@ -35,12 +38,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_checkpoint as mc  # noqa: E402  (tools/ is not a package)
 
 import ckptq  # noqa: E402
-from ckptq.optim import AdamW8bit  # noqa: E402
+from ckptq.optim import AdamW4bit, AdamW8bit  # noqa: E402
 
 # make_checkpoint's sizes plus "mid" (~0.67 M params), the default: big enough that the moments matter,
 # small enough that five continuations run in a few minutes on 2 cores.
 SIZES = {**mc.SIZES, "mid": dict(vocab_size=2048, n_layer=2, n_head=4, n_embd=128, block_size=64, batch_size=16)}
-VARIANTS = ("fp32", "ckptq", "expanded", "bnb", "fresh")
+VARIANTS = ("fp32", "ckptq", "expanded", "bnb", "fresh", "ckptq4", "expanded4")
 SPIKE_WINDOW = 20
 
 
@@ -118,13 +121,13 @@ def start(variant: str, size: str, lr: float, paths: dict):
     """(model, optimizer) for one variant, weights from the file that variant resumes from."""
     cfg, _ = model_config(size)
     model = mc.GPT(**cfg)
-    if variant == "ckptq":
-        ckpt = ckptq.load(paths["q8"])
+    if variant in ("ckptq", "ckptq4"):
+        ckpt = ckptq.load(paths["q8" if variant == "ckptq" else "q4"])
         model.load_state_dict(ckpt["model"])
-        opt = AdamW8bit(param_groups(model, lr), lr=lr)
+        opt = (AdamW8bit if variant == "ckptq" else AdamW4bit)(param_groups(model, lr), lr=lr)
         opt.load_state_dict(ckpt["optimizer"])
         return model, opt
-    ckpt = torch.load(paths["expanded" if variant == "expanded" else "fp32"], weights_only=True)
+    ckpt = torch.load(paths[variant if variant.startswith("expanded") else "fp32"], weights_only=True)
     model.load_state_dict(ckpt["model"])
     if variant == "bnb":
         return model, bnb_optimizer(model, lr, ckpt["optimizer"])
@@ -187,20 +190,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--plot", help="write the loss curves to this PNG")
     parser.add_argument("--workdir", help="keep the checkpoints here (default: a temporary folder)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)} (fp32 always runs)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.workdir or tmp
         os.makedirs(folder, exist_ok=True)
-        paths = {k: os.path.join(folder, f) for k, f in (("fp32", "ckpt.pt"), ("q8", "ckpt.q8.safetensors"))}
+        paths = {k: os.path.join(folder, f) for k, f in (("fp32", "ckpt.pt"), ("q8", "ckpt.q8.safetensors"),
+                                                          ("q4", "ckpt.q4.safetensors"))}
         perm = pretrain(args.size, args.pretrain, args.lr, args.seed, paths["fp32"])
         ckptq.convert(paths["fp32"], paths["q8"], force=True)
+        ckptq.convert(paths["fp32"], paths["q4"], bits=4, force=True)
         paths["expanded"] = ckptq.expand(paths["q8"], os.path.join(folder, "ckpt.expanded.pt"), force=True).output
+        paths["expanded4"] = ckptq.expand(paths["q4"], os.path.join(folder, "ckpt.expanded4.pt"), force=True).output
         cfg, batch_size = model_config(args.size)
         data = batches(cfg, batch_size, perm, args.steps, args.seed + 2)
         curves: dict[str, list[float]] = {}
-        for variant in VARIANTS:
+        chosen = ["fp32"] + [v for v in args.variants.split(",") if v in VARIANTS and v != "fp32"]
+        for variant in chosen:
             torch.manual_seed(args.seed)
             model, opt = start(variant, args.size, args.lr, paths)
             train_steps(model, opt, data, curves.setdefault(variant, []))

@@ -1,0 +1,110 @@
+"""4-bit state through the library: convert --bits 4, the 4-bit optimizer resuming from it, 8 <-> 4 bits
+both by convert and by load_state_dict, expand, and the errors for what 4 bits do not support."""
+
+import copy
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptq
+from ckptq import qstate, sharded
+from ckptq.cli import main
+from ckptq.errors import ArgumentError
+from ckptq.optim import AdamW4bit, AdamW8bit
+from conftest import TinyLM, param_groups, train
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def _quantized(state: dict) -> dict:
+    return {pid: {k: v for k, v in st.items() if qstate.is_qstate(v)} for pid, st in state.items()}
+
+
+def test_convert_bits_4_writes_half_the_state_and_the_optimizer_resumes_from_it(trained_ckpt, tmp_path):
+    path, model, opt = trained_ckpt
+    r = run("convert", path, "--bits", 4, "--min-size", 1000)
+    assert r.exit_code == 0 and "4-bit" in r.output
+    q4 = str(tmp_path / "ckpt.q4.safetensors")
+    loaded = ckptq.load(q4)
+    moments = [q for st in _quantized(loaded["optimizer"]["state"]).values() for q in st.values()]
+    assert moments and all(q["bits"] == 4 and q["block_size"] == 128 and q["qmap"].numel() == 16 for q in moments)
+    assert all(q["codes"].numel() == (torch.Size(q["shape"]).numel() + 1) // 2 for q in moments)
+    # The optimizer takes the file's codes as they are; its first step moves the weights as torch's AdamW
+    # does from the fp32 state, up to the ratio's 4-bit rounding (~10% of the update, tools/fidelity.py).
+    ref_model, ours_model = copy.deepcopy(model), copy.deepcopy(model)
+    ref = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, betas=(0.9, 0.95))
+    ref.load_state_dict(opt.state_dict())
+    ours = AdamW4bit(param_groups(ours_model), lr=1e-2, betas=(0.9, 0.95), min_size=1000)
+    ours.load_state_dict(loaded["optimizer"])
+    pid = 0  # wte.weight (tied with the head): 6144 values, quantized
+    assert torch.equal(ours.state[ours_model.wte.weight]["exp_avg"]["codes"],
+                       loaded["optimizer"]["state"][pid]["exp_avg"]["codes"])
+    before = model.wte.weight.detach().clone()
+    train(ref_model, ref, 1, start=20)
+    train(ours_model, ours, 1, start=20)
+    want, got = ref_model.wte.weight.detach() - before, ours_model.wte.weight.detach() - before
+    assert float((got - want).norm() / want.norm()) < 0.15
+    assert ours.state[ours_model.wte.weight]["exp_avg"]["bits"] == 4
+    # expand: the 4-bit file back to fp32, exactly what load(dequantize=True) decodes
+    assert run("expand", q4, "-o", tmp_path / "e.pt").exit_code == 0
+    dense = torch.load(tmp_path / "e.pt", weights_only=True)["optimizer"]["state"][pid]
+    assert torch.equal(dense["exp_avg"], ckptq.load(q4, dequantize=True)["optimizer"]["state"][pid]["exp_avg"])
+
+
+def test_convert_between_8_and_4_bits_equals_expand_then_convert(trained_ckpt, tmp_path):
+    path, _, _ = trained_ckpt
+    q8 = str(tmp_path / "ckpt.q8.safetensors")
+    assert run("convert", path, "--min-size", 1000).exit_code == 0
+    assert run("convert", q8, "--bits", 4, "--min-size", 1000).exit_code == 0  # -> ckpt.q4.safetensors
+    assert run("expand", q8, "-o", tmp_path / "e8.pt").exit_code == 0
+    assert run("convert", tmp_path / "e8.pt", "-o", tmp_path / "via.q4.safetensors", "--bits", 4,
+               "--min-size", 1000).exit_code == 0
+    direct = _quantized(ckptq.load(str(tmp_path / "ckpt.q4.safetensors"))["optimizer"]["state"])
+    via = _quantized(ckptq.load(str(tmp_path / "via.q4.safetensors"))["optimizer"]["state"])
+    assert direct.keys() == via.keys() and any(direct.values())
+    for pid in direct:
+        for key, q in direct[pid].items():
+            assert q["bits"] == 4 and torch.equal(q["codes"], via[pid][key]["codes"])
+            assert torch.equal(q["absmax"], via[pid][key]["absmax"])
+    r = run("convert", tmp_path / "ckpt.q4.safetensors", "--bits", 4, "-o", tmp_path / "same.safetensors")
+    assert r.exit_code == 3 and "already holds 4-bit states" in r.output and not (tmp_path / "same.safetensors").exists()
+    back = str(tmp_path / "back.q8.safetensors")
+    assert run("convert", tmp_path / "ckpt.q4.safetensors", "-o", back, "--min-size", 1000).exit_code == 0
+    assert {q["bits"] for st in _quantized(ckptq.load(back)["optimizer"]["state"]).values() for q in st.values()} == {8}
+
+
+def test_bad_bits_are_one_line_errors(trained_ckpt, tmp_path):
+    path, _, _ = trained_ckpt
+    r = run("convert", path, "--bits", 3)
+    assert r.exit_code != 0 and "3-bit codes are not supported; use bits=8 or 4" in r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "ckpt.q3.safetensors").exists()
+    with pytest.raises(ArgumentError, match="bits 3 is not supported"):
+        AdamW8bit([torch.nn.Parameter(torch.zeros(3))], bits=3)
+
+
+def test_8bit_state_loads_into_the_4bit_optimizer_and_back():
+    """Another width is requantized on load, from the decoded moments, as convert would write them."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt8 = AdamW8bit(param_groups(model), lr=1e-2, min_size=1000)
+    train(model, opt8, 3)
+    sd8 = opt8.state_dict()
+    opt4 = AdamW4bit(param_groups(model), lr=1e-2, min_size=1000)
+    opt4.load_state_dict(sd8)
+    for pid, p in enumerate(q for g in opt4.param_groups for q in g["params"]):
+        saved = sd8["state"][pid]
+        if not qstate.is_qstate(saved["exp_avg"]):
+            continue
+        group = opt4.param_groups[0 if p.dim() >= 2 else 1]
+        want = sharded.quantize_moments(qstate.dequantize_states(saved), group, float(saved["step"]), 128, 4)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt4.state[p][key]["bits"] == 4 and torch.equal(opt4.state[p][key]["codes"], want[key]["codes"])
+    opt8b = AdamW8bit(param_groups(model), lr=1e-2, min_size=1000)
+    opt8b.load_state_dict(opt4.state_dict())
+    assert {q["bits"] for st in opt8b.state.values() for q in st.values() if qstate.is_qstate(q)} == {8}
+    train(model, opt4, 2, start=3)
+    clone = copy.deepcopy(opt4)
+    assert clone.bits == 4 and clone.block_size == 128

@@ -1,0 +1,230 @@
+"""4-bit codes on every backend: the reference against a brute-force nearest-entry search and its packing
+layout, then the C kernels and the Triton kernels (interpreter on the CPU) against the reference, bit for
+bit: codes, scales, decoded values and the fused step, on irregular sizes (odd counts pack a last half
+byte), every input dtype, NaN/Inf.
+"""
+
+import os
+
+import pytest
+import torch
+
+from ckptq import codebooks, ops, qstate
+from ckptq.errors import UsageError
+from ckptq.kernels import backend_torch, lut, native
+from ckptq.optim import Adam4bit, AdamW4bit
+from test_native import _assert_same, _special, build  # noqa: F401  (build: the C builds fixture)
+
+QMAPS = {"ratio": qstate.ratio_policy(4).qmap(), "sqrt": qstate.policy_for("exp_avg_sq", 4).qmap(),
+         "signed-2.5": codebooks.power_map(True, 2.5, 4)}
+needs_c = pytest.mark.skipif(native.library() is None, reason=f"C kernels unavailable: {native.why_unavailable()}")
+
+
+def test_codebooks_have_16_sorted_entries_with_zero_and_the_ends():
+    for qmap in QMAPS.values():
+        assert qmap.shape == (16,) and bool((qmap[1:] > qmap[:-1]).all())
+        assert 0.0 in qmap.tolist() and float(qmap[-1]) == 1.0
+    assert float(QMAPS["ratio"][0]) == -1.0 and float(QMAPS["sqrt"][0]) == 0.0
+
+
+@pytest.mark.parametrize("n", (1, 2, 127, 129, 1001))
+def test_reference_codes_are_the_nearest_entry_packed_low_nibble_first(n):
+    """Brute force: each code is the nearest codebook entry of x / absmax (ties to the lower), element 2i
+    in the low nibble of byte i; an odd count leaves the last high nibble 0."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=gen)
+    qmap = QMAPS["ratio"]
+    codes, absmax = ops.quantize_blockwise(x, qmap, 64, backend="torch", bits=4)
+    assert codes.shape == ((n + 1) // 2,) and absmax.shape == (-(-n // 64),)
+    y = x / absmax.repeat_interleave(64)[:n]
+    dist = (y[:, None] - qmap[None, :]).abs()
+    want = (dist - dist.min(1, keepdim=True).values <= 0).int().argmax(1)  # first (lowest) of the nearest
+    got = torch.stack([codes & 15, codes >> 4], 1).view(-1)
+    assert torch.equal(got[:n].long(), want)
+    if n % 2:
+        assert int(codes[-1]) >> 4 == 0
+    decoded = ops.dequantize_blockwise(codes, absmax, qmap, 64, backend="torch", bits=4, numel=n)
+    assert torch.equal(decoded, qmap[want] * absmax.repeat_interleave(64)[:n])
+
+
+def test_nan_gets_the_top_code_and_a_nan_scale():
+    x = torch.randn(131)
+    x[3], x[130] = float("nan"), float("nan")
+    codes, absmax = ops.quantize_blockwise(x, QMAPS["ratio"], 64, backend="torch", bits=4)
+    assert int(codes[1]) >> 4 == 15 and int(codes[65]) == 15  # element 3: a high nibble; 130: a lone low one
+    assert torch.isnan(absmax[0]) and not torch.isnan(absmax[1]) and torch.isnan(absmax[2])
+
+
+def test_wrong_sizes_are_usage_errors():
+    codes, absmax = ops.quantize_blockwise(torch.randn(129), QMAPS["ratio"], 64, bits=4)
+    with pytest.raises(UsageError, match="65 bytes of codes cannot hold 131"):
+        ops.dequantize_blockwise(codes, absmax, QMAPS["ratio"], 64, bits=4, numel=131)
+    with pytest.raises(UsageError, match="codebook must be a float tensor of 16 entries"):
+        ops.dequantize_blockwise(codes, absmax, codebooks.dynamic_map(True), 64, bits=4, numel=129)
+    assert ops.dequantize_blockwise(codes, absmax, QMAPS["ratio"], 64, bits=4, numel=129).shape == (129,)
+
+
+@needs_c
+@pytest.mark.parametrize("n", (1, 63, 4097, 3 * 65536 + 77))
+@pytest.mark.parametrize("block", (64, 128, 4096))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("name,transform", (("ratio", "none"), ("sqrt", "sqrt")))
+def test_c_quantize_and_dequantize_match_the_reference(n, block, dtype, name, transform, build):
+    gen = torch.Generator().manual_seed(n + block)
+    x = _special(n, transform == "none", gen).to(dtype)
+    qmap = QMAPS[name]
+    c1, a1 = ops.quantize_blockwise(x, qmap, block, transform, "torch", bits=4)
+    c2, a2 = ops.quantize_blockwise(x, qmap, block, transform, "native", bits=4)
+    assert torch.equal(c1, c2)
+    _assert_same(a1, a2)
+    d1 = ops.dequantize_blockwise(c1, a1, qmap, block, transform, "torch", bits=4, numel=n)
+    out = torch.full((n,), 7.0)
+    d2 = ops.dequantize_blockwise(c1, a1, qmap, block, transform, "native", out=out, bits=4, numel=n)
+    assert d2.data_ptr() == out.data_ptr()
+    _assert_same(d1, d2)
+
+
+@needs_c
+@pytest.mark.parametrize("name", sorted(QMAPS))
+def test_c_code_table_equals_searchsorted_on_every_bucket_edge(name, build):
+    """Both ends of every 2^16-float bucket in [-1, 1], every threshold +-1 ulp, and NaN, each in a block
+    whose absmax is exactly 1 (so y = x): the 15-threshold table meets every edge case."""
+    qmap = QMAPS[name]
+    t = ops.midpoints(qmap)
+    lo, hi = lut.bucket_bounds()
+    y = torch.cat([lo, hi, t, torch.nextafter(t, torch.tensor(2.0)), torch.nextafter(t, torch.tensor(-2.0)),
+                   torch.tensor([float("nan"), -0.0, 0.0])])
+    y = y[~(y.abs() > 1)]  # keeps NaN
+    if bool((qmap >= 0).all()):
+        y = y[~(y < 0)]
+    n_blocks = -(-y.numel() // 63)
+    body = torch.zeros(n_blocks * 63)
+    body[: y.numel()] = y
+    x = torch.cat([torch.ones(n_blocks, 1), body.view(n_blocks, 63)], dim=1).view(-1)
+    codes, _ = ops.quantize_blockwise(x, qmap, 64, backend="native", bits=4)
+    ref, _ = backend_torch.reference_codes(x, t, 64)
+    assert torch.equal(backend_torch.unpack_nibbles(codes, x.numel()), ref)
+
+
+def _run(cls, p0, grads, backend, **kw):
+    p = torch.nn.Parameter(p0.clone())
+    if grads[0].dtype != p.dtype:
+        p.grad_dtype = grads[0].dtype
+    opt = cls([p], lr=1e-2, backend=backend, min_size=64, **kw)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach(), opt.state[p]
+
+
+def _assert_same_states(sa: dict, sb: dict) -> None:
+    for key, q in sa.items():
+        if isinstance(q, dict):
+            assert q["bits"] == sb[key]["bits"] == 4
+            assert torch.equal(q["codes"].cpu(), sb[key]["codes"].cpu()), key
+            _assert_same(q["absmax"].cpu(), sb[key]["absmax"].cpu())
+
+
+@needs_c
+@pytest.mark.parametrize("n", (65, 4097, 2 * 65536 + 77))  # the last: several chunks of the C path, a short block
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, "bf16-param-fp32-grad"))
+@pytest.mark.parametrize("cls,kw", (
+    (AdamW4bit, {}),
+    (Adam4bit, {"weight_decay": 0.1, "block_size": 4096}),
+    (AdamW4bit, {"amsgrad": True, "maximize": True, "block_size": 64}),
+))
+def test_c_step_matches_the_reference(n, dtype, cls, kw, build):
+    """Three steps (zero gradients in places) from the same start: parameters, codes and scales equal."""
+    gen = torch.Generator().manual_seed(n)
+    pdtype, gdtype = (torch.bfloat16, torch.float32) if dtype == "bf16-param-fp32-grad" else (dtype, dtype)
+    p0 = (torch.randn(n, generator=gen) * 10.0 ** torch.empty(n).uniform_(-7, 2, generator=gen)).to(pdtype)
+    grads = [(torch.randn(n, generator=gen) * 1e-2).to(gdtype) for _ in range(3)]
+    grads[1][::7] = 0
+    (pa, sa), (pb, sb) = (_run(cls, p0, grads, b, **kw) for b in ("torch", "native"))
+    _assert_same(pa, pb)
+    _assert_same_states(sa, sb)
+
+
+def _nan_inf_grads(n):
+    gen = torch.Generator().manual_seed(3)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3
+    g[10], g[n // 2] = float("nan"), float("inf")
+    g[-10:] = 1e20  # v overflows to +inf in the short last block
+    return p0, [g, g * 0.5]
+
+
+@needs_c
+@pytest.mark.parametrize("n,block", ((5001, 128), (203, 64)))
+def test_c_step_with_nan_and_inf_gradients_matches(n, block, build):
+    p0, grads = _nan_inf_grads(n)
+    (pa, sa), (pb, sb) = (_run(AdamW4bit, p0, grads, b, amsgrad=True, block_size=block) for b in ("torch", "native"))
+    _assert_same(pa, pb)
+    _assert_same_states(sa, sb)
+
+
+def _triton():
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs here only under TRITON_INTERPRET=1 (set by conftest.py)")
+    pytest.importorskip("triton")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # numpy, inside the interpreter
+@pytest.mark.parametrize("n", (1, 63, 65, 129, 999))
+@pytest.mark.parametrize("block", (64, 128))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("name,transform", (("ratio", "none"), ("sqrt", "sqrt")))
+def test_triton_quantize_and_dequantize_match_the_reference(n, block, dtype, name, transform):
+    device = _triton()
+    gen = torch.Generator().manual_seed(n + block)
+    x = _special(n, transform == "none", gen).to(dtype)
+    qmap = QMAPS[name]
+    c1, a1 = ops.quantize_blockwise(x, qmap, block, transform, "torch", bits=4)
+    c2, a2 = ops.quantize_blockwise(x.to(device), qmap.to(device), block, transform, "triton", bits=4)
+    assert torch.equal(c1, c2.cpu())
+    _assert_same(a1, a2.cpu())
+    d1 = ops.dequantize_blockwise(c1, a1, qmap, block, transform, "torch", bits=4, numel=n)
+    d2 = ops.dequantize_blockwise(c1.to(device), a1.to(device), qmap.to(device), block, transform, "triton",
+                                  bits=4, numel=n)
+    _assert_same(d1, d2.cpu())
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning",
+                            "ignore:All-NaN slice:RuntimeWarning")
+@pytest.mark.parametrize("n,block,kw", ((63, 64, {}), (257, 128, {"amsgrad": True, "maximize": True}),
+                                        (203, 64, {"nan": True})))
+def test_triton_step_matches_the_reference(n, block, kw):
+    device = _triton()
+    if kw.pop("nan", False):
+        p0, grads = _nan_inf_grads(n)
+        kw = {"amsgrad": True}
+    else:
+        gen = torch.Generator().manual_seed(n)
+        p0, grads = torch.randn(n, generator=gen), [torch.randn(n, generator=gen) * 1e-2 for _ in range(2)]
+    pa, sa = _run(AdamW4bit, p0, grads, "torch", block_size=block, **kw)
+    pb, sb = _run(AdamW4bit, p0.to(device), [g.to(device) for g in grads], "triton", block_size=block, **kw)
+    _assert_same(pa, pb.cpu())
+    _assert_same_states(sa, sb)
+
+
+def test_step_refuses_states_of_the_other_width():
+    p = torch.randn(300)
+    m8 = ops.quantize_blockwise(torch.randn(300), codebooks.power_map(True, 1.5), 64)
+    v4 = ops.quantize_blockwise(torch.rand(300), QMAPS["sqrt"], 64, "sqrt", bits=4)
+    states = [ops.StepInput(*m8, codebooks.power_map(True, 1.5), codebooks.power_map(True, 1.5)),
+              ops.StepInput(*v4, QMAPS["sqrt"], QMAPS["sqrt"])]
+    hyper = torch.zeros(10)
+    with pytest.raises(UsageError, match="codebook must be a float tensor of 16 entries"):
+        ops.adam8bit_step(p, torch.randn(300), states, hyper, block_size=64, ratio=True, bits=4)
+    before = v4[0].clone()
+    as_8bit = [states[0], ops.StepInput(*v4, codebooks.dynamic_map(False), codebooks.dynamic_map(False))]
+    with pytest.raises(UsageError, match="holds 150 code bytes"):
+        ops.adam8bit_step(p, torch.randn(300), as_8bit, hyper, block_size=64, ratio=True, bits=8)
+    assert torch.equal(v4[0], before)
+
+
+def test_reference_pack_and_unpack_are_inverse():
+    codes = torch.randint(0, 16, (1001,), dtype=torch.uint8)
+    packed = torch.empty(501, dtype=torch.uint8)
+    backend_torch.pack_nibbles(codes, packed)
+    assert torch.equal(backend_torch.unpack_nibbles(packed, 1001), codes) and int(packed[-1]) == int(codes[-1])
