@@ -70,10 +70,15 @@ def main() -> None:
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         dist.barrier()  # rank 0 removes the folder on leaving the block
     second = train(model, opt, device, 3, 6)
-    ok = first + second == ref
+    # On the CPU the losses are equal bit for bit; on CUDA the sharded and unsharded models may pick other
+    # matmul algorithms, so the check asks for agreement to 1e-5 and reports how close it is.
+    rel = [abs(a - b) / abs(b) for a, b in zip(first + second, ref)]
+    ok = max(rel) < 1e-5
     if dist.get_rank() == 0:
-        print(f"FSDP2 + AdamW8bit on {device}, world {dist.get_world_size()}: losses {'equal' if ok else 'DIFFER'} "
-              f"to the unsharded run through a DCP save/resume ({ref[-1]:.6f} vs {second[-1]:.6f})")
+        print(f"FSDP2 + AdamW8bit on {device}, world {dist.get_world_size()}: losses "
+              f"{'equal' if first + second == ref else 'agree' if ok else 'DIFFER'} to the unsharded run through a "
+              f"DCP save/resume (max relative difference {max(rel[:3]):.1e} before the save, {max(rel[3:]):.1e} after; "
+              f"last {ref[-1]:.6f} vs {second[-1]:.6f})")
     dist.barrier()  # no rank tears gloo down while another still talks to it (SIGABRT otherwise)
     dist.destroy_process_group()
     sys.exit(0 if ok else 1)
