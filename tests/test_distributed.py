@@ -22,7 +22,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 
 # torchrun --standalone picks a free port by releasing one it bound: another launch on this machine can
 # take it first; and gloo's teardown, rarely and only on a loaded machine, aborts a rank after its work is
-# done ('terminate called without an active exception', seen once in ~40 runs despite the barrier before
+# done ('terminate called without an active exception', seen once in a full run at load ~15, despite the barrier before
 # destroy_process_group). Such infrastructure failures (never a wrong result) get one more try.
 _LAUNCH_FAILURE = re.compile(r"(?i)address already in use|EADDRINUSE|rendezvous|connection (refused|reset)"
                              r"|terminate called without an active exception")
