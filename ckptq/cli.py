@@ -144,12 +144,17 @@ def convert(src, output, bits, block_size, min_size, key, device, compress, leve
         click.echo(json.dumps(r.as_dict(), indent=1))
     elif not quiet:
         click.echo(f"wrote {', '.join(r.outputs)}: {_mb(r.output_bytes)} from {_mb(r.source_bytes)} "
-                   f"({r.ratio:.2f}x smaller) in {r.seconds:.1f} s; {r.quantized} states {bits}-bit, "
+                   f"({_ratio_words(r.ratio)}) in {r.seconds:.1f} s; {r.quantized} states {bits}-bit, "
                    f"{r.kept_small} small kept exact"
                    + (f"; read {r.foreign_states} params of bitsandbytes/torchao 8-bit state" if r.foreign_states else ""))
         _echo_removed(r.removed)
         for line in r.warnings:
             click.echo(f"warning: {line}", err=True)
+
+
+def _ratio_words(ratio: float) -> str:
+    """'2.19x smaller', or for a 4 -> 8-bit re-encode '1.18x larger' (not '0.85x smaller')."""
+    return f"{ratio:.2f}x smaller" if ratio >= 1 else f"{1 / ratio:.2f}x larger"
 
 
 def _echo_removed(paths: list[str]) -> None:
