@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from . import plan, qstate, sharded
+from . import files, plan, qstate, sharded
 from .errors import InputError, OutputExistsError
 
 _MOMENT = re.compile(r"^(?P<opt>.+)\.state\.(?P<fqn>.+)\.(?P<key>exp_avg|exp_avg_sq|max_exp_avg_sq)$")
@@ -261,7 +261,7 @@ def write_folder(dst: str, state: dict, producers: dict, force: bool, src: str |
         raise OutputExistsError(f"{dst} exists; pass --force to overwrite it")
     tmp = f"{dst.rstrip('/')}.ckptq-tmp"
     if not distributed or dist.get_rank() == 0:
-        _remove(tmp)
+        files.remove_path(tmp)
         os.makedirs(tmp)
         if src:
             _copy_companions(src, tmp)
@@ -274,7 +274,7 @@ def write_folder(dst: str, state: dict, producers: dict, force: bool, src: str |
             dcp.save(state, storage_writer=writer, planner=_LazyWriter(producers), no_dist=not distributed)
     except BaseException as e:
         if not distributed or dist.get_rank() == 0:
-            _remove(tmp)
+            files.remove_path(tmp)
         if isinstance(e, CheckpointException):  # DCP wraps what a rank raised: say it in one line
             last = [line for line in str(e).splitlines() if line.strip()][-1:] or ["unknown error"]
             raise InputError(f"writing {dst} failed: {last[0].strip()[:300]}") from None
@@ -282,15 +282,8 @@ def write_folder(dst: str, state: dict, producers: dict, force: bool, src: str |
     if distributed:
         dist.barrier()
     if not distributed or dist.get_rank() == 0:
-        _remove(dst)
+        files.remove_path(dst)
         os.replace(tmp, dst)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.unlink(path)
 
 
 def join_torchrun() -> None:

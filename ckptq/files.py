@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import stat
 import tempfile
@@ -25,6 +26,14 @@ from typing import BinaryIO, Iterator
 from .errors import InputError, OutputExistsError
 
 TMP_MARK = ".ckptq-tmp-"
+
+
+def remove_path(path: str) -> None:
+    """Delete a file, a link (not what it points to) or a folder tree; nothing if it does not exist."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
 
 
 def open_regular(path: str, what: str = "input") -> BinaryIO:

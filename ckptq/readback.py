@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
 
-from . import checkpoint, foreign, format, qstate
+from . import checkpoint, files, foreign, format, qstate
 from .errors import FormatError, InputError
 
 
@@ -32,7 +31,7 @@ def discarding(outputs: list[str]) -> Iterator[None]:
         yield
     except (FormatError, InputError):
         for p in outputs:
-            _remove(p)
+            files.remove_path(p)
         raise
 
 
@@ -146,12 +145,5 @@ def remove_original(src: str, outputs: list[str]) -> None:
     """Delete ``src`` (a file or a folder) once ``outputs`` are checked; their folder entries synced first."""
     for out in outputs:
         sync_folder(out)
-    _remove(src)
+    files.remove_path(src)
     sync_folder(src)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.unlink(path)
