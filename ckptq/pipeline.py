@@ -46,13 +46,11 @@ class ConvertReport:
         return asdict(self) | {"ratio": self.ratio}
 
 
-def _no_zero_replace(replace: bool) -> None:
+def _not_yet_for(what: str, *, replace: bool = False, bits: int = 8) -> None:
+    """UsageError for the options some inputs do not take yet (--replace, 4 bits)."""
     if replace:
-        raise UsageError("--replace is not available for DeepSpeed checkpoints yet; convert or expand without it, "
+        raise UsageError(f"--replace is not available for {what} yet; convert or expand without it, "
                          "check the result, then delete the originals yourself")
-
-
-def _only_8bit(bits: int, what: str) -> None:
     if bits != 8:
         raise UsageError(f"{bits}-bit state is not supported for {what} yet; convert them with --bits 8")
 
@@ -145,11 +143,10 @@ def convert(
     if min_size < 1:
         raise UsageError(f"min size {min_size} must be at least 1")
     if zero.is_zero_checkpoint(src):
-        _no_zero_replace(replace)
-        _only_8bit(bits, "DeepSpeed checkpoints")
+        _not_yet_for("DeepSpeed checkpoints", replace=replace, bits=bits)
         return ConvertReport(**zero.convert(src, dst, block_size=block_size, min_size=min_size, force=force, progress=progress))
     if checkpoint.is_dcp_folder(src):
-        _only_8bit(bits, "DCP folders")
+        _not_yet_for("DCP folders", bits=bits)
         folder_run.no_dcp_replace([src], replace)
         return _convert_dcp(src, dst, block_size, min_size, force, t0)
     if os.path.isdir(src):  # Trainer / accelerate / Lightning checkpoint folders (ckptq.folders)
@@ -309,7 +306,7 @@ def expand(src: str, dst: str | None = None, *, force: bool = False, verify: boo
     ``replace``: the source is deleted once the output was written, synced, read back and checked."""
     t0 = time.perf_counter()
     if zero.is_zero_checkpoint(src):
-        _no_zero_replace(replace)
+        _not_yet_for("DeepSpeed checkpoints", replace=replace)
         return ExpandReport(**zero.expand(src, dst, force=force, verify=verify, progress=progress))
     one = functools.partial(expand, force=force, verify=verify, trust=trust, progress=progress)
     if folder_run.is_checkpoint_folder(src):  # Trainer / accelerate / Lightning folders (ckptq.folders)
@@ -318,14 +315,14 @@ def expand(src: str, dst: str | None = None, *, force: bool = False, verify: boo
                             time.perf_counter() - t0, removed)
     if replace:
         return _expand_replacing(src, dst, one, trust)
-    dst = dst or default_expanded(src)
-    if checkpoint.is_torch_file(src):
-        return _expand_torch(src, dst, force, trust, progress, t0)
     if checkpoint.is_dcp_folder(src):
         from . import dcp_folder
 
-        r = dcp_folder.expand(src, dst if dst != default_expanded(src) else src.rstrip("/") + ".fp32", force=force)
+        r = dcp_folder.expand(src, dst or src.rstrip("/") + ".fp32", force=force)
         return ExpandReport(src, r["output"], r["output_bytes"], time.perf_counter() - t0)
+    dst = dst or default_expanded(src)
+    if checkpoint.is_torch_file(src):
+        return _expand_torch(src, dst, force, trust, progress, t0)
     conv = format.Converted(src, verify)
     for f in conv.files:
         _not_the_input(f, dst)
