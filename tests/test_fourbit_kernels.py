@@ -11,9 +11,9 @@ import torch
 
 from ckptq import codebooks, ops, qstate
 from ckptq.errors import UsageError
-from ckptq.kernels import backend_torch, lut, native
+from ckptq.kernels import backend_torch, native
 from ckptq.optim import Adam4bit, AdamW4bit
-from test_native import _assert_same, _special, build  # noqa: F401  (build: the C builds fixture)
+from test_native import _assert_same, _special, bucket_edges, build  # noqa: F401  (build: the C builds fixture)
 
 QMAPS = {"ratio": qstate.ratio_policy(4).qmap(), "sqrt": qstate.policy_for("exp_avg_sq", 4).qmap(),
          "signed-2.5": codebooks.power_map(True, 2.5, 4)}
@@ -90,17 +90,7 @@ def test_c_code_table_equals_searchsorted_on_every_bucket_edge(name, build):
     """Both ends of every 2^16-float bucket in [-1, 1], every threshold +-1 ulp, and NaN, each in a block
     whose absmax is exactly 1 (so y = x): the 15-threshold table meets every edge case."""
     qmap = QMAPS[name]
-    t = ops.midpoints(qmap)
-    lo, hi = lut.bucket_bounds()
-    y = torch.cat([lo, hi, t, torch.nextafter(t, torch.tensor(2.0)), torch.nextafter(t, torch.tensor(-2.0)),
-                   torch.tensor([float("nan"), -0.0, 0.0])])
-    y = y[~(y.abs() > 1)]  # keeps NaN
-    if bool((qmap >= 0).all()):
-        y = y[~(y < 0)]
-    n_blocks = -(-y.numel() // 63)
-    body = torch.zeros(n_blocks * 63)
-    body[: y.numel()] = y
-    x = torch.cat([torch.ones(n_blocks, 1), body.view(n_blocks, 63)], dim=1).view(-1)
+    x, t = bucket_edges(qmap)
     codes, _ = ops.quantize_blockwise(x, qmap, 64, backend="native", bits=4)
     ref, _ = backend_torch.reference_codes(x, t, 64)
     assert torch.equal(backend_torch.unpack_nibbles(codes, x.numel()), ref)

@@ -87,11 +87,9 @@ def _special(n: int, signed: bool, gen: torch.Generator) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("name", sorted(CODEBOOKS))
-def test_code_table_equals_searchsorted_on_every_bucket_edge(name, build):
-    """Both ends of every 2^16-float bucket in [-1, 1], every threshold +-1 ulp, and NaN: each value
-    sits in a block whose absmax is exactly 1, so y = x and the table meets every edge case."""
-    qmap = CODEBOOKS[name]
+def bucket_edges(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, the codebook's midpoints): both ends of every 2^16-float bucket in [-1, 1] (>= 0 for an unsigned
+    codebook), every midpoint +-1 ulp, NaN and +-0, 63 to a block of 64 after a 1.0 that makes absmax 1."""
     t = ops.midpoints(qmap)
     lo, hi = lut.bucket_bounds()
     y = torch.cat([lo, hi, t, torch.nextafter(t, torch.tensor(2.0)), torch.nextafter(t, torch.tensor(-2.0)),
@@ -99,11 +97,18 @@ def test_code_table_equals_searchsorted_on_every_bucket_edge(name, build):
     y = y[~(y.abs() > 1)]  # keeps NaN
     if bool((qmap >= 0).all()):
         y = y[~(y < 0)]
-    per = 63
-    n_blocks = -(-y.numel() // per)
-    body = torch.zeros(n_blocks * per)
+    n_blocks = -(-y.numel() // 63)
+    body = torch.zeros(n_blocks * 63)
     body[: y.numel()] = y
-    x = torch.cat([torch.ones(n_blocks, 1), body.view(n_blocks, per)], dim=1).view(-1)
+    return torch.cat([torch.ones(n_blocks, 1), body.view(n_blocks, 63)], dim=1).view(-1), t
+
+
+@pytest.mark.parametrize("name", sorted(CODEBOOKS))
+def test_code_table_equals_searchsorted_on_every_bucket_edge(name, build):
+    """Both ends of every 2^16-float bucket in [-1, 1], every threshold +-1 ulp, and NaN: each value
+    sits in a block whose absmax is exactly 1, so y = x and the table meets every edge case."""
+    qmap = CODEBOOKS[name]
+    x, t = bucket_edges(qmap)
     codes, absmax = ops.quantize_blockwise(x, qmap, 64, backend="native")
     ref, _ = backend_torch.reference_codes(x, t, 64)
     assert torch.equal(codes, ref)

@@ -235,8 +235,8 @@ def test_save_load_equality_with_weights_only(info, named):
         assert_same(opt.state_dict(), sd)
 
 
-@optims
-def test_load_nontensor_step(info):
+def _stepped_three_times(info):
+    """(params, optimizer) for each of the class's argument sets, after 3 steps on fixed random gradients."""
     params = [Parameter(torch.randn(2, 3)) for _ in range(2)]
     for p in params:
         p.grad = torch.rand_like(p)
@@ -244,6 +244,12 @@ def test_load_nontensor_step(info):
         opt = info.make(params, **kwargs)
         for _ in range(3):
             opt.step()
+        yield params, opt
+
+
+@optims
+def test_load_nontensor_step(info):
+    for params, opt in _stepped_three_times(info):
         sd = deepcopy(opt.state_dict())
         for state in sd["state"].values():
             state["step"] = state["step"].item()
@@ -254,13 +260,7 @@ def test_load_nontensor_step(info):
 
 @optims
 def test_deepcopy_copies_all_public_attrs(info):
-    params = [Parameter(torch.randn(2, 3)) for _ in range(2)]
-    for p in params:
-        p.grad = torch.rand_like(p)
-    for kwargs in all_optim_inputs(info):
-        opt = info.make(params, **kwargs)
-        for _ in range(3):
-            opt.step()
+    for _, opt in _stepped_three_times(info):
         public = {k for k in opt.__dict__ if not k.startswith("_")}
         assert public == {k for k in deepcopy(opt).__dict__ if not k.startswith("_")}
 
