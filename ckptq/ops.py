@@ -239,14 +239,24 @@ def _step_states(states: Sequence[StepInput], n: int, block_size: int, device, b
                 or not s.absmax.is_contiguous():
             raise UsageError(f"moment {i} must hold flat contiguous uint8 codes and contiguous float32 scales")
         qmap = s.qmap.to(device=device, dtype=torch.float32).contiguous()
-        out.append(StepState(s.codes, s.absmax.view(-1), qmap, midpoints(s.encode_qmap.to(device)).contiguous()))
+        encode = s.encode_qmap.to(device=device, dtype=torch.float32).contiguous()
+        out.append(StepState(s.codes, s.absmax.view(-1), qmap, midpoints(encode).contiguous(), encode))
     return tuple(out)
 
 
+def step_seed(step: int, salt: int) -> int:
+    """The stochastic rounding seed of one parameter's step: its step count and ``salt`` (its index in the
+    optimizer) hashed, so every step and every parameter draws other numbers, the same ones on resume."""
+    return contract.mix32(contract.mix32(int(step)) ^ ((int(salt) * 0x9E3779B9) & 0xFFFFFFFF))
+
+
 def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[StepInput], hyper: torch.Tensor, *,
-                  block_size: int, ratio: bool, maximize: bool = False, backend: str = "auto", bits: int = 8) -> None:
+                  block_size: int, ratio: bool, maximize: bool = False, backend: str = "auto", bits: int = 8,
+                  seed: int | None = None) -> None:
     """One fused low-bit Adam(W) step on one parameter, in place: the param and each moment's codes/absmax.
-    ``bits``: the code width of every moment (8 or 4; codebooks of 2**bits entries).
+    ``bits``: the code width of every moment (8 or 4; codebooks of 2**bits entries). ``seed`` (an integer
+    in [0, 2**32)): exp_avg's new codes are rounded stochastically, unbiased, with random numbers hashed from
+    the seed and each element's index (``ckptq.kernels.contract``); None rounds to nearest.
 
     ``states``: exp_avg, exp_avg_sq and optionally max_exp_avg_sq (both stored as sqrt(v)); exp_avg's codes
     are ratios m / (sqrt(v) + decode_eps) when ``ratio``, plain values otherwise, and are always written
@@ -254,6 +264,8 @@ def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[Step
     """
     check_block_size(block_size)
     check_bits(bits)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
+        raise UsageError(f"seed must be None or an integer in [0, 2**32), got {seed!r}")
     p, g = _local(param, "the parameter"), _local(grad, "the gradient")
     if not p.is_floating_point() or not g.is_floating_point() or g.numel() != p.numel() or g.device != p.device:
         raise UsageError(f"the gradient ({g.dtype}, {g.numel()} elements on {g.device}) does not fit the parameter "
@@ -266,7 +278,7 @@ def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[Step
     data = p.detach()
     flat = data.reshape(-1) if data.is_contiguous() else data.contiguous().view(-1)  # a copy only if strided
     h = hyper.to(device=p.device, dtype=torch.float32).contiguous()
-    impl.adam_step(flat, _flat(g), kernel_states, h, StepFlags(block_size, bool(ratio), bool(maximize), bits))
+    impl.adam_step(flat, _flat(g), kernel_states, h, StepFlags(block_size, bool(ratio), bool(maximize), bits, seed))
     if not data.is_contiguous():
         data.copy_(flat.view(data.shape))
 

@@ -117,14 +117,14 @@ class _Adam8bitBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_not_meta()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.is_complex() and not p.grad.is_sparse:
-                    self._step_complex(p, group)
-                else:
-                    self._step_param(p, group)
+        params = ((p, group) for group in self.param_groups for p in group["params"])
+        for index, (p, group) in enumerate(params):
+            if p.grad is None:
+                continue
+            if p.is_complex() and not p.grad.is_sparse:
+                self._step_complex(p, group, index)
+            else:
+                self._step_param(p, group, index)
         return loss
 
     def _check_not_meta(self) -> None:
@@ -138,18 +138,18 @@ class _Adam8bitBase(torch.optim.Optimizer):
                         "device; materialize the model (module.to_empty(device=...)) before stepping"
                     )
 
-    def _step_complex(self, p: torch.Tensor, group: dict) -> None:
+    def _step_complex(self, p: torch.Tensor, group: dict, index: int) -> None:
         """A complex parameter steps as torch's Adam(W) steps it: its real view (real and imaginary parts
         as independent reals), so its state has shape ``(*p.shape, 2)``; the state stays keyed by ``p``."""
         real = torch.view_as_real(p)
         real.grad = torch.view_as_real(p.grad)
         self.state[real] = self.state[p]  # the same dict: the step updates p's state in place
         try:
-            self._step_param(real, group)
+            self._step_param(real, group, index)
         finally:
             del self.state[real]
 
-    def _step_param(self, p: torch.Tensor, group: dict) -> None:
+    def _step_param(self, p: torch.Tensor, group: dict, index: int) -> None:
         if p.grad.is_sparse:
             raise UsageError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
         state = self.state[p]
@@ -157,7 +157,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
             state.update(self._init_state(p, group))
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = self._like(state["exp_avg_sq"], p)
-        adam.step_param(p, state, group, self.decoupled, self.backend)
+        adam.step_param(p, state, group, self.decoupled, self.backend, salt=index)
 
     def _like(self, template, p: torch.Tensor):
         """A zero max_exp_avg_sq in the same representation as ``template`` (amsgrad turned on later)."""

@@ -73,6 +73,7 @@ def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
     lib, block, bits = native.library(), flags.block_size, flags.bits
     tables = [lut.native_code_table(s.thresholds) for s in states]
     decode = [_decode_map(s.qmap) for s in states]
+    rounding = states[0].encode.data_ptr() if flags.seed is not None else None  # None: to nearest
     n = p.numel()
 
     def span(start: int, stop: int) -> None:
@@ -81,6 +82,7 @@ def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
         m, v, x = ptrs + [(None,) * 4] * (3 - len(ptrs))
         _check(lib.ckq_adam_step(p.data_ptr() + start * p.element_size(), KERNEL_DTYPES[p.dtype],
                                  g.data_ptr() + start * g.element_size(), KERNEL_DTYPES[g.dtype], stop - start, block,
-                                 *m, flags.ratio, *v, *x, h.data_ptr(), flags.maximize, bits))
+                                 *m, flags.ratio, *v, *x, h.data_ptr(), flags.maximize, bits, rounding, start,
+                                 flags.seed or 0))
 
     cpu_runtime.for_each_chunk(span, n, cpu_runtime.native_chunk(n), p.device)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import cpu_runtime, lut
-from .contract import StepFlags, StepState, num_blocks
+from .contract import MIX32, StepFlags, StepState, num_blocks
 
 STEP_CHUNK = 1 << 18  # elements per chunk of the step (whole blocks for every block size): 1 MB temporaries
 
@@ -216,14 +216,52 @@ def adam_math(p, g, m, v, vmax, h, maximize: bool):
     return p, m, v, vmax
 
 
+def _mul_mod32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32), in 16-bit halves of c so no product leaves int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """``contract.mix32`` on int64 x in [0, 2**32), elementwise."""
+    x = x ^ (x >> 16)
+    x = _mul_mod32(x, MIX32[0])
+    x = x ^ (x >> 15)
+    x = _mul_mod32(x, MIX32[1])
+    return x ^ (x >> 16)
+
+
+def uniforms(first: int, n: int, seed: int, device) -> torch.Tensor:
+    """The stochastic rounding's u (``contract``) of elements first .. first + n - 1: fp32 [n] in [0, 1)."""
+    index = torch.arange(first, first + n, dtype=torch.int64, device=device) & 0xFFFFFFFF
+    return (mix32(index ^ seed) >> 8).to(torch.float32) * 2.0**-24  # a 24-bit integer: exact in fp32
+
+
+def stochastic_codes(x: torch.Tensor, absmax: torch.Tensor, nearest: torch.Tensor, qmap: torch.Tensor, seed: int,
+                     first: int) -> torch.Tensor:
+    """Stochastic rounding (``contract``) of x fp32 [nb, B] (transform applied) with its block scales
+    absmax [nb] and round-to-nearest codes [nb, B] on the codebook qmap; x[0, 0] is element ``first``.
+    Returns the codes, uint8 [nb, B]."""
+    top = qmap.numel() - 1
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    y = x / safe[:, None]  # the same IEEE division as the nearest code's
+    c = nearest.to(torch.int64)
+    lo = (c - (y < qmap[c]).to(torch.int64)).clamp_(0, top)
+    gap = qmap[(lo + 1).clamp(max=top)] - qmap[lo]
+    frac = (y - qmap[lo]) / gap  # lo == top: 0 / 0, not used
+    up = uniforms(first, y.numel(), seed, y.device).view(y.shape) < frac
+    return torch.where(lo == top, top, lo + up.to(torch.int64)).to(torch.uint8)
+
+
 def _decode_rows(s: StepState) -> torch.Tensor:
     """codes uint8 [nb, B], absmax fp32 [nb] -> qmap[code] * absmax, fp32 [nb, B] (no transform)."""
     return s.qmap[s.codes.to(torch.int64)] * s.absmax[:, None]
 
 
-def step_rows(p, g, h, states: tuple[StepState, ...], ratio: bool, maximize: bool):
-    """The fused step on whole blocks: p, g [nb, B] (any float dtype), states with codes [nb, B].
-    Returns (p fp32 [nb, B], ((codes, absmax), ...)): the new values, in the order of ``states``."""
+def step_rows(p, g, h, states: tuple[StepState, ...], ratio: bool, maximize: bool, seed: int | None = None,
+              first: int = 0):
+    """The fused step on whole blocks: p, g [nb, B] (any float dtype), states with codes [nb, B]; p[0, 0] is
+    element ``first`` of the parameter. Returns (p fp32 [nb, B], ((codes, absmax), ...)): the new values, in
+    the order of ``states``; with a ``seed`` the first moment's codes are rounded stochastically."""
     m_state, v_state, *x_state = states
     s = _decode_rows(v_state)  # sqrt(v) as stored
     m = _decode_rows(m_state)
@@ -235,7 +273,11 @@ def step_rows(p, g, h, states: tuple[StepState, ...], ratio: bool, maximize: boo
         vmax = vmax * vmax
     p32, m, v, vmax = adam_math(p.float(), g.float(), m, s * s, vmax, h, maximize)
     s = ieee_sqrt(v)  # exact fp32 v: the new divisor of the ratio
-    new = (quantize_rows(m / (s + h[9]), m_state.thresholds), quantize_rows(s, v_state.thresholds))
+    r = m / (s + h[9])
+    m_codes, m_absmax = quantize_rows(r, m_state.thresholds)
+    if seed is not None:
+        m_codes = stochastic_codes(r, m_absmax, m_codes, m_state.encode, seed, first)
+    new = ((m_codes, m_absmax), quantize_rows(s, v_state.thresholds))
     if vmax is not None:
         new += (quantize_rows(ieee_sqrt(vmax), x_state[0].thresholds),)
     return p32, new
@@ -247,10 +289,9 @@ def _step_span(p, g, h, states, flags: StepFlags, lo: int, hi: int, width: int) 
     nibbles = flags.bits == 4  # lo is even (whole blocks before it): its codes start at byte lo // 2
     stored = [s.codes[lo // 2 : (hi + 1) // 2] if nibbles else s.codes[lo:hi] for s in states]
     codes = [unpack_nibbles(c, hi - lo) if nibbles else c for c in stored]
-    views = tuple(StepState(c.view(rows, width), s.absmax[b0 : b0 + rows], s.qmap, s.thresholds)
-                  for s, c in zip(states, codes))
+    views = tuple(s._replace(codes=c.view(rows, width), absmax=s.absmax[b0 : b0 + rows]) for s, c in zip(states, codes))
     p_new, new = step_rows(p[lo:hi].view(rows, width), g[lo:hi].view(rows, width), h, views, flags.ratio,
-                           flags.maximize)
+                           flags.maximize, flags.seed, lo)
     p[lo:hi].view(rows, width).copy_(p_new)
     for view, out, (new_codes, absmax) in zip(views, stored, new):
         if nibbles:

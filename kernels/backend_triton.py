@@ -43,6 +43,31 @@ def _encode(x, mask, thr_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _mix32(x):
+    # contract.mix32 on uint32 lanes (products wrap mod 2**32)
+    x = x ^ (x >> 16)
+    x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _stochastic(pos, x, absmax, enc_ptr, offs, seed, BITS: tl.constexpr):
+    # Stochastic rounding (contract) of x [ROWS, BLOCK] given _encode's nearest codes pos and block scales
+    # absmax; enc_ptr: the codebook [2**BITS]; offs: the elements' indices in the parameter.
+    top = (1 << BITS) - 1
+    safe = tl.where(absmax > 0, absmax, 1.0)
+    y = tl.math.div_rn(x, safe[:, None])
+    lo = tl.maximum(pos - (y < tl.load(enc_ptr + pos)).to(tl.int32), 0)
+    q_lo = tl.load(enc_ptr + lo)
+    frac = tl.math.div_rn(y - q_lo, tl.load(enc_ptr + tl.minimum(lo + 1, top)) - q_lo)
+    h = _mix32(offs.to(tl.uint32) ^ seed.to(tl.uint32, bitcast=True))
+    u = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)  # a 24-bit integer: exact
+    return tl.where(lo >= top, top, lo + (u < frac).to(tl.int32))
+
+
+@triton.jit
 def _load_codes(codes_ptr, offs, mask, BITS: tl.constexpr):
     # the codes of elements offs [ROWS, BLOCK], int32; 4 bits: nibble offs % 2 of byte offs // 2
     if BITS == 8:
@@ -112,17 +137,19 @@ def _dequantize_kernel(
     tl.store(out_ptr + offs, vals, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _adam_kernel(
     p_ptr, g_ptr, h_ptr,  # param [n] (updated in place), grad [n], hyper fp32 [10] (contract.HYPER_FIELDS)
-    m_codes, m_absmax, m_qmap, m_thr,  # exp_avg: uint8 [n * BITS / 8], fp32 [nb], fp32 [2**BITS] decode map,
-    #                                    fp32 [2**BITS - 1] midpoints of the encode map
-    v_codes, v_absmax, v_qmap, v_thr,  # exp_avg_sq (sqrt transform), same layout
-    x_codes, x_absmax, x_qmap, x_thr,  # max_exp_avg_sq (sqrt transform; read only when AMSGRAD)
+    m_codes, m_absmax, m_qmap, m_thr, m_enc,  # exp_avg: uint8 [n * BITS / 8], fp32 [nb], fp32 [2**BITS] decode
+    #                          map, fp32 [2**BITS - 1] midpoints of the encode map, fp32 [2**BITS] the encode map
+    v_codes, v_absmax, v_qmap, v_thr, v_enc,  # exp_avg_sq (sqrt transform), same layout
+    x_codes, x_absmax, x_qmap, x_thr, x_enc,  # max_exp_avg_sq (sqrt transform; read only when AMSGRAD)
+    seed,  # int32: the bits of the uint32 seed of stochastic rounding (read only when STOCHASTIC)
     n, n_blocks,
     BLOCK: tl.constexpr, ROWS: tl.constexpr,
     M_RATIO: tl.constexpr,  # exp_avg's codes are ratios (else plain values); new codes always are
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, BITS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,  # exp_avg's new codes are rounded stochastically (else to nearest)
 ):
     rows, offs, mask, rmask = _tile(n, n_blocks, BLOCK, ROWS)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -147,7 +174,10 @@ def _adam_kernel(
         denom = tl.math.div_rn(s, tl.load(h_ptr + 7)) + tl.load(h_ptr + 5)
     p = p * tl.load(h_ptr + 0) + tl.load(h_ptr + 6) * tl.math.div_rn(m, denom)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-    codes, absmax = _encode(tl.math.div_rn(m, s + tl.load(h_ptr + 9)), mask, m_thr, BITS)  # the new ratio
+    r = tl.math.div_rn(m, s + tl.load(h_ptr + 9))  # the new ratio
+    codes, absmax = _encode(r, mask, m_thr, BITS)
+    if STOCHASTIC:
+        codes = _stochastic(codes, r, absmax, m_enc, offs, seed, BITS)
     _store(codes, absmax, m_codes, m_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, BITS)
     codes, absmax = _encode(s, mask, v_thr, BITS)
     _store(codes, absmax, v_codes, v_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, BITS)
@@ -174,5 +204,7 @@ def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: boo
 
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
     m, v, *x = states
+    seed = flags.seed or 0
     _launch(_adam_kernel, p.numel(), flags.block_size, p, g, h, *m, *v, *(x[0] if x else v),
-            M_RATIO=flags.ratio, AMSGRAD=bool(x), MAXIMIZE=flags.maximize, BITS=flags.bits, enable_fp_fusion=False)
+            seed - (1 << 32) if seed >= 1 << 31 else seed, M_RATIO=flags.ratio, AMSGRAD=bool(x),
+            MAXIMIZE=flags.maximize, BITS=flags.bits, STOCHASTIC=flags.seed is not None, enable_fp_fusion=False)

@@ -21,6 +21,13 @@ nibble of byte i and element 2i+1 in its high nibble; with an odd n the last byt
 Block sizes are even, so every block starts on a byte. Rounding: code = #{j : t[j] < y} (``lut``); a
 NaN y gets the top code, 2**bits - 1.
 
+Stochastic rounding (the step's new first-moment codes when ``StepFlags.seed`` is set; 4-bit states use
+it): with q the encode codebook, c the code above and K = 2**bits, lo = clamp(c - (y < q[c]), 0, K - 1);
+code = K - 1 if lo == K - 1, else lo + (u < (y - q[lo]) / (q[lo + 1] - q[lo])) in fp32 (IEEE division),
+where u = (mix32(i mod 2**32 XOR seed) >> 8) * 2**-24 and i is the element's index in the parameter.
+A y on a codebook entry keeps its code, a NaN gets the top one; E[q[code]] = y otherwise. ``mix32`` is
+the integer hash below (every backend computes it on uint32 lanes).
+
 Nothing in this package imports from ``ckptq`` above it.
 """
 
@@ -49,6 +56,7 @@ class StepState(NamedTuple):
     absmax: torch.Tensor  # fp32 [num_blocks(n, block_size)], rewritten in place
     qmap: torch.Tensor  # fp32 [2**bits]: the codebook the stored codes refer to
     thresholds: torch.Tensor  # fp32 [2**bits - 1]: midpoints of the codebook the new codes are written with
+    encode: torch.Tensor  # fp32 [2**bits]: that codebook (stochastic rounding reads its entries)
 
 
 class StepFlags(NamedTuple):
@@ -56,6 +64,21 @@ class StepFlags(NamedTuple):
     ratio: bool  # exp_avg's stored codes are ratios m / (sqrt(v) + decode_eps); else plain values
     maximize: bool
     bits: int = 8  # code width of every state of the param: 8 or 4
+    seed: int | None = None  # uint32: the first moment's new codes round stochastically with it (else nearest)
+
+
+MIX32 = (0x7FEB352D, 0x846CA68B)  # the multipliers of mix32
+
+
+def mix32(x: int) -> int:
+    """An integer hash of 32-bit x with full avalanche (C. Wellons' "lowbias32", 2018): three xor-shifts
+    and two multiplications mod 2**32. The kernels' random numbers; also seeds the step (``ckptq.adam``)."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * MIX32[0]) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * MIX32[1]) & 0xFFFFFFFF
+    return x ^ (x >> 16)
 
 
 def num_blocks(n: int, block_size: int) -> int:

@@ -131,46 +131,113 @@ static inline __m512i max_abs_bits(__m512i acc, const float *x) {
 }
 #endif
 
+/* The code table's answer for one y (see the header): #{t < y}, a NaN gets nan_code. */
+static inline int nearest1(float y, const int32_t *table, int nan_code) {
+    int32_t ybits = (int32_t)f2u(y);
+    int32_t e = table[(ybits >> 16) + 32768];
+    int32_t rank = (ybits ^ (ybits >> 31)) & 0xFFFF;  /* negative floats: larger bits, smaller value */
+    int32_t code = (e >> 17) + (rank >= (e & 0x1FFFF));
+    return y != y ? nan_code : code;
+}
+
+/* Code c of element i into codes: 8 bits, codes[i]; 4 bits, nibble i % 2 of codes[i / 2] (i even first). */
+static inline void put_code(uint8_t *codes, int i, int c, int bits) {
+    if (bits == 8)
+        codes[i] = (uint8_t)c;
+    else if (i % 2 == 0)
+        codes[i / 2] = (uint8_t)c;
+    else
+        codes[i / 2] |= (uint8_t)(c << 4);
+}
+
+/* ckptq.kernels.contract.mix32: the stochastic rounding's hash. */
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    return x ^ (x >> 16);
+}
+
+/* Stochastic rounding of y (nearest code c) on the codebook q of top + 1 entries, element index i. */
+static inline int stochastic1(float y, int c, const float *q, int top, uint32_t seed, int64_t i) {
+    int lo = c - (y < q[c]);
+    if (lo < 0) lo = 0;
+    if (lo >= top) return top;
+    float frac = (y - q[lo]) / (q[lo + 1] - q[lo]);
+    float u = (float)(mix32((uint32_t)i ^ seed) >> 8) * 0x1p-24f;
+    return lo + (u < frac);
+}
+
+#if VEC
+static inline __m512i nearest16(__m512 y, const int32_t *table, int nan_code) {
+    const __m512i bias = _mm512_set1_epi32(32768), low16 = _mm512_set1_epi32(0xFFFF);
+    const __m512i low17 = _mm512_set1_epi32(0x1FFFF), one = _mm512_set1_epi32(1);
+    __m512i ybits = _mm512_castps_si512(y);
+    __m512i e = _mm512_i32gather_epi32(_mm512_add_epi32(_mm512_srai_epi32(ybits, 16), bias), table, 4);
+    __m512i rank = _mm512_and_si512(_mm512_xor_si512(ybits, _mm512_srai_epi32(ybits, 31)), low16);
+    __m512i code = _mm512_srai_epi32(e, 17);
+    code = _mm512_mask_add_epi32(code, _mm512_cmpge_epi32_mask(rank, _mm512_and_si512(e, low17)), code, one);
+    return _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(nan_code));
+}
+
+static inline void put_codes16(uint8_t *codes, int i, __m512i code, int bits) {
+    if (bits == 8) {
+        _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
+    } else {  /* as 8 qwords c[2k] | c[2k+1] << 32: fold the high dword onto bits 4..7, keep the low byte */
+        __m512i pair = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
+        _mm_storel_epi64((__m128i *)(codes + i / 2), _mm512_cvtepi64_epi8(pair));
+    }
+}
+
+static inline __m512i mix32x16(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846CA68Bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+/* stochastic1 on 16 lanes; i0: the element index of lane 0. */
+static inline __m512i stochastic16(__m512 y, __m512i c, const float *q, int top, uint32_t seed, int64_t i0) {
+    const __m512i one = _mm512_set1_epi32(1), vtop = _mm512_set1_epi32(top);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i lo = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(y, _mm512_i32gather_ps(c, q, 4), _CMP_LT_OQ), c, one);
+    lo = _mm512_max_epi32(lo, _mm512_setzero_si512());
+    __mmask16 at_top = _mm512_cmpge_epi32_mask(lo, vtop);
+    __m512 qlo = _mm512_i32gather_ps(lo, q, 4);
+    __m512 qhi = _mm512_i32gather_ps(_mm512_min_epi32(_mm512_add_epi32(lo, one), vtop), q, 4);
+    __m512 frac = _mm512_div_ps(_mm512_sub_ps(y, qlo), _mm512_sub_ps(qhi, qlo));
+    __m512i h = mix32x16(_mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)i0), iota),
+                                          _mm512_set1_epi32((int)seed)));
+    __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0x1p-24f));
+    __m512i code = _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(u, frac, _CMP_LT_OQ), lo, one);
+    return _mm512_mask_mov_epi32(code, at_top, vtop);
+}
+#endif
+
 /* code i = #{t < x[i] / safe} via the code table (see the header); a NaN gets the top code. 8 bits:
- * codes[i]; 4 bits: the nibble i % 2 of codes[i / 2] (an odd len leaves the last high nibble 0). */
+ * codes[i]; 4 bits: the nibble i % 2 of codes[i / 2] (an odd len leaves the last high nibble 0).
+ * With a codebook q (stochastic rounding, ckptq.kernels.contract), the code is then rounded stochastically
+ * instead, x[0] being element ``first`` of the tensor. */
 static inline void encode_block(const float *x, int len, float absmax, const int32_t *table, uint8_t *codes,
-                                int bits) {
-    const int nan_code = (1 << bits) - 1;
+                                int bits, const float *q, uint32_t seed, int64_t first) {
+    const int top = (1 << bits) - 1;
     float safe = absmax > 0.0f ? absmax : 1.0f;  /* NaN > 0 is false: a NaN block divides by 1 */
     int i = 0;
 #if VEC
     const __m512 vsafe = _mm512_set1_ps(safe);
-    const __m512i bias = _mm512_set1_epi32(32768), low16 = _mm512_set1_epi32(0xFFFF);
-    const __m512i low17 = _mm512_set1_epi32(0x1FFFF), one = _mm512_set1_epi32(1), vnan = _mm512_set1_epi32(nan_code);
     for (; i + VEC <= len; i += VEC) {
         __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), vsafe);
-        __m512i ybits = _mm512_castps_si512(y);
-        __m512i e = _mm512_i32gather_epi32(_mm512_add_epi32(_mm512_srai_epi32(ybits, 16), bias), table, 4);
-        __m512i rank = _mm512_and_si512(_mm512_xor_si512(ybits, _mm512_srai_epi32(ybits, 31)), low16);
-        __m512i code = _mm512_srai_epi32(e, 17);
-        code = _mm512_mask_add_epi32(code, _mm512_cmpge_epi32_mask(rank, _mm512_and_si512(e, low17)), code, one);
-        code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), vnan);
-        if (bits == 8) {
-            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
-        } else {  /* as 8 qwords c[2k] | c[2k+1] << 32: fold the high dword onto bits 4..7, keep the low byte */
-            __m512i pair = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
-            _mm_storel_epi64((__m128i *)(codes + i / 2), _mm512_cvtepi64_epi8(pair));
-        }
+        __m512i code = nearest16(y, table, top);
+        if (q) code = stochastic16(y, code, q, top, seed, first + i);
+        put_codes16(codes, i, code, bits);
     }
 #endif
-    for (; i < len; i++) {
+    for (; i < len; i++) {  /* the vector loop stops at a multiple of 16: i starts even */
         float y = x[i] / safe;
-        int32_t ybits = (int32_t)f2u(y);
-        int32_t e = table[(ybits >> 16) + 32768];
-        int32_t rank = (ybits ^ (ybits >> 31)) & 0xFFFF;  /* negative floats: larger bits, smaller value */
-        int32_t code = (e >> 17) + (rank >= (e & 0x1FFFF));
-        uint8_t c = y != y ? (uint8_t)nan_code : (uint8_t)code;
-        if (bits == 8)
-            codes[i] = c;
-        else if (i % 2 == 0)  /* the vector loop stops at a multiple of 16: i starts even */
-            codes[i / 2] = c;
-        else
-            codes[i / 2] |= (uint8_t)(c << 4);
+        int code = nearest1(y, table, top);
+        put_code(codes, i, q ? stochastic1(y, code, q, top, seed, first + i) : code, bits);
     }
 }
 
@@ -254,7 +321,7 @@ int ckq_quantize(const void *src, int dtype, int64_t n, int64_t block, int sqrt_
         int len = (int)(n - off < block ? n - off : block);
         load_block(src, off, len, dtype, sqrt_transform, buf);
         absmax[b] = block_absmax(buf, len);
-        encode_block(buf, len, absmax[b], table, codes + off * bits / 8, bits);
+        encode_block(buf, len, absmax[b], table, codes + off * bits / 8, bits, 0, 0, 0);
     }
     return 0;
 }
@@ -362,12 +429,14 @@ static inline void step16(const vstep_t *k, __m512 s, __m512 m, __m512 xs, const
 /* The fused step on elements [0, n) (whole blocks but the last): param p (dtype pdtype) in place,
  * grad g (gdtype), first moment m (a ratio state when m_ratio), second moment v (sqrt transform), and
  * with amsgrad (x.codes != NULL) max_exp_avg_sq x (sqrt transform), all with codes of ``bits`` bits
- * (decode maps of 256 entries). Operation order as step_rows. */
+ * (decode maps of 256 entries). Operation order as step_rows. With m_round (the first moment's encode
+ * codebook) its new codes are rounded stochastically with seed; element 0 is element ``first`` of the
+ * parameter. */
 int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int64_t block,
                    uint8_t *m_codes, float *m_absmax, const float *m_decode, const int32_t *m_table, int m_ratio,
                    uint8_t *v_codes, float *v_absmax, const float *v_decode, const int32_t *v_table,
                    uint8_t *x_codes, float *x_absmax, const float *x_decode, const int32_t *x_table,
-                   const float *h, int maximize, int bits) {
+                   const float *h, int maximize, int bits, const float *m_round, int64_t first, uint32_t seed) {
     if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
     /* one block each of param, grad (other dtypes than fp32), new ratio, sqrt(v), sqrt(vmax): C99 VLAs,
      * 5 KB at the default block size, 80 KB at 4096 */
@@ -481,12 +550,12 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
             for (int i = 0; i < len; i++) d[i] = f32_to_f16(pb[i]);
         }
         m_absmax[b] = have_max ? mx : block_absmax(mb, len);
-        encode_block(mb, len, m_absmax[b], m_table, m_codes + at, bits);
+        encode_block(mb, len, m_absmax[b], m_table, m_codes + at, bits, m_round, seed, first + off);
         v_absmax[b] = have_max ? sx : block_absmax(sb, len);
-        encode_block(sb, len, v_absmax[b], v_table, v_codes + at, bits);
+        encode_block(sb, len, v_absmax[b], v_table, v_codes + at, bits, 0, 0, 0);
         if (amsgrad) {
             x_absmax[b] = have_max ? xx : block_absmax(xb, len);
-            encode_block(xb, len, x_absmax[b], x_table, x_codes + at, bits);
+            encode_block(xb, len, x_absmax[b], x_table, x_codes + at, bits, 0, 0, 0);
         }
     }
     return 0;

@@ -108,3 +108,43 @@ def test_8bit_state_loads_into_the_4bit_optimizer_and_back():
     train(model, opt4, 2, start=3)
     clone = copy.deepcopy(opt4)
     assert clone.bits == 4 and clone.block_size == 128
+
+
+def _follow(opt_cls, n=8192, steps=200):
+    """A 4-bit optimizer and torch AdamW fed the same slowly turning gradients at lr 0: how far the 4-bit
+    first moment's mean strays from fp32's, relative to fp32's mean magnitude."""
+    gen = torch.Generator().manual_seed(0)
+    p, ref = torch.nn.Parameter(torch.zeros(n)), torch.nn.Parameter(torch.zeros(n))
+    opt, torch_opt = opt_cls([p], lr=0.0, weight_decay=0.0, min_size=64), torch.optim.AdamW([ref], lr=0.0)
+    scale = torch.rand(n, generator=gen) * 2 + 0.1
+    for t in range(steps):
+        p.grad = scale * (0.3 * torch.randn(n, generator=gen) + torch.sin(torch.tensor(t / 15.0)))
+        ref.grad = p.grad.clone()
+        opt.step()
+        torch_opt.step()
+    m = qstate.dequantize_states(opt.state[p])["exp_avg"]
+    want = torch_opt.state[ref]["exp_avg"]
+    return float((m - want).mean() / want.abs().mean())
+
+
+def test_4bit_first_moment_follows_fp32_without_drifting():
+    """Each step requantizes m; rounded to nearest, updates under half a code's step are lost and m's mean
+    drifts (measured -7.3% here); the 4-bit step rounds stochastically, unbiased (measured -0.6%)."""
+    assert abs(_follow(AdamW4bit)) < 0.025
+
+
+def test_4bit_training_resumed_from_its_state_dict_is_bit_exact():
+    """Stochastic rounding draws from (step, parameter index, element index), not a global generator, so a
+    run resumed from a state dict repeats the uninterrupted run bit for bit."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    resumed = copy.deepcopy(model)
+    opt = AdamW4bit(param_groups(model), lr=1e-2, min_size=1000)
+    train(model, opt, 6)
+    first = AdamW4bit(param_groups(resumed), lr=1e-2, min_size=1000)
+    train(resumed, first, 3)
+    second = AdamW4bit(param_groups(resumed), lr=1e-2, min_size=1000)
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    train(resumed, second, 3, start=3)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)

@@ -218,3 +218,71 @@ def test_reference_pack_and_unpack_are_inverse():
     packed = torch.empty(501, dtype=torch.uint8)
     backend_torch.pack_nibbles(codes, packed)
     assert torch.equal(backend_torch.unpack_nibbles(packed, 1001), codes) and int(packed[-1]) == int(codes[-1])
+
+
+def test_stochastic_rounding_is_unbiased_between_the_two_neighbours():
+    """The reference's stochastic codes (kernels.contract): always the codebook entry just below or just
+    above y, y itself on average; an entry of the codebook keeps its code, a NaN gets the top code."""
+    qmap = QMAPS["ratio"]
+    gen = torch.Generator().manual_seed(0)
+    row = torch.cat([torch.rand(59, generator=gen) * 2 - 1, qmap[[0, 5, 7, 12]], torch.tensor([1.0])])  # absmax 1
+    x = row.repeat(4000, 1)  # [4000, 64]: each value rounded with 4000 random numbers (element indices differ)
+    nearest, absmax = backend_torch.reference_codes(x.reshape(-1), ops.midpoints(qmap), 64)
+    codes = backend_torch.stochastic_codes(x, absmax, nearest.view(x.shape), qmap, 2**32 - 7, 0).long()
+    below = (torch.searchsorted(qmap, row, right=True) - 1).clamp(max=14)
+    assert bool(((codes == below) | (codes == below + 1)).all())
+    exact = torch.isin(row, qmap)
+    assert bool((codes[:, exact] == torch.searchsorted(qmap, row[exact])).all())
+    # mean of 4000 draws: standard error <= (largest gap / 2) / sqrt(4000) ~ 0.002; nearest rounding
+    # would be off by up to half a gap (~0.1) on most values
+    assert float((qmap[codes].mean(0) - row).abs().max()) < 0.012
+    nan = torch.tensor([[0.5, float("nan")] * 32])
+    near, scale = backend_torch.reference_codes(nan.view(-1), ops.midpoints(qmap), 64)
+    nan_codes = backend_torch.stochastic_codes(nan, scale, near.view(1, 64), qmap, 1, 0)
+    assert bool((nan_codes[:, 1::2] == 15).all()) and set(nan_codes[:, ::2].unique().tolist()) <= {12, 13}
+
+
+def _stepped(bits: int, backend: str, seed: int, device: str):
+    from test_kernels_adam import _clone  # the Triton step test's helpers
+
+    from ckptq import adam
+    gen = torch.Generator().manual_seed(bits + seed % 97)
+    n, block = 1000, 128
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 1e-2
+    states = [qstate.quantize_ratio(m, v, qstate.ratio_eps(1e-8, 0.999, 2), block, bits=bits),
+              qstate.quantize_state(v, "exp_avg_sq", block, bits=bits)]
+    states = [{k: t.to(device) if torch.is_tensor(t) else t for k, t in _clone(q).items()} for q in states]
+    p, g = p.to(device), g.to(device)
+    hyper = adam.hyper_tensor(1e-2, 0.9, 0.999, 1e-8, 0.1, 3, True, device)
+    adam.step_quantized(p, g, *states, None, hyper, ratio_eps=qstate.ratio_eps(1e-8, 0.999, 3), backend=backend,
+                        seed=seed)
+    return p.cpu(), [(q["codes"].cpu(), q["absmax"].cpu()) for q in states]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:divide by zero:RuntimeWarning")
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("backend", ("native", "triton"))
+def test_stochastic_steps_match_the_reference_at_both_widths(bits, backend):
+    """Seeds below and above 2**31 (Triton takes them as int32 bits); other seeds give other codes."""
+    if backend == "native" and native.library() is None:
+        pytest.skip(f"C kernels unavailable: {native.why_unavailable()}")
+    device = _triton() if backend == "triton" else "cpu"
+    for seed in (5, 2**31 + 12345):
+        pa, sa = _stepped(bits, "torch", seed, "cpu")
+        pb, sb = _stepped(bits, backend, seed, device)
+        _assert_same(pa, pb)
+        for (ca, aa), (cb, ab) in zip(sa, sb):
+            assert torch.equal(ca, cb)
+            _assert_same(aa, ab)
+    assert not torch.equal(_stepped(bits, "torch", 6, "cpu")[1][0][0], _stepped(bits, "torch", 6 + 97, "cpu")[1][0][0])
+
+
+@pytest.mark.parametrize("seed", (-1, 2**32, True, 1.5))
+def test_seed_outside_uint32_is_a_usage_error(seed):
+    q = qstate.quantize_state(torch.rand(64), "exp_avg_sq", 64, bits=4)
+    m = qstate.quantize_state(torch.randn(64), "exp_avg", 64, bits=4)
+    inputs = [ops.StepInput(s["codes"], s["absmax"], s["qmap"], s["qmap"]) for s in (m, q)]
+    with pytest.raises(UsageError, match="seed"):
+        ops.adam8bit_step(torch.zeros(64), torch.zeros(64), inputs, torch.zeros(10), block_size=64, ratio=False,
+                          bits=4, seed=seed)
