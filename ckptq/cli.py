@@ -185,17 +185,19 @@ def expand(src, output, no_verify, force, quiet, trust, replace):
 
 @main.command()
 @click.argument("path", type=click.Path())
+@click.option("--bits", default=8, show_default=True, type=int,
+              help="For .pt input: the code width convert would write (8 or 4), for the predicted size.")
 @click.option("--min-size", default=4096, show_default=True, type=int, help="For .pt input: as in convert.")
-@click.option("--block-size", default=ops.DEFAULT_BLOCK_SIZE, show_default=True, type=int,
-              help="For .pt input: as in convert.")
+@click.option("--block-size", default=None, type=int,
+              help="For .pt input: as in convert (default: 256 for 8 bits, 128 for 4).")
 @click.option("--key", help="For .pt input: as in convert.")
 @click.option("--trust", is_flag=True, help="Allow full unpickling of a .pt (only for files you trust).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def info(path, min_size, block_size, key, trust, as_json):
+def info(path, bits, min_size, block_size, key, trust, as_json):
     """Show what is inside a torch checkpoint or a converted file: roles, sizes, savings, options."""
     from .info import info as run
 
-    r = _run(run, path, key=key, min_size=min_size, block_size=block_size, trust=trust)
+    r = _run(run, path, key=key, min_size=min_size, block_size=block_size, trust=trust, bits=bits)
     click.echo(json.dumps(r, indent=1) if as_json else _format_info(r))
 
 
@@ -244,11 +246,12 @@ def _format_info(r: dict) -> str:
              f"  size: {_mb(r['bytes'])}"]
     if r["kind"] == "torch":
         lines.append(f"  optimizers: {r['optimizers']}")
-        lines.append(f"  convert would write ~{_mb(r['estimated_bytes'])} ({r['estimated_ratio']:.2f}x smaller)")
+        lines.append(f"  convert --bits {r['options']['bits']} would write ~{_mb(r['estimated_bytes'])} "
+                     f"({r['estimated_ratio']:.2f}x smaller)")
         lines += [f"  warning: {w}" for w in r["warnings"]]
     else:
         opts = r["options"]
-        lines.append(f"  format version {r['format_version']}, block size {opts.get('block_size')}, "
+        lines.append(f"  format version {r['format_version']}, {opts.get('bits', 8)}-bit, block size {opts.get('block_size')}, "
                      f"min size {opts.get('min_size')}, codecs: {', '.join(r['codecs'])}")
         if r.get("ratio"):
             lines.append(f"  source: {opts.get('source')} {_mb(r['source_bytes'])} -> {r['ratio']:.2f}x smaller")

@@ -18,23 +18,28 @@ def _role_row() -> dict:
 
 
 def info(path: str, *, key: str | None = None, min_size: int = pipeline.DEFAULT_MIN_SIZE,
-         block_size: int = ops.DEFAULT_BLOCK_SIZE, trust: bool = False) -> dict:
+         block_size: int | None = None, trust: bool = False, bits: int = 8) -> dict:
     """A JSON-able report. For a converted file: roles, sizes, savings, options used. For a torch
-    checkpoint: its optimizers and what ``convert`` with these options would store."""
+    checkpoint: its optimizers and what ``convert`` with these options (``bits``, ``block_size``: default
+    256 for 8 bits, 128 for 4) would store."""
+    block_size = ops.default_block_size(bits) if block_size is None else block_size
     if zero.is_zero_checkpoint(path):
+        pipeline.not_yet_for("DeepSpeed checkpoints", bits=bits)
         return zero_info.info(path, min_size=min_size, block_size=block_size)
     if checkpoint.is_dcp_folder(path):
         from . import dcp_folder
 
+        pipeline.not_yet_for("DCP folders", bits=bits)
         return dcp_folder.info(path, min_size=min_size, block_size=block_size)
     if folder_run.is_checkpoint_folder(path):  # Trainer / accelerate / Lightning folders (ckptq.folders)
-        return folder_run.info(path, functools.partial(info, key=key, min_size=min_size, block_size=block_size, trust=trust))
+        return folder_run.info(path, functools.partial(info, key=key, min_size=min_size, block_size=block_size,
+                                                       trust=trust, bits=bits))
     if os.path.isdir(path) or path.endswith((format.SUFFIX, ".json")) or format.is_safetensors(path):
         return _info_converted(path)
     ops.check_block_size(block_size)
     if min_size < 1:
         raise UsageError(f"min size {min_size} must be at least 1")
-    return _info_torch(path, key, min_size, block_size, trust)
+    return _info_torch(path, key, min_size, block_size, trust, bits)
 
 
 def _info_converted(path: str) -> dict:
@@ -90,28 +95,28 @@ def _quantized_parts(skeleton: Any):
             yield q["codes"], q["absmax"], q["qmap"]
 
 
-def _info_torch(path: str, key: str | None, min_size: int, block_size: int, trust: bool) -> dict:
+def _info_torch(path: str, key: str | None, min_size: int, block_size: int, trust: bool, bits: int) -> dict:
     """What ``convert`` with these options would store: the same plan (``pipeline.mark_states``), and the
     sizes of exactly the tensors its writer would write (quantized states are not computed)."""
     obj = checkpoint.load_torch(path, trust=trust)
     already = qstate.count_qstates(obj)
     report = pipeline.ConvertReport(path, [], os.path.getsize(path), 0)
     report.foreign_states = foreign.to_torch(obj)
-    marked = pipeline.mark_states(obj, key, block_size, min_size, "auto", "cpu", report)
+    marked = pipeline.mark_states(obj, key, block_size, min_size, "auto", "cpu", report, bits)
     roles: dict[str, dict] = defaultdict(_role_row)
     for d in marked.quantized:
         row = roles[d.key]
         row["tensors"] += 1
         row["elements"] += d.tensor.numel()
         row["fp32_bytes"] += d.tensor.numel() * d.tensor.element_size()
-        row["stored_bytes"] += d.tensor.numel() + 4 * -(-d.tensor.numel() // block_size)
+        row["stored_bytes"] += ops.code_bytes(d.tensor.numel(), bits) + 4 * ops.num_blocks(d.tensor.numel(), block_size)
     skeleton, stored = tree.flatten(obj)
     exact = _role_row()
     for s in stored:
         if s.role in ("exact", "codebook"):
             exact["tensors"] += 1
             exact["stored_bytes"] += s.nbytes
-    meta = pipeline.convert_info(report, block_size, min_size) | {"stored_bytes": sum(s.nbytes for s in stored)}
+    meta = pipeline.convert_info(report, block_size, min_size, bits) | {"stored_bytes": sum(s.nbytes for s in stored)}
     estimate = format.planned_bytes(skeleton, stored, meta)
     found = ", ".join("/".join(map(str, f.path)) or "<root>" for f in marked.optimizers)
     note = None if report.quantized or not marked.optimizers else pipeline.nothing_to_quantize(marked, min_size)
@@ -123,6 +128,6 @@ def _info_torch(path: str, key: str | None, min_size: int, block_size: int, trus
                 "into fp32 state; AdamW8bit.load_state_dict and ckptq.load read them as they are")
     return {"kind": "torch", "path": path, "bytes": report.source_bytes,
             "optimizers": found or "no optimizer state dict found", "options": {"min_size": min_size,
-            "block_size": block_size, "key": key}, "quantized": dict(roles), "exact": exact,
+            "block_size": block_size, "bits": bits, "key": key}, "quantized": dict(roles), "exact": exact,
             "estimated_bytes": estimate, "estimated_ratio": report.source_bytes / max(estimate, 1),
             "already_8bit": already, "foreign_8bit": report.foreign_states, "warnings": report.warnings + ([note] if note else [])}

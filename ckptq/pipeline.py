@@ -46,7 +46,7 @@ class ConvertReport:
         return asdict(self) | {"ratio": self.ratio}
 
 
-def _not_yet_for(what: str, *, replace: bool = False, bits: int = 8) -> None:
+def not_yet_for(what: str, *, replace: bool = False, bits: int = 8) -> None:
     """UsageError for the options some inputs do not take yet (--replace, 4 bits)."""
     if replace:
         raise UsageError(f"--replace is not available for {what} yet; convert or expand without it, "
@@ -143,10 +143,10 @@ def convert(
     if min_size < 1:
         raise UsageError(f"min size {min_size} must be at least 1")
     if zero.is_zero_checkpoint(src):
-        _not_yet_for("DeepSpeed checkpoints", replace=replace, bits=bits)
+        not_yet_for("DeepSpeed checkpoints", replace=replace, bits=bits)
         return ConvertReport(**zero.convert(src, dst, block_size=block_size, min_size=min_size, force=force, progress=progress))
     if checkpoint.is_dcp_folder(src):
-        _not_yet_for("DCP folders", bits=bits)
+        not_yet_for("DCP folders", bits=bits)
         folder_run.no_dcp_replace([src], replace)
         return _convert_dcp(src, dst, block_size, min_size, force, t0)
     if os.path.isdir(src):  # Trainer / accelerate / Lightning checkpoint folders (ckptq.folders)
@@ -178,7 +178,7 @@ def _convert_file(src, dst, bits, block_size, min_size, key, device, backend, co
                          "name it with --key if it is stored differently")
     if not report.quantized:
         raise InputError(f"{src}: {nothing_to_quantize(marked, min_size)}")
-    info = convert_info(report, block_size, min_size) | ({"bits": bits} if bits != 8 else {})
+    info = convert_info(report, block_size, min_size, bits)
     report.outputs = save(obj, dst, info=info, force=force, compression=compression,
                           max_shard_size=max_shard_size, progress=progress)
     report.output_bytes = sum(os.path.getsize(p) for p in report.outputs)
@@ -232,11 +232,11 @@ def _convert_dcp(src: str, dst: str | None, block_size: int, min_size: int, forc
     return report
 
 
-def convert_info(report: ConvertReport, block_size: int, min_size: int) -> dict:
-    """The ``ckptq.info`` metadata of a converted file (``save`` adds ``stored_bytes``)."""
+def convert_info(report: ConvertReport, block_size: int, min_size: int, bits: int = 8) -> dict:
+    """The ``ckptq.info`` metadata of a converted file (``save`` adds ``stored_bytes``); ``bits`` only when 4."""
     return {"created_by": f"ckptq {__version__}", "source": os.path.basename(report.source),
             "source_bytes": report.source_bytes, "block_size": block_size, "min_size": min_size,
-            "quantized": report.quantized}
+            "quantized": report.quantized} | ({"bits": bits} if bits != 8 else {})
 
 
 def _quant_device(device: str) -> str:
@@ -306,7 +306,7 @@ def expand(src: str, dst: str | None = None, *, force: bool = False, verify: boo
     ``replace``: the source is deleted once the output was written, synced, read back and checked."""
     t0 = time.perf_counter()
     if zero.is_zero_checkpoint(src):
-        _not_yet_for("DeepSpeed checkpoints", replace=replace)
+        not_yet_for("DeepSpeed checkpoints", replace=replace)
         return ExpandReport(**zero.expand(src, dst, force=force, verify=verify, progress=progress))
     one = functools.partial(expand, force=force, verify=verify, trust=trust, progress=progress)
     if folder_run.is_checkpoint_folder(src):  # Trainer / accelerate / Lightning folders (ckptq.folders)

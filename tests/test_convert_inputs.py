@@ -138,6 +138,13 @@ def test_info_predicts_exactly_what_convert_writes(tmp_path):
     assert info["estimated_bytes"] == report.output_bytes and report.kept_shared == 1
     assert sum(r["tensors"] for r in info["quantized"].values()) == report.quantized == 3
     assert run("info", path, "--block-size", 100).exit_code == 2  # as convert refuses it
+    info4 = json.loads(run("info", path, "--bits", 4, "--json").output)
+    report4 = ckptq.convert(str(path), str(tmp_path / "o4.safetensors"), bits=4)
+    assert info4["estimated_bytes"] == report4.output_bytes < report.output_bytes
+    assert info4["options"]["block_size"] == 128 and "--bits 4 would write" in run("info", path, "--bits", 4).output
+    assert "4-bit, block size 128" in run("info", tmp_path / "o4.safetensors").output
+    r = run("info", path, "--bits", 3)
+    assert r.exit_code == 2 and "bits" in r.output and "Traceback" not in r.output
     assert ckptq_info(str(path), key="optimizer")["optimizers"] == "optimizer"
 
 
