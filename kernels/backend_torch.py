@@ -246,9 +246,8 @@ def stochastic_codes(x: torch.Tensor, absmax: torch.Tensor, nearest: torch.Tenso
     y = x / safe[:, None]  # the same IEEE division as the nearest code's
     c = nearest.to(torch.int64)
     lo = (c - (y < qmap[c]).to(torch.int64)).clamp_(0, top)
-    gap = qmap[(lo + 1).clamp(max=top)] - qmap[lo]
-    frac = (y - qmap[lo]) / gap  # lo == top: 0 / 0, not used
-    up = uniforms(first, y.numel(), seed, y.device).view(y.shape) < frac
+    u = uniforms(first, y.numel(), seed, y.device).view(y.shape)
+    up = u * (qmap[(lo + 1).clamp(max=top)] - qmap[lo]) < y - qmap[lo]  # P(up) = (y - q[lo]) / gap
     return torch.where(lo == top, top, lo + up.to(torch.int64)).to(torch.uint8)
 
 

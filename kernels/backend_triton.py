@@ -61,10 +61,10 @@ def _stochastic(pos, x, absmax, enc_ptr, offs, seed, BITS: tl.constexpr):
     y = tl.math.div_rn(x, safe[:, None])
     lo = tl.maximum(pos - (y < tl.load(enc_ptr + pos)).to(tl.int32), 0)
     q_lo = tl.load(enc_ptr + lo)
-    frac = tl.math.div_rn(y - q_lo, tl.load(enc_ptr + tl.minimum(lo + 1, top)) - q_lo)
     h = _mix32(offs.to(tl.uint32) ^ seed.to(tl.uint32, bitcast=True))
     u = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)  # a 24-bit integer: exact
-    return tl.where(lo >= top, top, lo + (u < frac).to(tl.int32))
+    up = u * (tl.load(enc_ptr + tl.minimum(lo + 1, top)) - q_lo) < y - q_lo
+    return tl.where(lo >= top, top, lo + up.to(tl.int32))
 
 
 @triton.jit

@@ -23,10 +23,11 @@ NaN y gets the top code, 2**bits - 1.
 
 Stochastic rounding (the step's new first-moment codes when ``StepFlags.seed`` is set; 4-bit states use
 it): with q the encode codebook, c the code above and K = 2**bits, lo = clamp(c - (y < q[c]), 0, K - 1);
-code = K - 1 if lo == K - 1, else lo + (u < (y - q[lo]) / (q[lo + 1] - q[lo])) in fp32 (IEEE division),
-where u = (mix32(i mod 2**32 XOR seed) >> 8) * 2**-24 and i is the element's index in the parameter.
-A y on a codebook entry keeps its code, a NaN gets the top one; E[q[code]] = y otherwise. ``mix32`` is
-the integer hash below (every backend computes it on uint32 lanes).
+code = K - 1 if lo == K - 1, else lo + (u * (q[lo + 1] - q[lo]) < y - q[lo]) in fp32 (each product and
+difference rounded once: no division, no FMA), where u = (mix32(i mod 2**32 XOR seed) >> 8) * 2**-24 and
+i is the element's index in the parameter. A y on a codebook entry keeps its code, a NaN gets the top
+one; E[q[code]] = y otherwise (up to fp32 rounding). ``mix32`` is the integer hash below (every backend
+computes it on uint32 lanes).
 
 Nothing in this package imports from ``ckptq`` above it.
 """

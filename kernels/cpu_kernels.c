@@ -164,9 +164,8 @@ static inline int stochastic1(float y, int c, const float *q, int top, uint32_t 
     int lo = c - (y < q[c]);
     if (lo < 0) lo = 0;
     if (lo >= top) return top;
-    float frac = (y - q[lo]) / (q[lo + 1] - q[lo]);
     float u = (float)(mix32((uint32_t)i ^ seed) >> 8) * 0x1p-24f;
-    return lo + (u < frac);
+    return lo + (u * (q[lo + 1] - q[lo]) < y - q[lo]);
 }
 
 #if VEC
@@ -198,21 +197,27 @@ static inline __m512i mix32x16(__m512i x) {
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-/* stochastic1 on 16 lanes; i0: the element index of lane 0. */
-static inline __m512i stochastic16(__m512 y, __m512i c, const float *q, int top, uint32_t seed, int64_t i0) {
+/* q[idx] for 16 lanes: a permute of the register q16 for 16-entry codebooks (4 bits), else a gather. */
+static inline __m512 lookup16(__m512i idx, const float *q, __m512 q16, int bits) {
+    return bits == 4 ? _mm512_permutexvar_ps(idx, q16) : _mm512_i32gather_ps(idx, q, 4);
+}
+
+/* stochastic1 on 16 lanes; i0: the element index of lane 0; q16: q's first 16 entries. */
+static inline __m512i stochastic16(__m512 y, __m512i c, const float *q, __m512 q16, int bits, uint32_t seed,
+                                   int64_t i0) {
+    const int top = (1 << bits) - 1;
     const __m512i one = _mm512_set1_epi32(1), vtop = _mm512_set1_epi32(top);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i lo = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(y, _mm512_i32gather_ps(c, q, 4), _CMP_LT_OQ), c, one);
+    __m512i lo = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(y, lookup16(c, q, q16, bits), _CMP_LT_OQ), c, one);
     lo = _mm512_max_epi32(lo, _mm512_setzero_si512());
     __mmask16 at_top = _mm512_cmpge_epi32_mask(lo, vtop);
-    __m512 qlo = _mm512_i32gather_ps(lo, q, 4);
-    __m512 qhi = _mm512_i32gather_ps(_mm512_min_epi32(_mm512_add_epi32(lo, one), vtop), q, 4);
-    __m512 frac = _mm512_div_ps(_mm512_sub_ps(y, qlo), _mm512_sub_ps(qhi, qlo));
+    __m512 q_lo = lookup16(lo, q, q16, bits);
+    __m512 q_hi = lookup16(_mm512_min_epi32(_mm512_add_epi32(lo, one), vtop), q, q16, bits);
     __m512i h = mix32x16(_mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)i0), iota),
                                           _mm512_set1_epi32((int)seed)));
     __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0x1p-24f));
-    __m512i code = _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(u, frac, _CMP_LT_OQ), lo, one);
-    return _mm512_mask_mov_epi32(code, at_top, vtop);
+    __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(q_hi, q_lo)), _mm512_sub_ps(y, q_lo), _CMP_LT_OQ);
+    return _mm512_mask_mov_epi32(_mm512_mask_add_epi32(lo, up, lo, one), at_top, vtop);
 }
 #endif
 
@@ -226,11 +231,11 @@ static inline void encode_block(const float *x, int len, float absmax, const int
     float safe = absmax > 0.0f ? absmax : 1.0f;  /* NaN > 0 is false: a NaN block divides by 1 */
     int i = 0;
 #if VEC
-    const __m512 vsafe = _mm512_set1_ps(safe);
+    const __m512 vsafe = _mm512_set1_ps(safe), q16 = q && bits == 4 ? _mm512_loadu_ps(q) : vsafe;
     for (; i + VEC <= len; i += VEC) {
         __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), vsafe);
         __m512i code = nearest16(y, table, top);
-        if (q) code = stochastic16(y, code, q, top, seed, first + i);
+        if (q) code = stochastic16(y, code, q, q16, bits, seed, first + i);
         put_codes16(codes, i, code, bits);
     }
 #endif
