@@ -54,8 +54,8 @@ def step_quantized(param, grad, exp_avg: dict, exp_avg_sq: dict, max_exp_avg_sq:
     moments = _moments(exp_avg, exp_avg_sq, max_exp_avg_sq)
     m = moments[0]
     encode = m.qmap if m.is_ratio else qstate.ratio_policy(m.bits).qmap().to(m.qmap.device)
-    eps = torch.tensor((m.eps if m.is_ratio else 0.0, ratio_eps), dtype=torch.float32, device=hyper.device)
-    h = torch.cat((hyper.to(torch.float32)[:8], eps))  # + decode eps', encode eps'
+    eps = torch.tensor((m.eps if m.is_ratio else 0.0, ratio_eps), dtype=torch.float32)
+    h = torch.cat((hyper.to("cpu", torch.float32)[:8], eps))  # + decode eps', encode eps' (on the host)
     inputs = [ops.StepInput(q.codes, q.absmax, q.qmap, encode if i == 0 else q.qmap) for i, q in enumerate(moments)]
     ops.adam8bit_step(param, grad, inputs, h, block_size=m.block_size, ratio=m.is_ratio, maximize=maximize,
                       backend=backend, bits=m.bits, seed=seed)
@@ -73,7 +73,7 @@ def step_param(p: torch.Tensor, state: dict, group: dict, decoupled: bool, backe
     state["step"] += 1
     beta1, beta2 = group["betas"]
     hyper = hyper_tensor(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], float(state["step"]),
-                         decoupled, p.device)
+                         decoupled)  # on the host: the kernels take scalars, no copy to the GPU per parameter
     moments = [state.get(k) if group["amsgrad"] else None for k in MOMENT_KEYS]
     moments[:2] = state["exp_avg"], state["exp_avg_sq"]
     if not qstate.is_qstate(moments[0]):

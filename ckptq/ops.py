@@ -34,7 +34,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .errors import UsageError
-from .kernels import backend_native, backend_torch, contract, cpu_runtime
+from .kernels import backend_native, backend_torch, contract, cpu_runtime, memo
 from .kernels.contract import KERNEL_DTYPES, StepFlags, StepState, code_bytes, midpoints, num_blocks
 
 BACKENDS = ("auto", "torch", "native", "triton")  # the one place that knows which backends exist
@@ -223,6 +223,10 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.
     return out
 
 
+def _thresholds(qmap: torch.Tensor) -> torch.Tensor:
+    return midpoints(qmap).contiguous()
+
+
 def _step_states(states: Sequence[StepInput], n: int, block_size: int, device, bits: int) -> tuple[StepState, ...]:
     """Check each moment against the param (n elements on ``device``) and build the kernels' view."""
     if len(states) not in (2, 3):
@@ -240,7 +244,7 @@ def _step_states(states: Sequence[StepInput], n: int, block_size: int, device, b
             raise UsageError(f"moment {i} must hold flat contiguous uint8 codes and contiguous float32 scales")
         qmap = s.qmap.to(device=device, dtype=torch.float32).contiguous()
         encode = s.encode_qmap.to(device=device, dtype=torch.float32).contiguous()
-        out.append(StepState(s.codes, s.absmax.view(-1), qmap, midpoints(encode).contiguous(), encode))
+        out.append(StepState(s.codes, s.absmax.view(-1), qmap, memo.by_tensor(_thresholds, encode), encode))
     return tuple(out)
 
 
@@ -277,7 +281,7 @@ def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[Step
     impl = _implementation(name, (p.dtype, g.dtype), [s.thresholds for s in kernel_states])
     data = p.detach()
     flat = data.reshape(-1) if data.is_contiguous() else data.contiguous().view(-1)  # a copy only if strided
-    h = hyper.to(device=p.device, dtype=torch.float32).contiguous()
+    h = hyper.to(device="cpu", dtype=torch.float32).contiguous()  # scalars: the kernels take them from the host
     impl.adam_step(flat, _flat(g), kernel_states, h, StepFlags(block_size, bool(ratio), bool(maximize), bits, seed))
     if not data.is_contiguous():
         data.copy_(flat.view(data.shape))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_runtime, lut, native
+from . import cpu_runtime, lut, memo, native
 from .contract import KERNEL_DTYPES, StepFlags, StepState
 
 
@@ -24,7 +24,7 @@ def why_unavailable() -> str:
 
 def usable(thresholds: torch.Tensor) -> bool:
     """Whether the C kernels can write codes on the codebook of these thresholds (a code table exists)."""
-    return lut.native_code_table(thresholds) is not None
+    return memo.by_tensor(lut.native_code_table, thresholds) is not None
 
 
 def _check(rc: int) -> None:
@@ -71,8 +71,8 @@ def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: boo
 
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
     lib, block, bits = native.library(), flags.block_size, flags.bits
-    tables = [lut.native_code_table(s.thresholds) for s in states]
-    decode = [_decode_map(s.qmap) for s in states]
+    tables = [memo.by_tensor(lut.native_code_table, s.thresholds) for s in states]
+    decode = [memo.by_tensor(_decode_map, s.qmap) for s in states]
     rounding = states[0].encode.data_ptr() if flags.seed is not None else None  # None: to nearest
     n = p.numel()
 

@@ -139,7 +139,8 @@ def _dequantize_kernel(
 
 @triton.jit(do_not_specialize=["seed"])
 def _adam_kernel(
-    p_ptr, g_ptr, h_ptr,  # param [n] (updated in place), grad [n], hyper fp32 [10] (contract.HYPER_FIELDS)
+    p_ptr, g_ptr,  # param [n] (updated in place), grad [n]
+    decay, l2, omb1, beta2, omb2, eps, neg_step, bc2_sqrt, dec_eps, enc_eps,  # fp32 (contract.HYPER_FIELDS)
     m_codes, m_absmax, m_qmap, m_thr, m_enc,  # exp_avg: uint8 [n * BITS / 8], fp32 [nb], fp32 [2**BITS] decode
     #                          map, fp32 [2**BITS - 1] midpoints of the encode map, fp32 [2**BITS] the encode map
     v_codes, v_absmax, v_qmap, v_thr, v_enc,  # exp_avg_sq (sqrt transform), same layout
@@ -156,25 +157,25 @@ def _adam_kernel(
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         g = -g
-    g = g + tl.load(h_ptr + 1) * p
+    g = g + l2 * p
     s = _decode(v_codes, v_absmax, v_qmap, offs, rows, mask, rmask, BITS)  # sqrt(v) as stored
     m = _decode(m_codes, m_absmax, m_qmap, offs, rows, mask, rmask, BITS)
     if M_RATIO:
-        m = m * (s + tl.load(h_ptr + 8))  # m = r * (s_q + eps')
-    m = m + tl.load(h_ptr + 2) * (g - m)
-    v = (s * s) * tl.load(h_ptr + 3) + tl.load(h_ptr + 4) * (g * g)
+        m = m * (s + dec_eps)  # m = r * (s_q + eps')
+    m = m + omb1 * (g - m)
+    v = (s * s) * beta2 + omb2 * (g * g)
     s = tl.math.sqrt_rn(v)
     if AMSGRAD:
         x = _decode(x_codes, x_absmax, x_qmap, offs, rows, mask, rmask, BITS)
         sx = tl.math.sqrt_rn(tl.maximum(x * x, v, propagate_nan=tl.PropagateNan.ALL))  # NaN wins, as torch.maximum
-        denom = tl.math.div_rn(sx, tl.load(h_ptr + 7)) + tl.load(h_ptr + 5)
+        denom = tl.math.div_rn(sx, bc2_sqrt) + eps
         codes, absmax = _encode(sx, mask, x_thr, BITS)
         _store(codes, absmax, x_codes, x_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, BITS)
     else:
-        denom = tl.math.div_rn(s, tl.load(h_ptr + 7)) + tl.load(h_ptr + 5)
-    p = p * tl.load(h_ptr + 0) + tl.load(h_ptr + 6) * tl.math.div_rn(m, denom)
+        denom = tl.math.div_rn(s, bc2_sqrt) + eps
+    p = p * decay + neg_step * tl.math.div_rn(m, denom)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-    r = tl.math.div_rn(m, s + tl.load(h_ptr + 9))  # the new ratio
+    r = tl.math.div_rn(m, s + enc_eps)  # the new ratio
     codes, absmax = _encode(r, mask, m_thr, BITS)
     if STOCHASTIC:
         codes = _stochastic(codes, r, absmax, m_enc, offs, seed, BITS)
@@ -205,6 +206,7 @@ def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: boo
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
     m, v, *x = states
     seed = flags.seed or 0
-    _launch(_adam_kernel, p.numel(), flags.block_size, p, g, h, *m, *v, *(x[0] if x else v),
+    # the scalars as kernel arguments (fp32, exact: h holds fp32 values), not a tensor the GPU must be sent
+    _launch(_adam_kernel, p.numel(), flags.block_size, p, g, *h.tolist(), *m, *v, *(x[0] if x else v),
             seed - (1 << 32) if seed >= 1 << 31 else seed, M_RATIO=flags.ratio, AMSGRAD=bool(x),
             MAXIMIZE=flags.maximize, BITS=flags.bits, STOCHASTIC=flags.seed is not None, enable_fp_fusion=False)

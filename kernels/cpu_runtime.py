@@ -8,6 +8,7 @@ barrier each).
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
@@ -55,9 +56,14 @@ def _worker_init() -> None:
     torch.set_num_threads(1)  # per-thread under OpenMP: the chunks are the parallelism, no nested teams
 
 
+@functools.lru_cache(maxsize=None)
+def _cores() -> int:
+    return os.cpu_count() or 1
+
+
 def workers() -> int:
     """CPU threads for chunked work: torch's thread count, at most one per core."""
-    return max(1, min(os.cpu_count() or 1, torch.get_num_threads()))
+    return max(1, min(_cores(), torch.get_num_threads()))
 
 
 def _pool() -> ThreadPoolExecutor | None:
