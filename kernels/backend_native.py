@@ -54,7 +54,8 @@ def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: 
     def span(start: int, stop: int) -> None:
         _check(lib.ckq_quantize(src.data_ptr() + start * size, dtype, stop - start, block_size, sqrt,
                                 table.data_ptr(), codes.data_ptr() + _code_offset(start, bits),
-                                absmax.data_ptr() + 4 * (start // block_size), bits))
+                                absmax.data_ptr() + 4 * (start // block_size), bits,
+                                thresholds.data_ptr() if bits == 4 else None))
 
     cpu_runtime.for_each_chunk(span, src.numel(), cpu_runtime.native_chunk(src.numel()), src.device)
 
@@ -74,6 +75,7 @@ def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
     tables = [memo.by_tensor(lut.native_code_table, s.thresholds) for s in states]
     decode = [memo.by_tensor(_decode_map, s.qmap) for s in states]
     rounding = states[0].encode.data_ptr() if flags.seed is not None else None  # None: to nearest
+    thresholds = [s.thresholds.data_ptr() if bits == 4 else None for s in states] + [None] * (3 - len(states))
     n = p.numel()
 
     def span(start: int, stop: int) -> None:
@@ -83,6 +85,6 @@ def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
         _check(lib.ckq_adam_step(p.data_ptr() + start * p.element_size(), KERNEL_DTYPES[p.dtype],
                                  g.data_ptr() + start * g.element_size(), KERNEL_DTYPES[g.dtype], stop - start, block,
                                  *m, flags.ratio, *v, *x, h.data_ptr(), flags.maximize, bits, rounding, start,
-                                 flags.seed or 0))
+                                 flags.seed or 0, *thresholds))
 
     cpu_runtime.for_each_chunk(span, n, cpu_runtime.native_chunk(n), p.device)

@@ -22,7 +22,10 @@
  * lie inside the bucket (65536: none). Then code = base + (rank(y) >= limit); a NaN y gets 255, as
  * torch.searchsorted gives it. ckptq.kernels.lut.native_code_table builds the table from the thresholds.
  *
- * 4-bit codes (bits == 4): the same table over 15 thresholds gives codes 0..15 (NaN: 15), packed two to a
+ * 4-bit codes (bits == 4): the same table over 15 thresholds gives codes 0..15 (NaN: 15); the vector
+ * loops get the same count from a binary search of the 15 thresholds held in one register (four
+ * permutes instead of a gather from the 256 KB table, which made the 4-bit step as fast as the 8-bit
+ * one again once it rounds stochastically). Codes are packed two to a
  * byte, element 2i in the low nibble of byte i (ckptq.kernels.contract). Every block starts on a byte
  * (block sizes are even). Encoding packs pairs of codes as it goes; decoding splits nibbles and looks
  * them up in a 16-entry codebook held in one AVX-512 register (vpermps), or per element in scalar C.
@@ -180,6 +183,17 @@ static inline __m512i nearest16(__m512 y, const int32_t *table, int nan_code) {
     return _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(nan_code));
 }
 
+/* The same count for 15 thresholds held in the register t15 (4-bit codebooks): a binary search of four
+ * permutes, no gather from the 256 KB code table. Probes stay within t15[0..14]. */
+static inline __m512i nearest16_reg(__m512 y, __m512 t15, int nan_code) {
+    __m512i pos = _mm512_setzero_si512();
+    for (int step = 8; step >= 1; step >>= 1) {
+        __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(pos, _mm512_set1_epi32(step - 1)), t15);
+        pos = _mm512_mask_add_epi32(pos, _mm512_cmp_ps_mask(t, y, _CMP_LT_OQ), pos, _mm512_set1_epi32(step));
+    }
+    return _mm512_mask_mov_epi32(pos, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(nan_code));
+}
+
 static inline void put_codes16(uint8_t *codes, int i, __m512i code, int bits) {
     if (bits == 8) {
         _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
@@ -221,20 +235,23 @@ static inline __m512i stochastic16(__m512 y, __m512i c, const float *q, __m512 q
 }
 #endif
 
-/* code i = #{t < x[i] / safe} via the code table (see the header); a NaN gets the top code. 8 bits:
- * codes[i]; 4 bits: the nibble i % 2 of codes[i / 2] (an odd len leaves the last high nibble 0).
- * With a codebook q (stochastic rounding, ckptq.kernels.contract), the code is then rounded stochastically
- * instead, x[0] being element ``first`` of the tensor. */
+/* code i = #{t < x[i] / safe} via the code table (see the header), or for 4 bits with the 15 thresholds
+ * thr15 in a register; a NaN gets the top code. 8 bits: codes[i]; 4 bits: the nibble i % 2 of
+ * codes[i / 2] (an odd len leaves the last high nibble 0). With a codebook q (stochastic rounding,
+ * ckptq.kernels.contract), the code is then rounded stochastically instead, x[0] being element ``first``
+ * of the tensor. */
 static inline void encode_block(const float *x, int len, float absmax, const int32_t *table, uint8_t *codes,
-                                int bits, const float *q, uint32_t seed, int64_t first) {
+                                int bits, const float *q, uint32_t seed, int64_t first, const float *thr15) {
     const int top = (1 << bits) - 1;
     float safe = absmax > 0.0f ? absmax : 1.0f;  /* NaN > 0 is false: a NaN block divides by 1 */
     int i = 0;
 #if VEC
     const __m512 vsafe = _mm512_set1_ps(safe), q16 = q && bits == 4 ? _mm512_loadu_ps(q) : vsafe;
+    const int in_register = bits == 4 && thr15;
+    const __m512 t15 = in_register ? _mm512_maskz_loadu_ps(0x7FFF, thr15) : vsafe;
     for (; i + VEC <= len; i += VEC) {
         __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), vsafe);
-        __m512i code = nearest16(y, table, top);
+        __m512i code = in_register ? nearest16_reg(y, t15, top) : nearest16(y, table, top);
         if (q) code = stochastic16(y, code, q, q16, bits, seed, first + i);
         put_codes16(codes, i, code, bits);
     }
@@ -319,14 +336,14 @@ static inline int code_at(const uint8_t *codes, int i, int bits) {
 /* Quantize elements [0, n) of src (dtype F32/BF16/F16) into codes [n * bits / 8, rounded up] and absmax
  * [ceil(n / block)]. */
 int ckq_quantize(const void *src, int dtype, int64_t n, int64_t block, int sqrt_transform,
-                  const int32_t *table, uint8_t *codes, float *absmax, int bits) {
+                  const int32_t *table, uint8_t *codes, float *absmax, int bits, const float *thr15) {
     if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
     float buf[block];  /* C99 VLA: a block's values, at most 16 KB */
     for (int64_t b = 0, off = 0; off < n; b++, off += block) {
         int len = (int)(n - off < block ? n - off : block);
         load_block(src, off, len, dtype, sqrt_transform, buf);
         absmax[b] = block_absmax(buf, len);
-        encode_block(buf, len, absmax[b], table, codes + off * bits / 8, bits, 0, 0, 0);
+        encode_block(buf, len, absmax[b], table, codes + off * bits / 8, bits, 0, 0, 0, thr15);
     }
     return 0;
 }
@@ -434,14 +451,16 @@ static inline void step16(const vstep_t *k, __m512 s, __m512 m, __m512 xs, const
 /* The fused step on elements [0, n) (whole blocks but the last): param p (dtype pdtype) in place,
  * grad g (gdtype), first moment m (a ratio state when m_ratio), second moment v (sqrt transform), and
  * with amsgrad (x.codes != NULL) max_exp_avg_sq x (sqrt transform), all with codes of ``bits`` bits
- * (decode maps of 256 entries). Operation order as step_rows. With m_round (the first moment's encode
- * codebook) its new codes are rounded stochastically with seed; element 0 is element ``first`` of the
- * parameter. */
+ * (decode maps of 256 entries; m_thr, v_thr, x_thr: the 15 thresholds of 4-bit encode maps, which the
+ * vector loops search in a register, the code tables serving the rest). Operation order as step_rows.
+ * With m_round (the first moment's encode codebook) its new codes are rounded stochastically with seed;
+ * element 0 is element ``first`` of the parameter. */
 int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int64_t block,
                    uint8_t *m_codes, float *m_absmax, const float *m_decode, const int32_t *m_table, int m_ratio,
                    uint8_t *v_codes, float *v_absmax, const float *v_decode, const int32_t *v_table,
                    uint8_t *x_codes, float *x_absmax, const float *x_decode, const int32_t *x_table,
-                   const float *h, int maximize, int bits, const float *m_round, int64_t first, uint32_t seed) {
+                   const float *h, int maximize, int bits, const float *m_round, int64_t first, uint32_t seed,
+                   const float *m_thr, const float *v_thr, const float *x_thr) {
     if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
     /* one block each of param, grad (other dtypes than fp32), new ratio, sqrt(v), sqrt(vmax): C99 VLAs,
      * 5 KB at the default block size, 80 KB at 4096 */
@@ -555,12 +574,12 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
             for (int i = 0; i < len; i++) d[i] = f32_to_f16(pb[i]);
         }
         m_absmax[b] = have_max ? mx : block_absmax(mb, len);
-        encode_block(mb, len, m_absmax[b], m_table, m_codes + at, bits, m_round, seed, first + off);
+        encode_block(mb, len, m_absmax[b], m_table, m_codes + at, bits, m_round, seed, first + off, m_thr);
         v_absmax[b] = have_max ? sx : block_absmax(sb, len);
-        encode_block(sb, len, v_absmax[b], v_table, v_codes + at, bits, 0, 0, 0);
+        encode_block(sb, len, v_absmax[b], v_table, v_codes + at, bits, 0, 0, 0, v_thr);
         if (amsgrad) {
             x_absmax[b] = have_max ? xx : block_absmax(xb, len);
-            encode_block(xb, len, x_absmax[b], x_table, x_codes + at, bits, 0, 0, 0);
+            encode_block(xb, len, x_absmax[b], x_table, x_codes + at, bits, 0, 0, 0, x_thr);
         }
     }
     return 0;
