@@ -1,0 +1,187 @@
+"""Which split of 8 bits per parameter between the two moments gives the best 4-bit-budget state?
+
+ckptq's 4-bit state gives the ratio r = m / (sqrt(v) + eps') and sqrt(v) 4 bits each (block 128, one fp32
+scale per block and moment: 1.0625 bytes per parameter). The update error at a checkpoint is r's own
+rounding error (v's cancels), so bits moved from v to r buy update fidelity, and cost the second
+moment's precision in the steps after. This tool simulates other splits in plain PyTorch (fake
+quantization: quantize, then decode, in fp32), before any kernel or file format is built for them:
+
+  R bits for r: a Lloyd-Max codebook for block-normalized Gaussian values with -1, 0, +1 fixed (as
+                ``ckptq.codebooks.LLOYD_GAUSSIAN_128`` at 4 bits), rounded to nearest at conversion and
+                stochastically in the step (as the 4-bit step does);
+  V bits for v: sqrt(v) on the unsigned power map (k / K) ** exponent (ckptq's 4-bit map: exponent 3),
+                rounded to nearest;
+  the same budget whenever R + V = 8.
+
+Reported: (1) on each checkpoint given, the worst and median update error per tensor (relative L2, as
+``tools/fidelity.py``, tensors of >= 4096 elements), (2) with ``--resume``, the mean loss of 300 steps
+resumed from ``tools/resume_fidelity.py``'s checkpoint (mid model, 400 torch AdamW steps) with the state
+fake-quantized after every step, against torch AdamW resumed from the fp32 state.
+
+    python tools/bit_split.py ck30.pt ck400.pt --split 4,4 --split 5,3 --split 6,2 --resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fidelity  # noqa: E402  (tools/ is not a package)
+import resume_fidelity as rf  # noqa: E402
+
+BLOCK = 128
+MIN_NUMEL = 4096
+
+
+@functools.lru_cache(maxsize=None)
+def lloyd_map(levels: int, iterations: int = 100) -> torch.Tensor:
+    """Least-squares codebook of ``levels`` entries for blocks of 128 Gaussian values divided by their absmax,
+    with -1, 0 and +1 kept as entries (20,000 blocks of torch.randn, seed 0)."""
+    x = torch.randn(20000, BLOCK, generator=torch.Generator().manual_seed(0))
+    y = (x / x.abs().amax(1, keepdim=True)).reshape(-1)
+    q = torch.linspace(-1, 1, levels)
+    for _ in range(iterations):
+        idx = torch.searchsorted((q[1:] + q[:-1]) / 2, y)
+        total = torch.zeros(levels).index_add_(0, idx, y)
+        count = torch.zeros(levels).index_add_(0, idx, torch.ones_like(y))
+        q = torch.where(count > 0, total / count.clamp(min=1), q)
+        q[0], q[-1] = -1.0, 1.0
+        q[torch.argmin(q.abs())] = 0.0
+    return q
+
+
+def power_map(bits: int, exponent: float) -> torch.Tensor:
+    k = 2**bits - 1
+    return (torch.arange(k + 1, dtype=torch.float64) / k).pow(exponent).float()
+
+
+def fake_quantize(x: torch.Tensor, qmap: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
+    """Blockwise absmax quantization of x on qmap and back; stochastic rounding when ``gen`` is given."""
+    n = x.numel()
+    nb = -(-n // BLOCK)
+    blocks = torch.nn.functional.pad(x.reshape(-1).float(), (0, nb * BLOCK - n)).view(nb, BLOCK)
+    scale = blocks.abs().amax(1, keepdim=True)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = blocks / scale
+    code = torch.searchsorted((qmap[1:] + qmap[:-1]) / 2, y.contiguous())
+    if gen is not None:  # the entry below or above y, with the probability that keeps E[q] = y
+        lo = (code - (y < qmap[code]).long()).clamp(0, qmap.numel() - 1)
+        hi = (lo + 1).clamp(max=qmap.numel() - 1)
+        up = torch.rand(y.shape, generator=gen) * (qmap[hi] - qmap[lo]) < y - qmap[lo]
+        code = torch.where(lo == hi, lo, lo + up.long())
+    return (qmap[code] * scale).reshape(-1)[:n].view(x.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _maps(split: tuple[int, int], v_exponent: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return lloyd_map(2 ** split[0]), power_map(split[1], v_exponent)
+
+
+def fake_state(m, v, step: float, group: dict, split, v_exponent: float, gen=None):
+    """(m, v) as they would decode after being stored with ``split`` = (R, V) bits."""
+    r_map, v_map = _maps(tuple(split), v_exponent)
+    eps = group["eps"] * (1 - group["betas"][1] ** step) ** 0.5
+    s = v.sqrt()
+    s_q = fake_quantize(s, v_map)
+    r_q = fake_quantize(m / (s + eps), r_map, gen)
+    return r_q * (s_q + eps), s_q * s_q
+
+
+def update_errors(path: str, split, v_exponent: float) -> tuple[float, float]:
+    """(worst, median) relative update error over the checkpoint's Adam states of >= 4096 elements."""
+    opt = fidelity.find_optimizer_state(torch.load(path, weights_only=True))
+    groups, errors = fidelity._group_of(opt), []
+    for pid, st in opt["state"].items():
+        m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+        if not isinstance(m, torch.Tensor) or m.numel() < MIN_NUMEL:
+            continue
+        g, step = groups[pid], float(st["step"])
+        m_q, v_q = fake_state(m, v, step, g, split, v_exponent)
+        want = fidelity.adam_update(m, v, step, g["betas"], g["eps"])
+        errors.append(fidelity.rel_err(fidelity.adam_update(m_q, v_q, step, g["betas"], g["eps"]), want))
+    return max(errors), statistics.median(errors)
+
+
+class FakeQuantAdamW(torch.optim.AdamW):
+    """torch AdamW whose large states are fake-quantized after every step (stochastic rounding of r)."""
+
+    def __init__(self, params, split, v_exponent: float, **kwargs):
+        super().__init__(params, foreach=False, **kwargs)
+        self.split, self.v_exponent, self.gen = split, v_exponent, torch.Generator().manual_seed(1)
+
+    @torch.no_grad()
+    def requantize(self, gen) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if p.numel() >= MIN_NUMEL and "exp_avg" in st:
+                    m, v = fake_state(st["exp_avg"], st["exp_avg_sq"], float(st["step"]), group, self.split,
+                                      self.v_exponent, gen)
+                    st["exp_avg"].copy_(m)
+                    st["exp_avg_sq"].copy_(v)
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self.requantize(self.gen)
+        return loss
+
+
+def resume_curves(splits, v_exponent: float, seed: int, steps: int) -> dict[str, list[float]]:
+    """Loss curves after resuming resume_fidelity's checkpoint: fp32, then each split."""
+    size, lr = "mid", rf.mc.LEARNING_RATE
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt.pt")
+        perm = rf.pretrain(size, 400, lr, seed, path)
+        cfg, batch_size = rf.model_config(size)
+        data = rf.batches(cfg, batch_size, perm, steps, seed + 2)
+        curves: dict[str, list[float]] = {}
+        torch.manual_seed(seed)
+        model, opt = rf.start("fp32", size, lr, {"fp32": path})
+        rf.train_steps(model, opt, data, curves.setdefault("fp32", []))
+        ckpt = torch.load(path, weights_only=True)
+        for split in splits:
+            torch.manual_seed(seed)
+            model = rf.mc.GPT(**cfg)
+            model.load_state_dict(ckpt["model"])
+            opt = FakeQuantAdamW(rf.param_groups(model, lr), split, v_exponent, lr=lr)
+            opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))  # torch keeps the tensors it is given
+            opt.requantize(None)  # conversion: rounded to nearest
+            rf.train_steps(model, opt, data, curves.setdefault(f"{split[0]}+{split[1]}", []))
+    return curves
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoints", nargs="*", help="torch checkpoints with AdamW state (tools/make_checkpoint.py)")
+    parser.add_argument("--split", action="append", default=[], help="R,V: bits for the ratio and for sqrt(v)")
+    parser.add_argument("--v-exponent", type=float, default=3.0, help="exponent of sqrt(v)'s power map")
+    parser.add_argument("--resume", action="store_true", help="also resume training (~1 min per split)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    splits = [tuple(int(b) for b in s.split(",")) for s in args.split or ["4,4"]]
+    print(f"sqrt(v) map (k/K)^{args.v_exponent:g}, block {BLOCK}, {(sum(splits[0]) / 8 + 8 / BLOCK):.4f} B/param\n")
+    print("| split R+V | " + " | ".join(f"{os.path.basename(c)} worst / median" for c in args.checkpoints) + " |")
+    print("|---|" + "---:|" * len(args.checkpoints))
+    for split in splits:
+        cells = [update_errors(c, split, args.v_exponent) for c in args.checkpoints]
+        print(f"| {split[0]}+{split[1]} | " + " | ".join(f"{100 * w:.2f}% / {100 * m:.2f}%" for w, m in cells) + " |")
+    if args.resume:
+        curves = resume_curves(splits, args.v_exponent, args.seed, args.steps)
+        ref = statistics.fmean(curves.pop("fp32"))
+        print(f"\nresumed {args.steps} steps (seed {args.seed}), mean loss vs fp32 {ref:.4f}:")
+        for name, losses in curves.items():
+            mean = statistics.fmean(losses)
+            print(f"  {name}: {mean:.4f} ({100 * (mean - ref) / ref:+.3f}%)")
+
+
+if __name__ == "__main__":
+    main()
