@@ -9,8 +9,9 @@ quantization: quantize, then decode, in fp32), before any kernel or file format 
   R bits for r: a Lloyd-Max codebook for block-normalized Gaussian values with -1, 0, +1 fixed (as
                 ``ckptq.codebooks.LLOYD_GAUSSIAN_128`` at 4 bits), rounded to nearest at conversion and
                 stochastically in the step (as the 4-bit step does);
-  V bits for v: sqrt(v) on the unsigned power map (k / K) ** exponent (ckptq's 4-bit map: exponent 3),
-                rounded to nearest;
+  V bits for v: sqrt(v) rounded to nearest on ``--v-map``: ``power``, the unsigned power map
+                (k / K) ** exponent (ckptq's 4-bit map: exponent 3); ``geometric``, 3 ** (k - K) (no zero:
+                1/27, 1/9, 1/3, 1 at 2 bits); ``linear``, (k + 1) / (K + 1) (no zero);
   the same budget whenever R + V = 8.
 
 Reported: (1) on each checkpoint given, the worst and median update error per tensor (relative L2, as
@@ -58,9 +59,15 @@ def lloyd_map(levels: int, iterations: int = 100) -> torch.Tensor:
     return q
 
 
-def power_map(bits: int, exponent: float) -> torch.Tensor:
-    k = 2**bits - 1
-    return (torch.arange(k + 1, dtype=torch.float64) / k).pow(exponent).float()
+def v_map(bits: int, kind: str, exponent: float) -> torch.Tensor:
+    """The 2**bits-entry codebook of sqrt(v) / block absmax, ascending, ending at 1."""
+    k = torch.arange(2**bits, dtype=torch.float64)
+    top = 2**bits - 1
+    if kind == "power":
+        return (k / top).pow(exponent).float()
+    if kind == "geometric":
+        return torch.pow(3.0, k - top).float()
+    return ((k + 1) / (top + 1)).float()  # linear
 
 
 def fake_quantize(x: torch.Tensor, qmap: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
@@ -81,21 +88,21 @@ def fake_quantize(x: torch.Tensor, qmap: torch.Tensor, gen: torch.Generator | No
 
 
 @functools.lru_cache(maxsize=None)
-def _maps(split: tuple[int, int], v_exponent: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return lloyd_map(2 ** split[0]), power_map(split[1], v_exponent)
+def _maps(split: tuple[int, int], v_kind: tuple[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    return lloyd_map(2 ** split[0]), v_map(split[1], *v_kind)
 
 
-def fake_state(m, v, step: float, group: dict, split, v_exponent: float, gen=None):
-    """(m, v) as they would decode after being stored with ``split`` = (R, V) bits."""
-    r_map, v_map = _maps(tuple(split), v_exponent)
+def fake_state(m, v, step: float, group: dict, split, v_kind: tuple[str, float], gen=None):
+    """(m, v) as they would decode after being stored with ``split`` = (R, V) bits; ``v_kind``: (map, exponent)."""
+    r_map, s_map = _maps(tuple(split), tuple(v_kind))
     eps = group["eps"] * (1 - group["betas"][1] ** step) ** 0.5
     s = v.sqrt()
-    s_q = fake_quantize(s, v_map)
+    s_q = fake_quantize(s, s_map)
     r_q = fake_quantize(m / (s + eps), r_map, gen)
     return r_q * (s_q + eps), s_q * s_q
 
 
-def update_errors(path: str, split, v_exponent: float) -> tuple[float, float]:
+def update_errors(path: str, split, v_kind: tuple[str, float]) -> tuple[float, float]:
     """(worst, median) relative update error over the checkpoint's Adam states of >= 4096 elements."""
     opt = fidelity.find_optimizer_state(torch.load(path, weights_only=True))
     groups, errors = fidelity._group_of(opt), []
@@ -104,7 +111,7 @@ def update_errors(path: str, split, v_exponent: float) -> tuple[float, float]:
         if not isinstance(m, torch.Tensor) or m.numel() < MIN_NUMEL:
             continue
         g, step = groups[pid], float(st["step"])
-        m_q, v_q = fake_state(m, v, step, g, split, v_exponent)
+        m_q, v_q = fake_state(m, v, step, g, split, v_kind)
         want = fidelity.adam_update(m, v, step, g["betas"], g["eps"])
         errors.append(fidelity.rel_err(fidelity.adam_update(m_q, v_q, step, g["betas"], g["eps"]), want))
     return max(errors), statistics.median(errors)
@@ -113,9 +120,9 @@ def update_errors(path: str, split, v_exponent: float) -> tuple[float, float]:
 class FakeQuantAdamW(torch.optim.AdamW):
     """torch AdamW whose large states are fake-quantized after every step (stochastic rounding of r)."""
 
-    def __init__(self, params, split, v_exponent: float, **kwargs):
+    def __init__(self, params, split, v_kind: tuple[str, float], **kwargs):
         super().__init__(params, foreach=False, **kwargs)
-        self.split, self.v_exponent, self.gen = split, v_exponent, torch.Generator().manual_seed(1)
+        self.split, self.v_kind, self.gen = split, v_kind, torch.Generator().manual_seed(1)
 
     @torch.no_grad()
     def requantize(self, gen) -> None:
@@ -124,7 +131,7 @@ class FakeQuantAdamW(torch.optim.AdamW):
                 st = self.state[p]
                 if p.numel() >= MIN_NUMEL and "exp_avg" in st:
                     m, v = fake_state(st["exp_avg"], st["exp_avg_sq"], float(st["step"]), group, self.split,
-                                      self.v_exponent, gen)
+                                      self.v_kind, gen)
                     st["exp_avg"].copy_(m)
                     st["exp_avg_sq"].copy_(v)
 
@@ -134,7 +141,7 @@ class FakeQuantAdamW(torch.optim.AdamW):
         return loss
 
 
-def resume_curves(splits, v_exponent: float, seed: int, steps: int) -> dict[str, list[float]]:
+def resume_curves(splits, v_kind: tuple[str, float], seed: int, steps: int) -> dict[str, list[float]]:
     """Loss curves after resuming resume_fidelity's checkpoint: fp32, then each split."""
     size, lr = "mid", rf.mc.LEARNING_RATE
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,7 +158,7 @@ def resume_curves(splits, v_exponent: float, seed: int, steps: int) -> dict[str,
             torch.manual_seed(seed)
             model = rf.mc.GPT(**cfg)
             model.load_state_dict(ckpt["model"])
-            opt = FakeQuantAdamW(rf.param_groups(model, lr), split, v_exponent, lr=lr)
+            opt = FakeQuantAdamW(rf.param_groups(model, lr), split, v_kind, lr=lr)
             opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))  # torch keeps the tensors it is given
             opt.requantize(None)  # conversion: rounded to nearest
             rf.train_steps(model, opt, data, curves.setdefault(f"{split[0]}+{split[1]}", []))
@@ -162,20 +169,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoints", nargs="*", help="torch checkpoints with AdamW state (tools/make_checkpoint.py)")
     parser.add_argument("--split", action="append", default=[], help="R,V: bits for the ratio and for sqrt(v)")
+    parser.add_argument("--v-map", choices=("power", "geometric", "linear"), default="power",
+                        help="codebook of sqrt(v) (see above)")
     parser.add_argument("--v-exponent", type=float, default=3.0, help="exponent of sqrt(v)'s power map")
     parser.add_argument("--resume", action="store_true", help="also resume training (~1 min per split)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
     splits = [tuple(int(b) for b in s.split(",")) for s in args.split or ["4,4"]]
-    print(f"sqrt(v) map (k/K)^{args.v_exponent:g}, block {BLOCK}, {(sum(splits[0]) / 8 + 8 / BLOCK):.4f} B/param\n")
+    v_kind = (args.v_map, args.v_exponent)
+    print(f"sqrt(v) map {args.v_map}" + f" (k/K)^{args.v_exponent:g}" * (args.v_map == "power")
+          + f", block {BLOCK}, {(sum(splits[0]) / 8 + 8 / BLOCK):.4f} B/param\n")
     print("| split R+V | " + " | ".join(f"{os.path.basename(c)} worst / median" for c in args.checkpoints) + " |")
     print("|---|" + "---:|" * len(args.checkpoints))
     for split in splits:
-        cells = [update_errors(c, split, args.v_exponent) for c in args.checkpoints]
+        cells = [update_errors(c, split, v_kind) for c in args.checkpoints]
         print(f"| {split[0]}+{split[1]} | " + " | ".join(f"{100 * w:.2f}% / {100 * m:.2f}%" for w, m in cells) + " |")
     if args.resume:
-        curves = resume_curves(splits, args.v_exponent, args.seed, args.steps)
+        curves = resume_curves(splits, v_kind, args.seed, args.steps)
         ref = statistics.fmean(curves.pop("fp32"))
         print(f"\nresumed {args.steps} steps (seed {args.seed}), mean loss vs fp32 {ref:.4f}:")
         for name, losses in curves.items():
