@@ -223,10 +223,6 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.
     return out
 
 
-def _thresholds(qmap: torch.Tensor) -> torch.Tensor:
-    return midpoints(qmap).contiguous()
-
-
 def _step_states(states: Sequence[StepInput], n: int, block_size: int, device, bits: int) -> tuple[StepState, ...]:
     """Check each moment against the param (n elements on ``device``) and build the kernels' view."""
     if len(states) not in (2, 3):
@@ -244,14 +240,14 @@ def _step_states(states: Sequence[StepInput], n: int, block_size: int, device, b
             raise UsageError(f"moment {i} must hold flat contiguous uint8 codes and contiguous float32 scales")
         qmap = s.qmap.to(device=device, dtype=torch.float32).contiguous()
         encode = s.encode_qmap.to(device=device, dtype=torch.float32).contiguous()
-        out.append(StepState(s.codes, s.absmax.view(-1), qmap, memo.by_tensor(_thresholds, encode), encode))
+        out.append(StepState(s.codes, s.absmax.view(-1), qmap, memo.by_tensor(midpoints, encode), encode))
     return tuple(out)
 
 
 def step_seed(step: int, salt: int) -> int:
     """The stochastic rounding seed of one parameter's step: its step count and ``salt`` (its index in the
     optimizer) hashed, so every step and every parameter draws other numbers, the same ones on resume."""
-    return contract.mix32(contract.mix32(int(step)) ^ ((int(salt) * 0x9E3779B9) & 0xFFFFFFFF))
+    return contract.mix32(contract.mix32(int(step) & 0xFFFFFFFF) ^ ((int(salt) * 0x9E3779B9) & 0xFFFFFFFF))
 
 
 def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[StepInput], hyper: torch.Tensor, *,

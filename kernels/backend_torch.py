@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import cpu_runtime, lut
-from .contract import MIX32, StepFlags, StepState, num_blocks
+from .contract import StepFlags, StepState, mix32, num_blocks
 
 STEP_CHUNK = 1 << 18  # elements per chunk of the step (whole blocks for every block size): 1 MB temporaries
 
@@ -216,37 +216,22 @@ def adam_math(p, g, m, v, vmax, h, maximize: bool):
     return p, m, v, vmax
 
 
-def _mul_mod32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for int64 x in [0, 2**32), in 16-bit halves of c so no product leaves int64."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """``contract.mix32`` on int64 x in [0, 2**32), elementwise."""
-    x = x ^ (x >> 16)
-    x = _mul_mod32(x, MIX32[0])
-    x = x ^ (x >> 15)
-    x = _mul_mod32(x, MIX32[1])
-    return x ^ (x >> 16)
-
-
 def uniforms(first: int, n: int, seed: int, device) -> torch.Tensor:
     """The stochastic rounding's u (``contract``) of elements first .. first + n - 1: fp32 [n] in [0, 1)."""
     index = torch.arange(first, first + n, dtype=torch.int64, device=device) & 0xFFFFFFFF
     return (mix32(index ^ seed) >> 8).to(torch.float32) * 2.0**-24  # a 24-bit integer: exact in fp32
 
 
-def stochastic_codes(x: torch.Tensor, absmax: torch.Tensor, nearest: torch.Tensor, qmap: torch.Tensor, seed: int,
-                     first: int) -> torch.Tensor:
+def stochastic_codes(x: torch.Tensor, absmax: torch.Tensor, nearest: torch.Tensor, qmap: torch.Tensor,
+                     u: torch.Tensor) -> torch.Tensor:
     """Stochastic rounding (``contract``) of x fp32 [nb, B] (transform applied) with its block scales
-    absmax [nb] and round-to-nearest codes [nb, B] on the codebook qmap; x[0, 0] is element ``first``.
-    Returns the codes, uint8 [nb, B]."""
+    absmax [nb] and round-to-nearest codes [nb, B] on the codebook qmap, given uniforms u fp32 [nb, B] in
+    [0, 1) (the step's: ``uniforms``). Returns the codes, uint8 [nb, B]."""
     top = qmap.numel() - 1
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     y = x / safe[:, None]  # the same IEEE division as the nearest code's
     c = nearest.to(torch.int64)
     lo = (c - (y < qmap[c]).to(torch.int64)).clamp_(0, top)
-    u = uniforms(first, y.numel(), seed, y.device).view(y.shape)
     up = u * (qmap[(lo + 1).clamp(max=top)] - qmap[lo]) < y - qmap[lo]  # P(up) = (y - q[lo]) / gap
     return torch.where(lo == top, top, lo + up.to(torch.int64)).to(torch.uint8)
 
@@ -275,7 +260,8 @@ def step_rows(p, g, h, states: tuple[StepState, ...], ratio: bool, maximize: boo
     r = m / (s + h[9])
     m_codes, m_absmax = quantize_rows(r, m_state.thresholds)
     if seed is not None:
-        m_codes = stochastic_codes(r, m_absmax, m_codes, m_state.encode, seed, first)
+        u = uniforms(first, r.numel(), seed, r.device).view(r.shape)
+        m_codes = stochastic_codes(r, m_absmax, m_codes, m_state.encode, u)
     new = ((m_codes, m_absmax), quantize_rows(s, v_state.thresholds))
     if vmax is not None:
         new += (quantize_rows(ieee_sqrt(vmax), x_state[0].thresholds),)

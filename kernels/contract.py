@@ -71,14 +71,21 @@ class StepFlags(NamedTuple):
 MIX32 = (0x7FEB352D, 0x846CA68B)  # the multipliers of mix32
 
 
-def mix32(x: int) -> int:
+def _mul_mod32(x, c: int):
+    """(x * c) mod 2**32 for x in [0, 2**32), in 16-bit halves of c: no product leaves int64 when x is a
+    tensor."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def mix32(x):
     """An integer hash of 32-bit x with full avalanche (C. Wellons' "lowbias32", 2018): three xor-shifts
-    and two multiplications mod 2**32. The kernels' random numbers; also seeds the step (``ckptq.adam``)."""
-    x &= 0xFFFFFFFF
-    x ^= x >> 16
-    x = (x * MIX32[0]) & 0xFFFFFFFF
-    x ^= x >> 15
-    x = (x * MIX32[1]) & 0xFFFFFFFF
+    and two multiplications mod 2**32. x: a Python int or an int64 tensor (elementwise), in [0, 2**32).
+    The kernels' random numbers (the PyTorch reference computes them with this); also seeds the step
+    (``ckptq.ops.step_seed``)."""
+    x = x ^ (x >> 16)
+    x = _mul_mod32(x, MIX32[0])
+    x = x ^ (x >> 15)
+    x = _mul_mod32(x, MIX32[1])
     return x ^ (x >> 16)
 
 

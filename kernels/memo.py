@@ -18,12 +18,15 @@ _memos: dict[tuple[int, int], tuple[weakref.ref, int, object]] = {}
 
 
 def by_tensor(fn: Callable[[torch.Tensor], T], t: torch.Tensor) -> T:
-    """``fn(t)``, computed once for this tensor object and version."""
+    """``fn(t)``, computed once for this tensor object and version. A result that is ``t`` itself is not
+    kept: there is nothing to save, and the entry would keep its own key alive."""
     key = (id(fn), id(t))
     hit = _memos.get(key)
     if hit is not None and hit[0]() is t and hit[1] == t._version:
         return hit[2]
     value = fn(t)
+    if value is t:
+        return value
     if len(_memos) >= _MAX_ENTRIES:
         _memos.clear()
     _memos[key] = (weakref.ref(t), t._version, value)

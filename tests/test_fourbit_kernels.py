@@ -228,7 +228,8 @@ def test_stochastic_rounding_is_unbiased_between_the_two_neighbours():
     row = torch.cat([torch.rand(59, generator=gen) * 2 - 1, qmap[[0, 5, 7, 12]], torch.tensor([1.0])])  # absmax 1
     x = row.repeat(4000, 1)  # [4000, 64]: each value rounded with 4000 random numbers (element indices differ)
     nearest, absmax = backend_torch.reference_codes(x.reshape(-1), ops.midpoints(qmap), 64)
-    codes = backend_torch.stochastic_codes(x, absmax, nearest.view(x.shape), qmap, 2**32 - 7, 0).long()
+    u = backend_torch.uniforms(0, x.numel(), 2**32 - 7, "cpu").view(x.shape)
+    codes = backend_torch.stochastic_codes(x, absmax, nearest.view(x.shape), qmap, u).long()
     below = (torch.searchsorted(qmap, row, right=True) - 1).clamp(max=14)
     assert bool(((codes == below) | (codes == below + 1)).all())
     exact = torch.isin(row, qmap)
@@ -238,7 +239,7 @@ def test_stochastic_rounding_is_unbiased_between_the_two_neighbours():
     assert float((qmap[codes].mean(0) - row).abs().max()) < 0.012
     nan = torch.tensor([[0.5, float("nan")] * 32])
     near, scale = backend_torch.reference_codes(nan.view(-1), ops.midpoints(qmap), 64)
-    nan_codes = backend_torch.stochastic_codes(nan, scale, near.view(1, 64), qmap, 1, 0)
+    nan_codes = backend_torch.stochastic_codes(nan, scale, near.view(1, 64), qmap, backend_torch.uniforms(0, 64, 1, "cpu").view(1, 64))
     assert bool((nan_codes[:, 1::2] == 15).all()) and set(nan_codes[:, ::2].unique().tolist()) <= {12, 13}
 
 

@@ -38,6 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fidelity  # noqa: E402  (tools/ is not a package)
 import resume_fidelity as rf  # noqa: E402
 
+from ckptq import ops  # noqa: E402
+from ckptq.kernels import backend_torch  # noqa: E402
+
 BLOCK = 128
 MIN_NUMEL = 4096
 
@@ -71,20 +74,16 @@ def v_map(bits: int, kind: str, exponent: float) -> torch.Tensor:
 
 
 def fake_quantize(x: torch.Tensor, qmap: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
-    """Blockwise absmax quantization of x on qmap and back; stochastic rounding when ``gen`` is given."""
+    """Blockwise absmax quantization of x on qmap and back, with ckptq's reference rounding (to nearest,
+    or stochastic with ``gen``'s uniforms instead of the step's hashed ones)."""
     n = x.numel()
     nb = -(-n // BLOCK)
     blocks = torch.nn.functional.pad(x.reshape(-1).float(), (0, nb * BLOCK - n)).view(nb, BLOCK)
-    scale = blocks.abs().amax(1, keepdim=True)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    y = blocks / scale
-    code = torch.searchsorted((qmap[1:] + qmap[:-1]) / 2, y.contiguous())
-    if gen is not None:  # the entry below or above y, with the probability that keeps E[q] = y
-        lo = (code - (y < qmap[code]).long()).clamp(0, qmap.numel() - 1)
-        hi = (lo + 1).clamp(max=qmap.numel() - 1)
-        up = torch.rand(y.shape, generator=gen) * (qmap[hi] - qmap[lo]) < y - qmap[lo]
-        code = torch.where(lo == hi, lo, lo + up.long())
-    return (qmap[code] * scale).reshape(-1)[:n].view(x.shape)
+    codes, absmax = backend_torch.reference_codes(blocks.view(-1), ops.midpoints(qmap), BLOCK)
+    codes = codes.view(nb, BLOCK)
+    if gen is not None:
+        codes = backend_torch.stochastic_codes(blocks, absmax, codes, qmap, torch.rand(blocks.shape, generator=gen))
+    return (qmap[codes.long()] * absmax[:, None]).reshape(-1)[:n].view(x.shape)
 
 
 @functools.lru_cache(maxsize=None)
