@@ -1,7 +1,8 @@
 """The operations, declared once: blockwise quantize, dequantize, and the fused 8-bit Adam step.
 
-Every operation takes the code width ``bits``: 8 (one code per byte, 256-entry codebooks) or 4 (two codes
-per byte, 16-entry codebooks; layout in ``ckptq/kernels/contract.py``). Every backend serves both.
+Every operation takes the code width ``bits``: 8 (one code per byte, 256-entry codebooks), 6, 4 or 2
+(packed codes, 2**bits-entry codebooks; layout in ``ckptq/kernels/contract.py``). Every backend serves
+each, and the step takes a width per moment.
 
 Each public function here validates its inputs once, resolves the backend once, and hands flat,
 contiguous, already-checked tensors to one backend implementation in ``ckptq.kernels`` (signatures in
@@ -41,9 +42,11 @@ BACKENDS = ("auto", "torch", "native", "triton")  # the one place that knows whi
 BLOCK_SIZES = tuple(2**k for k in range(6, 13))  # 64 ... 4096
 DEFAULT_BLOCK_SIZE = 256
 TRANSFORMS = ("none", "sqrt")
-SUPPORTED_BITS = (8, 4)  # code width; a 2**bits-entry codebook
-# Block size by code width, chosen by update fidelity (tools/fidelity.py): 4-bit state at 128 keeps the
-# two moments at 1.0625 bytes per parameter.
+SUPPORTED_BITS = contract.WIDTHS  # code widths; a 2**bits-entry codebook
+# What users choose: bits per value on average over a param's two moments (``ckptq.qstate.convert_width``
+# gives each state of a converted file its width), and the block size by that budget, chosen by update fidelity
+# (tools/fidelity.py): 4 bits at block 128 keep the two moments at 1.0625 bytes per parameter.
+BUDGETS = (8, 4)
 DEFAULT_BLOCK_SIZES = {8: DEFAULT_BLOCK_SIZE, 4: 128}
 
 ieee_sqrt, ieee_sqrt_into = backend_torch.ieee_sqrt, backend_torch.ieee_sqrt_into
@@ -72,9 +75,16 @@ def check_bits(bits: int) -> int:
     return bits
 
 
+def check_budget(bits: int) -> int:
+    """``bits``, the bits per value a user asks for (8 or 4), or UsageError."""
+    if type(bits) is not int or bits not in BUDGETS:
+        raise UsageError(f"{bits}-bit state is not supported; use bits=8 or bits=4")
+    return bits
+
+
 def default_block_size(bits: int) -> int:
-    """The block size new states of this code width get unless told otherwise."""
-    return DEFAULT_BLOCK_SIZES[check_bits(bits)]
+    """The block size new states get under this budget (``BUDGETS``) unless told otherwise."""
+    return DEFAULT_BLOCK_SIZES[check_budget(bits)]
 
 
 def check_codebook(qmap: torch.Tensor, bits: int = 8) -> None:
@@ -166,8 +176,8 @@ def quantize_blockwise(x: torch.Tensor, qmap: torch.Tensor, block_size: int = DE
                        transform: str = "none", backend: str = "auto", bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` (any float dtype and shape) blockwise on the codebook ``qmap``.
 
-    Returns ``(codes, absmax)``: ``codes`` uint8 of shape ``[x.numel()]`` (8 bits) or
-    ``[ceil(x.numel() / 2)]`` (4 bits, two codes per byte) and ``absmax`` fp32 of shape
+    Returns ``(codes, absmax)``: ``codes`` uint8 of shape ``[code_bytes(x.numel(), bits)]`` (8 bits: one
+    code per byte; 6, 4, 2 bits: packed, see ``ckptq/kernels/contract.py``) and ``absmax`` fp32 of shape
     ``[ceil(numel / block_size)]``, both on ``x.device``. ``qmap`` has 2**bits entries.
     ``transform="sqrt"`` stores sqrt(x) (x >= 0). NaN/Inf inputs follow the rounding contract (a NaN
     block's absmax is NaN; NaN codes are 2**bits - 1).
@@ -207,7 +217,8 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.
     """Inverse of :func:`quantize_blockwise`: fp32 tensor of shape ``[numel]``.
 
     Value = ``qmap[code] * absmax[block]``, squared afterwards when ``transform == "sqrt"``. ``numel``: the
-    number of codes (default ``codes.numel()``, for 4 bits ``2 * codes.numel()``: pass it for an odd count).
+    number of codes (default: as many as the bytes hold, ``codes.numel() * 8 // bits``: pass it when the
+    last byte is not full).
     With ``out`` (a contiguous fp32 tensor of ``numel`` elements on the codes' device) the result is written
     there: reusing a buffer saves the page faults of a fresh allocation.
     """
@@ -223,12 +234,16 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.
     return out
 
 
-def _step_states(states: Sequence[StepInput], n: int, block_size: int, device, bits: int) -> tuple[StepState, ...]:
+def _step_states(states: Sequence[StepInput], n: int, block_size: int, device, widths) -> tuple[StepState, ...]:
     """Check each moment against the param (n elements on ``device``) and build the kernels' view."""
     if len(states) not in (2, 3):
         raise UsageError(f"the Adam step takes 2 or 3 moments (exp_avg, exp_avg_sq[, max_exp_avg_sq]), got {len(states)}")
+    widths = (widths,) * len(states) if isinstance(widths, int) else tuple(widths)
+    if len(widths) != len(states):
+        raise UsageError(f"bits names {len(widths)} code widths for {len(states)} moments; give one per moment")
     out = []
-    for i, s in enumerate(states):
+    for i, (s, bits) in enumerate(zip(states, widths)):
+        check_bits(bits)
         check_codebook(s.encode_qmap, bits)
         if not isinstance(s.codes, torch.Tensor) or s.codes.numel() != code_bytes(n, bits) or s.codes.device != device:
             raise UsageError(f"moment {i} holds {getattr(s.codes, 'numel', lambda: '?')()} code bytes on "
@@ -240,7 +255,7 @@ def _step_states(states: Sequence[StepInput], n: int, block_size: int, device, b
             raise UsageError(f"moment {i} must hold flat contiguous uint8 codes and contiguous float32 scales")
         qmap = s.qmap.to(device=device, dtype=torch.float32).contiguous()
         encode = s.encode_qmap.to(device=device, dtype=torch.float32).contiguous()
-        out.append(StepState(s.codes, s.absmax.view(-1), qmap, memo.by_tensor(midpoints, encode), encode))
+        out.append(StepState(s.codes, s.absmax.view(-1), qmap, memo.by_tensor(midpoints, encode), encode, bits))
     return tuple(out)
 
 
@@ -251,10 +266,10 @@ def step_seed(step: int, salt: int) -> int:
 
 
 def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[StepInput], hyper: torch.Tensor, *,
-                  block_size: int, ratio: bool, maximize: bool = False, backend: str = "auto", bits: int = 8,
-                  seed: int | None = None) -> None:
+                  block_size: int, ratio: bool, maximize: bool = False, backend: str = "auto",
+                  bits: int | Sequence[int] = 8, seed: int | None = None) -> None:
     """One fused low-bit Adam(W) step on one parameter, in place: the param and each moment's codes/absmax.
-    ``bits``: the code width of every moment (8 or 4; codebooks of 2**bits entries). ``seed`` (an integer
+    ``bits``: the code width of every moment, or one per moment (8, 6, 4 or 2; codebooks of 2**bits entries). ``seed`` (an integer
     in [0, 2**32)): exp_avg's new codes are rounded stochastically, unbiased, with random numbers hashed from
     the seed and each element's index (``ckptq.kernels.contract``); None rounds to nearest.
 
@@ -263,7 +278,6 @@ def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[Step
     back as ratios with encode_eps. ``hyper``: fp32 [10] (``ckptq.kernels.contract.HYPER_FIELDS``).
     """
     check_block_size(block_size)
-    check_bits(bits)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
         raise UsageError(f"seed must be None or an integer in [0, 2**32), got {seed!r}")
     p, g = _local(param, "the parameter"), _local(grad, "the gradient")
@@ -278,7 +292,7 @@ def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[Step
     data = p.detach()
     flat = data.reshape(-1) if data.is_contiguous() else data.contiguous().view(-1)  # a copy only if strided
     h = hyper.to(device="cpu", dtype=torch.float32).contiguous()  # scalars: the kernels take them from the host
-    impl.adam_step(flat, _flat(g), kernel_states, h, StepFlags(block_size, bool(ratio), bool(maximize), bits, seed))
+    impl.adam_step(flat, _flat(g), kernel_states, h, StepFlags(block_size, bool(ratio), bool(maximize), seed))
     if not data.is_contiguous():
         data.copy_(flat.view(data.shape))
 

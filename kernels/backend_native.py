@@ -28,22 +28,22 @@ def usable(thresholds: torch.Tensor) -> bool:
 
 
 def _check(rc: int) -> None:
-    # The kernels return -1 only for a block size outside 1..4096 or a code width other than 8 or 4
-    # (4 with an odd block), which ckptq.ops never passes.
+    # The kernels return -1 only for a block size outside 1..4096 or a code width other than 8, 6, 4, 2
+    # (narrow widths with blocks that do not start on a byte), which ckptq.ops never passes.
     if rc != 0:
         raise RuntimeError(f"ckptq internal error: the C kernels refused their arguments (code {rc})")
 
 
 def _decode_map(qmap: torch.Tensor) -> torch.Tensor:
-    """The kernels' decode map: 256 fp32 entries (a 16-entry codebook padded with zeros: 4-bit codes
-    never index the padding)."""
+    """The kernels' decode map: 256 fp32 entries (a smaller codebook padded with zeros: its codes never
+    index the padding)."""
     if qmap.numel() == 256:
         return qmap
     return torch.cat([qmap, qmap.new_zeros(256 - qmap.numel())])
 
 
 def _code_offset(start: int, bits: int) -> int:
-    """Byte offset of element ``start``'s code (``start`` is even: chunks are whole blocks)."""
+    """Byte offset of element ``start``'s code (chunks are whole blocks: ``start`` is on a byte)."""
     return start * bits // 8
 
 
@@ -55,7 +55,7 @@ def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: 
         _check(lib.ckq_quantize(src.data_ptr() + start * size, dtype, stop - start, block_size, sqrt,
                                 table.data_ptr(), codes.data_ptr() + _code_offset(start, bits),
                                 absmax.data_ptr() + 4 * (start // block_size), bits,
-                                thresholds.data_ptr() if bits == 4 else None))
+                                thresholds.data_ptr() if bits <= 4 else None))
 
     cpu_runtime.for_each_chunk(span, src.numel(), cpu_runtime.native_chunk(src.numel()), src.device)
 
@@ -71,20 +71,22 @@ def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: boo
 
 
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
-    lib, block, bits = native.library(), flags.block_size, flags.bits
+    lib, block = native.library(), flags.block_size
     tables = [memo.by_tensor(lut.native_code_table, s.thresholds) for s in states]
     decode = [memo.by_tensor(_decode_map, s.qmap) for s in states]
-    rounding = states[0].encode.data_ptr() if flags.seed is not None else None  # None: to nearest
-    thresholds = [s.thresholds.data_ptr() if bits == 4 else None for s in states] + [None] * (3 - len(states))
+    # the encode codebooks of stochastic rounding (first and second moment); None: to nearest
+    rounding = [s.encode.data_ptr() if flags.seed is not None else None for s in states[:2]]
+    thresholds = [s.thresholds.data_ptr() if s.bits <= 4 else None for s in states] + [None] * (3 - len(states))
+    widths = [s.bits for s in states] + [states[1].bits] * (3 - len(states))
     n = p.numel()
 
     def span(start: int, stop: int) -> None:
-        ptrs = [(s.codes.data_ptr() + _code_offset(start, bits), s.absmax.data_ptr() + 4 * (start // block),
+        ptrs = [(s.codes.data_ptr() + _code_offset(start, s.bits), s.absmax.data_ptr() + 4 * (start // block),
                  q.data_ptr(), t.data_ptr()) for s, q, t in zip(states, decode, tables)]
         m, v, x = ptrs + [(None,) * 4] * (3 - len(ptrs))
         _check(lib.ckq_adam_step(p.data_ptr() + start * p.element_size(), KERNEL_DTYPES[p.dtype],
                                  g.data_ptr() + start * g.element_size(), KERNEL_DTYPES[g.dtype], stop - start, block,
-                                 *m, flags.ratio, *v, *x, h.data_ptr(), flags.maximize, bits, rounding, start,
+                                 *m, flags.ratio, *v, *x, h.data_ptr(), flags.maximize, *widths, *rounding, start,
                                  flags.seed or 0, *thresholds))
 
     cpu_runtime.for_each_chunk(span, n, cpu_runtime.native_chunk(n), p.device)

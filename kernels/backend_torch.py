@@ -12,8 +12,8 @@ the first (m = r * (s + eps') for ratio codes, qmap[code] * absmax for plain one
 fp32 (``adam_math``), and requantizes with new block scales: v as sqrt(v), m as the ratio
 r = m / (sqrt(v) + eps_new) with the new exact v. The C and Triton kernels equal this bit for bit.
 
-4-bit codes (``bits=4``) are computed exactly as 8-bit ones, on a 16-entry codebook, then packed two to
-a byte (``pack_nibbles``, layout in ``contract``); decoding and the step unpack them first.
+Narrower codes (``bits`` 6, 4, 2) are computed exactly as 8-bit ones, on a codebook of 2**bits entries,
+then packed (``pack_codes``, layout in ``contract``); decoding and the step unpack them first.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import cpu_runtime, lut
-from .contract import StepFlags, StepState, mix32, num_blocks
+from .contract import V_SALT, StepFlags, StepState, code_bytes, group_shape, mix32, num_blocks
 
 STEP_CHUNK = 1 << 18  # elements per chunk of the step (whole blocks for every block size): 1 MB temporaries
 
@@ -101,21 +101,32 @@ def _quantize_span(src, codes, absmax, thresholds, table, block_size, sqrt, ws) 
         codes[full:], absmax[nb:] = reference_codes(x[full:], thresholds, block_size)
 
 
-def pack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> None:
-    """out uint8 [ceil(n / 2)] = codes[2i] | codes[2i + 1] << 4, for codes uint8 [n] below 16; an odd n's
-    last byte holds its last code alone (high nibble 0)."""
-    n = codes.numel()
-    even = n - n % 2
-    pairs = codes[:even].view(-1, 2)
-    torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=out[: even // 2])
-    if n % 2:
-        out[-1:].copy_(codes[-1:])
+def pack_codes(codes: torch.Tensor, out: torch.Tensor, bits: int) -> None:
+    """out uint8 [code_bytes(n, bits)] = codes uint8 [n] (each below 2**bits) packed as ``contract`` lays
+    them out: each group of whole-byte codes (``group_shape``) as one little-endian word."""
+    if bits == 8:
+        out.copy_(codes)
+        return
+    g, w = group_shape(bits)
+    c = torch.nn.functional.pad(codes, (0, -codes.numel() % g)).view(-1, g).to(torch.int32)
+    word = c[:, 0].clone()
+    for k in range(1, g):
+        word |= c[:, k] << (bits * k)
+    packed = torch.stack([(word >> (8 * j)) & 255 for j in range(w)], dim=1).view(-1)
+    out.copy_(packed[: out.numel()])  # the bytes past code_bytes(n) hold only zero padding
 
 
-def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """The n codes (uint8 [n]) that ``pack_nibbles`` packed into ``packed``."""
-    both = torch.stack((packed & 15, packed >> 4), dim=1)  # [ceil(n / 2), 2]: element order
-    return both.view(-1)[:n]
+def unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """The n codes (uint8 [n]) that ``pack_codes`` packed into ``packed``."""
+    if bits == 8:
+        return packed[:n]
+    g, w = group_shape(bits)
+    b = torch.nn.functional.pad(packed, (0, -packed.numel() % w)).view(-1, w).to(torch.int32)
+    word = b[:, 0].clone()
+    for j in range(1, w):
+        word |= b[:, j] << (8 * j)
+    codes = torch.stack([(word >> (bits * k)) & (2**bits - 1) for k in range(g)], dim=1).view(-1)
+    return codes[:n].to(torch.uint8)
 
 
 def _chunk(device: torch.device) -> int:
@@ -132,8 +143,8 @@ def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: 
         dst = codes[start:stop] if bits == 8 else torch.empty(stop - start, dtype=torch.uint8, device=src.device)
         _quantize_span(src[start:stop], dst, absmax[start // block_size : num_blocks(stop, block_size)],
                        thresholds, table, block_size, sqrt, ws)
-        if bits == 4:  # chunks start on even elements (whole blocks): byte start // 2
-            pack_nibbles(dst, codes[start // 2 : (stop + 1) // 2])
+        if bits != 8:  # chunks are whole blocks: they start on a byte
+            pack_codes(dst, codes[code_bytes(start, bits) : code_bytes(stop, bits)], bits)
 
     cpu_runtime.for_each_chunk(span, n, chunk, src.device)
 
@@ -175,7 +186,7 @@ def _gather_nibbles(packed: torch.Tensor, qmap: torch.Tensor, out: torch.Tensor,
         if n % 2:
             out[-1:].copy_(qmap[(packed[-1:] & 15).to(torch.int64)])
         return
-    torch.index_select(qmap, 0, unpack_nibbles(packed, n).to(torch.int32), out=out)
+    torch.index_select(qmap, 0, unpack_codes(packed, n, 4).to(torch.int32), out=out)
 
 
 def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool, bits: int = 8) -> None:
@@ -185,10 +196,13 @@ def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: boo
     def span(start: int, stop: int) -> None:
         ws = cpu_runtime.workspace(codes.device, min(chunk, n))
         o = out[start:stop]
+        stored = codes[code_bytes(start, bits) : code_bytes(stop, bits)]
         if bits == 8:
-            _gather_codes(codes[start:stop], qmap, o, ws)
+            _gather_codes(stored, qmap, o, ws)
+        elif bits == 4:
+            _gather_nibbles(stored, qmap, o, ws)
         else:
-            _gather_nibbles(codes[start // 2 : (stop + 1) // 2], qmap, o, ws)
+            torch.index_select(qmap, 0, unpack_codes(stored, stop - start, bits).to(torch.int32), out=o)
         a = absmax[start // block_size : num_blocks(stop, block_size)]
         full = (stop - start) - (stop - start) % block_size
         o[:full].view(-1, block_size).mul_(a[: full // block_size, None])
@@ -201,7 +215,8 @@ def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: boo
 
 
 def adam_math(p, g, m, v, vmax, h, maximize: bool):
-    """One Adam(W) update on fp32 tensors of one shape; ``h``: fp32 [>= 8] (``contract.HYPER_FIELDS``).
+    """One Adam(W) update on fp32 tensors of one shape; ``h``: fp32 [>= 8] (``contract.HYPER_FIELDS``) on
+    their device (``on_device``).
     Returns ``(p, m, v, vmax)``; ``vmax`` is None without amsgrad. Decoupled decay (AdamW) is
     ``h[0] = 1 - lr*wd``, L2 decay (Adam) is ``h[1] = wd``; the unused one is the identity (x*1, x+0*p)."""
     if maximize:
@@ -214,6 +229,13 @@ def adam_math(p, g, m, v, vmax, h, maximize: bool):
     denom = ieee_sqrt(v if vmax is None else vmax) / h[7] + h[5]
     p = p * h[0] + h[6] * (m / denom)
     return p, m, v, vmax
+
+
+def on_device(h: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The step's scalars on the tensors' device. Not left on the host: CUDA divides by a CPU scalar as a
+    multiplication by its reciprocal (ATen's div_true kernel), which is not the IEEE division of the
+    contract (the H200 run of tests/test_kernels_adam.py found the reference 1 ulp off there)."""
+    return h if h.device == device else h.to(device)
 
 
 def uniforms(first: int, n: int, seed: int, device) -> torch.Tensor:
@@ -245,7 +267,7 @@ def step_rows(p, g, h, states: tuple[StepState, ...], ratio: bool, maximize: boo
               first: int = 0):
     """The fused step on whole blocks: p, g [nb, B] (any float dtype), states with codes [nb, B]; p[0, 0] is
     element ``first`` of the parameter. Returns (p fp32 [nb, B], ((codes, absmax), ...)): the new values, in
-    the order of ``states``; with a ``seed`` the first moment's codes are rounded stochastically."""
+    the order of ``states``; with a ``seed`` the first and second moments' codes are rounded stochastically."""
     m_state, v_state, *x_state = states
     s = _decode_rows(v_state)  # sqrt(v) as stored
     m = _decode_rows(m_state)
@@ -258,11 +280,13 @@ def step_rows(p, g, h, states: tuple[StepState, ...], ratio: bool, maximize: boo
     p32, m, v, vmax = adam_math(p.float(), g.float(), m, s * s, vmax, h, maximize)
     s = ieee_sqrt(v)  # exact fp32 v: the new divisor of the ratio
     r = m / (s + h[9])
-    m_codes, m_absmax = quantize_rows(r, m_state.thresholds)
-    if seed is not None:
-        u = uniforms(first, r.numel(), seed, r.device).view(r.shape)
-        m_codes = stochastic_codes(r, m_absmax, m_codes, m_state.encode, u)
-    new = ((m_codes, m_absmax), quantize_rows(s, v_state.thresholds))
+    new = ()
+    for x, state, salt in ((r, m_state, 0), (s, v_state, V_SALT)):
+        codes, absmax = quantize_rows(x, state.thresholds)
+        if seed is not None:
+            u = uniforms(first, x.numel(), seed ^ salt, x.device).view(x.shape)
+            codes = stochastic_codes(x, absmax, codes, state.encode, u)
+        new += ((codes, absmax),)
     if vmax is not None:
         new += (quantize_rows(ieee_sqrt(vmax), x_state[0].thresholds),)
     return p32, new
@@ -271,25 +295,22 @@ def step_rows(p, g, h, states: tuple[StepState, ...], ratio: bool, maximize: boo
 def _step_span(p, g, h, states, flags: StepFlags, lo: int, hi: int, width: int) -> None:
     """Step elements [lo, hi) as rows of ``width`` (whole blocks, or one short last block), in place."""
     rows, b0 = (hi - lo) // width, lo // flags.block_size
-    nibbles = flags.bits == 4  # lo is even (whole blocks before it): its codes start at byte lo // 2
-    stored = [s.codes[lo // 2 : (hi + 1) // 2] if nibbles else s.codes[lo:hi] for s in states]
-    codes = [unpack_nibbles(c, hi - lo) if nibbles else c for c in stored]
+    # lo is a block boundary: every state's codes start on a byte there
+    stored = [s.codes[code_bytes(lo, s.bits) : code_bytes(hi, s.bits)] for s in states]
+    codes = [unpack_codes(c, hi - lo, s.bits) for c, s in zip(stored, states)]
     views = tuple(s._replace(codes=c.view(rows, width), absmax=s.absmax[b0 : b0 + rows]) for s, c in zip(states, codes))
     p_new, new = step_rows(p[lo:hi].view(rows, width), g[lo:hi].view(rows, width), h, views, flags.ratio,
                            flags.maximize, flags.seed, lo)
     p[lo:hi].view(rows, width).copy_(p_new)
     for view, out, (new_codes, absmax) in zip(views, stored, new):
-        if nibbles:
-            pack_nibbles(new_codes.reshape(-1), out)
-        else:
-            out.copy_(new_codes.view(-1))
+        pack_codes(new_codes.reshape(-1), out, view.bits)
         view.absmax.copy_(absmax)
 
 
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
     """The fused 8-bit Adam(W) step in chunks of whole blocks (contract in ``contract``). A short last
     block is stepped on its own as [1, length]: padding would take part in the block's math."""
-    block = flags.block_size
+    block, h = flags.block_size, on_device(h, p.device)
 
     def run(start: int, end: int) -> None:
         full = start + (end - start) // block * block
@@ -304,6 +325,7 @@ def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
 
 def adam_dense_step(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, h, maximize: bool) -> None:
     """The same update for parameters whose moments are plain fp32 tensors, in place."""
+    h = on_device(h, p.device)
     p32, m, v, vmax = adam_math(p.float(), g.float(), exp_avg, exp_avg_sq, max_exp_avg_sq, h, maximize)
     p.copy_(p32)
     exp_avg.copy_(m)

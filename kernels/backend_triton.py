@@ -8,8 +8,10 @@ holds one, as torch's amax), then a branch-free binary search over the 255 codeb
 bitsandbytes' ``kQuantizeBlockwise`` (csrc/kernels.cu). Exactness on CUDA needs the IEEE-rounded
 ``tl.math.div_rn`` / ``sqrt_rn`` (Triton's ``/`` and ``tl.sqrt`` on fp32 are approximate there), and the
 step is launched without fp contraction, so no mul+add turns into an FMA the reference does not do.
-4-bit codes (``BITS=4``): the search runs 4 levels over 15 midpoints; codes are read as nibbles of byte
-offs // 2, and written by splitting each tile's codes into (even, odd) element pairs packed into one byte.
+Narrower codes (``BITS`` 6, 4, 2): the search runs BITS levels over 2**BITS - 1 midpoints; a code is read
+from its bit offset offs * BITS in the stream (two bytes where a 6-bit code straddles them), and written
+by reshaping each tile's codes into whole-byte groups (pairs of 4-bit codes, fours of 2- or 6-bit codes)
+summed into one word per group, stored byte by byte. The step takes a width per moment.
 Importing this module imports triton: ``ckptq.ops`` does so only on the Triton path.
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .contract import StepFlags, StepState, num_blocks
+from .contract import V_SALT, StepFlags, StepState, num_blocks
 
 _TILE = 2048  # elements per program when blocks are small
 
@@ -69,11 +71,15 @@ def _stochastic(pos, x, absmax, enc_ptr, offs, seed, BITS: tl.constexpr):
 
 @triton.jit
 def _load_codes(codes_ptr, offs, mask, BITS: tl.constexpr):
-    # the codes of elements offs [ROWS, BLOCK], int32; 4 bits: nibble offs % 2 of byte offs // 2
+    # the codes of elements offs [ROWS, BLOCK], int32: bits [offs * BITS, (offs + 1) * BITS) of the stream
     if BITS == 8:
         return tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
-    byte = tl.load(codes_ptr + offs // 2, mask=mask, other=0).to(tl.int32)
-    return (byte >> ((offs % 2) * 4).to(tl.int32)) & 15
+    bit = offs * BITS
+    shift = (bit % 8).to(tl.int32)
+    word = tl.load(codes_ptr + bit // 8, mask=mask, other=0).to(tl.int32)
+    if BITS == 6:  # codes at bit 4 or 6 of a byte go on into the next one
+        word = word | (tl.load(codes_ptr + bit // 8 + 1, mask=mask & (shift > 2), other=0).to(tl.int32) << 8)
+    return (word >> shift) & ((1 << BITS) - 1)
 
 
 @triton.jit
@@ -97,10 +103,18 @@ def _store(codes, absmax, codes_ptr, absmax_ptr, offs, rows, mask, rmask, n,
            BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
     if BITS == 8:
         tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
-    else:  # element pairs (2i, 2i + 1) -> byte i: low, high nibble; lanes past n give 0
+    elif BITS == 4:  # element pairs (2i, 2i + 1) -> byte i: low, high nibble; lanes past n give 0
         lo, hi = tl.split(tl.reshape(tl.where(mask, codes, 0), (ROWS, BLOCK // 2, 2)))
         boffs = rows[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]  # [ROWS, BLOCK / 2] bytes
         tl.store(codes_ptr + boffs, (lo | (hi << 4)).to(tl.uint8), mask=boffs < (n + 1) // 2)
+    else:  # 2 or 6 bits: elements 4i .. 4i + 3 -> one word of 1 or 3 bytes (disjoint bits: the sum is an or)
+        quads = tl.reshape(tl.where(mask, codes, 0), (ROWS, BLOCK // 4, 4))
+        word = tl.sum(quads << (tl.arange(0, 4) * BITS)[None, None, :], axis=2)  # [ROWS, BLOCK / 4]
+        groups = rows[:, None] * (BLOCK // 4) + tl.arange(0, BLOCK // 4)[None, :]
+        nbytes = (n * BITS + 7) // 8
+        for j in tl.static_range(BITS // 2):  # the group's bytes: 1 (2 bits) or 3 (6 bits)
+            boffs = groups * (BITS // 2) + j
+            tl.store(codes_ptr + boffs, ((word >> (8 * j)) & 255).to(tl.uint8), mask=boffs < nbytes)
     tl.store(absmax_ptr + rows, absmax, mask=rmask)
 
 
@@ -113,7 +127,7 @@ def _quantize_kernel(
     n, n_blocks,
     BLOCK: tl.constexpr, ROWS: tl.constexpr,  # quantization block (64..4096), blocks per program
     SQRT: tl.constexpr,  # store sqrt(x) instead of x
-    BITS: tl.constexpr,  # code width: 8 (a byte per code) or 4 (two codes per byte)
+    BITS: tl.constexpr,  # code width: 8 (a byte per code), 6, 4 or 2 (packed)
 ):
     rows, offs, mask, rmask = _tile(n, n_blocks, BLOCK, ROWS)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -141,16 +155,18 @@ def _dequantize_kernel(
 def _adam_kernel(
     p_ptr, g_ptr,  # param [n] (updated in place), grad [n]
     decay, l2, omb1, beta2, omb2, eps, neg_step, bc2_sqrt, dec_eps, enc_eps,  # fp32 (contract.HYPER_FIELDS)
-    m_codes, m_absmax, m_qmap, m_thr, m_enc,  # exp_avg: uint8 [n * BITS / 8], fp32 [nb], fp32 [2**BITS] decode
-    #                          map, fp32 [2**BITS - 1] midpoints of the encode map, fp32 [2**BITS] the encode map
+    m_codes, m_absmax, m_qmap, m_thr, m_enc,  # exp_avg: uint8 [n * M_BITS / 8], fp32 [nb], fp32 [2**M_BITS]
+    #               decode map, fp32 [2**M_BITS - 1] midpoints of the encode map, fp32 [2**M_BITS] the encode map
     v_codes, v_absmax, v_qmap, v_thr, v_enc,  # exp_avg_sq (sqrt transform), same layout
     x_codes, x_absmax, x_qmap, x_thr, x_enc,  # max_exp_avg_sq (sqrt transform; read only when AMSGRAD)
     seed,  # int32: the bits of the uint32 seed of stochastic rounding (read only when STOCHASTIC)
     n, n_blocks,
     BLOCK: tl.constexpr, ROWS: tl.constexpr,
     M_RATIO: tl.constexpr,  # exp_avg's codes are ratios (else plain values); new codes always are
-    AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, BITS: tl.constexpr,
-    STOCHASTIC: tl.constexpr,  # exp_avg's new codes are rounded stochastically (else to nearest)
+    AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+    M_BITS: tl.constexpr, V_BITS: tl.constexpr, X_BITS: tl.constexpr,  # each moment's code width
+    STOCHASTIC: tl.constexpr,  # exp_avg's and exp_avg_sq's new codes round stochastically (else to nearest)
+    V_SALT: tl.constexpr,  # contract.V_SALT as int32 bits: exp_avg_sq's seed is seed ^ V_SALT
 ):
     rows, offs, mask, rmask = _tile(n, n_blocks, BLOCK, ROWS)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -158,30 +174,32 @@ def _adam_kernel(
     if MAXIMIZE:
         g = -g
     g = g + l2 * p
-    s = _decode(v_codes, v_absmax, v_qmap, offs, rows, mask, rmask, BITS)  # sqrt(v) as stored
-    m = _decode(m_codes, m_absmax, m_qmap, offs, rows, mask, rmask, BITS)
+    s = _decode(v_codes, v_absmax, v_qmap, offs, rows, mask, rmask, V_BITS)  # sqrt(v) as stored
+    m = _decode(m_codes, m_absmax, m_qmap, offs, rows, mask, rmask, M_BITS)
     if M_RATIO:
         m = m * (s + dec_eps)  # m = r * (s_q + eps')
     m = m + omb1 * (g - m)
     v = (s * s) * beta2 + omb2 * (g * g)
     s = tl.math.sqrt_rn(v)
     if AMSGRAD:
-        x = _decode(x_codes, x_absmax, x_qmap, offs, rows, mask, rmask, BITS)
+        x = _decode(x_codes, x_absmax, x_qmap, offs, rows, mask, rmask, X_BITS)
         sx = tl.math.sqrt_rn(tl.maximum(x * x, v, propagate_nan=tl.PropagateNan.ALL))  # NaN wins, as torch.maximum
         denom = tl.math.div_rn(sx, bc2_sqrt) + eps
-        codes, absmax = _encode(sx, mask, x_thr, BITS)
-        _store(codes, absmax, x_codes, x_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, BITS)
+        codes, absmax = _encode(sx, mask, x_thr, X_BITS)
+        _store(codes, absmax, x_codes, x_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, X_BITS)
     else:
         denom = tl.math.div_rn(s, bc2_sqrt) + eps
     p = p * decay + neg_step * tl.math.div_rn(m, denom)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     r = tl.math.div_rn(m, s + enc_eps)  # the new ratio
-    codes, absmax = _encode(r, mask, m_thr, BITS)
+    codes, absmax = _encode(r, mask, m_thr, M_BITS)
     if STOCHASTIC:
-        codes = _stochastic(codes, r, absmax, m_enc, offs, seed, BITS)
-    _store(codes, absmax, m_codes, m_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, BITS)
-    codes, absmax = _encode(s, mask, v_thr, BITS)
-    _store(codes, absmax, v_codes, v_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, BITS)
+        codes = _stochastic(codes, r, absmax, m_enc, offs, seed, M_BITS)
+    _store(codes, absmax, m_codes, m_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, M_BITS)
+    codes, absmax = _encode(s, mask, v_thr, V_BITS)
+    if STOCHASTIC:
+        codes = _stochastic(codes, s, absmax, v_enc, offs, seed ^ V_SALT, V_BITS)
+    _store(codes, absmax, v_codes, v_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, V_BITS)
 
 
 def _launch(kernel, n: int, block_size: int, *args, **constexprs) -> None:
@@ -207,6 +225,7 @@ def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
     m, v, *x = states
     seed = flags.seed or 0
     # the scalars as kernel arguments (fp32, exact: h holds fp32 values), not a tensor the GPU must be sent
-    _launch(_adam_kernel, p.numel(), flags.block_size, p, g, *h.tolist(), *m, *v, *(x[0] if x else v),
+    _launch(_adam_kernel, p.numel(), flags.block_size, p, g, *h.tolist(), *m[:5], *v[:5], *(x[0] if x else v)[:5],
             seed - (1 << 32) if seed >= 1 << 31 else seed, M_RATIO=flags.ratio, AMSGRAD=bool(x),
-            MAXIMIZE=flags.maximize, BITS=flags.bits, STOCHASTIC=flags.seed is not None, enable_fp_fusion=False)
+            MAXIMIZE=flags.maximize, M_BITS=m.bits, V_BITS=v.bits, X_BITS=(x[0] if x else v).bits,
+            STOCHASTIC=flags.seed is not None, V_SALT=V_SALT, enable_fp_fusion=False)

@@ -14,18 +14,22 @@ identical signatures::
         qmap        fp32 [2**bits] codebook;  out  fp32 [n] out (``fresh``: newly allocated memory)
     adam_step(p, g, states, h, flags) -> None
         p [n] param (updated in place), g [n] grad, states: 2 or 3 ``StepState`` (exp_avg, exp_avg_sq,
-        max_exp_avg_sq), h fp32 [10] (``HYPER_FIELDS``), flags: ``StepFlags``
+        max_exp_avg_sq), each with its own code width, h fp32 [10] (``HYPER_FIELDS``), flags: ``StepFlags``
 
-Code layout (``bits``): 8 bits, one code per byte; 4 bits, two codes per byte, element 2i in the low
-nibble of byte i and element 2i+1 in its high nibble; with an odd n the last byte's high nibble is 0.
-Block sizes are even, so every block starts on a byte. Rounding: code = #{j : t[j] < y} (``lut``); a
-NaN y gets the top code, 2**bits - 1.
+Code layout (``bits``, the code width: 8, 6, 4 or 2): the codes form one little-endian bit stream,
+element i in bits [i * bits, (i + 1) * bits) of it, byte k holding stream bits 8k .. 8k + 7 (lowest
+first); bits past the last code are 0. So 8 bits: one code per byte; 4 bits: element 2i in the low nibble
+of byte i, 2i + 1 in its high nibble; 2 bits: four codes per byte; 6 bits: four codes per 3 bytes (a
+24-bit little-endian word c0 | c1 << 6 | c2 << 12 | c3 << 18). Block sizes are multiples of 4, so every
+block starts on a byte. Rounding: code = #{j : t[j] < y} (``lut``); a NaN y gets the top code,
+2**bits - 1. In one step the moments may have different widths (``StepState.bits``).
 
-Stochastic rounding (the step's new first-moment codes when ``StepFlags.seed`` is set; 4-bit states use
-it): with q the encode codebook, c the code above and K = 2**bits, lo = clamp(c - (y < q[c]), 0, K - 1);
-code = K - 1 if lo == K - 1, else lo + (u * (q[lo + 1] - q[lo]) < y - q[lo]) in fp32 (each product and
-difference rounded once: no division, no FMA), where u = (mix32(i mod 2**32 XOR seed) >> 8) * 2**-24 and
-i is the element's index in the parameter. A y on a codebook entry keeps its code, a NaN gets the top
+Stochastic rounding (the step's new codes of the first and second moment when ``StepFlags.seed`` is
+set; states under 8 bits use it; max_exp_avg_sq always rounds to nearest): with q the encode codebook, c
+the code above and K = 2**bits, lo = clamp(c - (y < q[c]), 0, K - 1); code = K - 1 if lo == K - 1, else
+lo + (u * (q[lo + 1] - q[lo]) < y - q[lo]) in fp32 (each product and difference rounded once: no
+division, no FMA), where u = (mix32(i mod 2**32 XOR seed') >> 8) * 2**-24, i is the element's index in
+the parameter, seed' = seed for the first moment and seed XOR ``V_SALT`` for the second. A y on a codebook entry keeps its code, a NaN gets the top
 one; E[q[code]] = y otherwise (up to fp32 rounding). ``mix32`` is the integer hash below (every backend
 computes it on uint32 lanes).
 
@@ -58,17 +62,18 @@ class StepState(NamedTuple):
     qmap: torch.Tensor  # fp32 [2**bits]: the codebook the stored codes refer to
     thresholds: torch.Tensor  # fp32 [2**bits - 1]: midpoints of the codebook the new codes are written with
     encode: torch.Tensor  # fp32 [2**bits]: that codebook (stochastic rounding reads its entries)
+    bits: int = 8  # code width of this state: 8, 6, 4 or 2
 
 
 class StepFlags(NamedTuple):
     block_size: int  # one quantization block size for every state of the param
     ratio: bool  # exp_avg's stored codes are ratios m / (sqrt(v) + decode_eps); else plain values
     maximize: bool
-    bits: int = 8  # code width of every state of the param: 8 or 4
-    seed: int | None = None  # uint32: the first moment's new codes round stochastically with it (else nearest)
+    seed: int | None = None  # uint32: the moments' new codes round stochastically with it (else nearest)
 
 
 MIX32 = (0x7FEB352D, 0x846CA68B)  # the multipliers of mix32
+V_SALT = 0x5BD1E995  # the second moment's stochastic rounding uses seed ^ V_SALT: other numbers than the first's
 
 
 def _mul_mod32(x, c: int):
@@ -93,9 +98,18 @@ def num_blocks(n: int, block_size: int) -> int:
     return (n + block_size - 1) // block_size
 
 
+WIDTHS = (8, 6, 4, 2)  # the code widths of the layout above
+
+
 def code_bytes(n: int, bits: int) -> int:
-    """Bytes that hold n codes of ``bits`` bits (8: one per byte, 4: two per byte)."""
-    return n if bits == 8 else (n + 1) // 2
+    """Bytes that hold n codes of ``bits`` bits (8: one per byte, 6: four per 3 bytes, 4: two per byte,
+    2: four per byte)."""
+    return (n * bits + 7) // 8
+
+
+def group_shape(bits: int) -> tuple[int, int]:
+    """(codes, bytes) of the smallest whole-byte group of ``bits``-bit codes: (1, 1), (4, 3), (2, 1), (4, 1)."""
+    return {8: (1, 1), 6: (4, 3), 4: (2, 1), 2: (4, 1)}[bits]
 
 
 def midpoints(qmap: torch.Tensor) -> torch.Tensor:

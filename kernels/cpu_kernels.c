@@ -1,4 +1,4 @@
-/* ckptq CPU kernels: blockwise 8-bit and 4-bit quantize / dequantize and the fused low-bit Adam step.
+/* ckptq CPU kernels: blockwise 8-, 6-, 4- and 2-bit quantize / dequantize and the fused low-bit Adam step.
  *
  * Plain C99 with no Python or torch headers, compiled on first use by ckptq/kernels/native.py
  * (`cc -O3 -march=native -ffp-contract=off -fno-math-errno`) and called through ctypes, which releases
@@ -31,6 +31,15 @@
  * them up in a 16-entry codebook held in one AVX-512 register (vpermps), or per element in scalar C.
  * The codebooks the caller passes for decoding always have 256 entries (a 16-entry one padded with
  * zeros), so table reads stay in bounds whatever the width.
+ *
+ * 6- and 2-bit codes (and 4-bit ones in the step when its moments differ in width): the codes are one
+ * little-endian bit stream, element i in bits [i * bits, (i + 1) * bits) (ckptq.kernels.contract), so
+ * 16 codes fill 2 * bits bytes. The vector loops unpack 16 codes with two dword permutes of the bytes
+ * (each code lies in the 16-bit window at its first byte) and a variable shift, and pack 16 by shifting
+ * each code into its group word (4 codes of 2 or 6 bits: 1 or 3 bytes) and or-ing the 4 lanes of each
+ * 128-bit lane together. Codebooks of up to 16 entries are looked up with one permute, 64-entry ones
+ * with two two-register permutes and a blend, 256-entry ones with a gather. The step takes a code width
+ * per moment (the 4-bit budget stores the ratio in 6 bits and sqrt(v) in 2).
  */
 #define _DEFAULT_SOURCE  /* madvise under -std=c99 */
 #include <math.h>
@@ -48,7 +57,9 @@
 
 #define MAX_BLOCK 4096  /* the largest block size; the exported functions return -1 for others */
 #define BAD_BLOCK(block) ((block) < 1 || (block) > MAX_BLOCK)
-#define BAD_BITS(bits, block) (((bits) != 8 && (bits) != 4) || ((bits) == 4 && (block) % 2))
+/* code widths 8, 6, 4, 2; a block must start on a byte: a multiple of 4 codes (2 for 4 bits) */
+#define BAD_BITS(bits, block) (((bits) != 8 && (bits) != 6 && (bits) != 4 && (bits) != 2) || \
+                               ((bits) != 8 && (block) % ((bits) == 4 ? 2 : 4)))
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
@@ -143,15 +154,22 @@ static inline int nearest1(float y, const int32_t *table, int nan_code) {
     return y != y ? nan_code : code;
 }
 
-/* Code c of element i into codes: 8 bits, codes[i]; 4 bits, nibble i % 2 of codes[i / 2] (i even first). */
+/* Code c of element i into the bit stream (elements written in order from a byte boundary: the first
+ * write to a byte assigns it, so bits past the last code stay 0). */
 static inline void put_code(uint8_t *codes, int i, int c, int bits) {
-    if (bits == 8)
+    if (bits == 8) {
         codes[i] = (uint8_t)c;
-    else if (i % 2 == 0)
-        codes[i / 2] = (uint8_t)c;
+        return;
+    }
+    int bit = i * bits, k = bit >> 3, sh = bit & 7;
+    if (sh == 0)
+        codes[k] = (uint8_t)c;
     else
-        codes[i / 2] |= (uint8_t)(c << 4);
+        codes[k] |= (uint8_t)(c << sh);
+    if (sh + bits > 8) codes[k + 1] = (uint8_t)(c >> (8 - sh));
 }
+
+#define V_SALT 0x5BD1E995u  /* ckptq.kernels.contract.V_SALT: the second moment's seed is seed ^ V_SALT */
 
 /* ckptq.kernels.contract.mix32: the stochastic rounding's hash. */
 static inline uint32_t mix32(uint32_t x) {
@@ -183,24 +201,96 @@ static inline __m512i nearest16(__m512 y, const int32_t *table, int nan_code) {
     return _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(nan_code));
 }
 
-/* The same count for 15 thresholds held in the register t15 (4-bit codebooks): a binary search of four
- * permutes, no gather from the 256 KB code table. Probes stay within t15[0..14]. */
+/* The same count for the 2**bits - 1 thresholds held in the register t15 (codebooks of up to 16
+ * entries): a binary search of ``bits`` permutes, no gather from the 256 KB code table. Probes stay
+ * within t15[0 .. 2**bits - 2]. */
 static inline __m512i nearest16_reg(__m512 y, __m512 t15, int nan_code) {
     __m512i pos = _mm512_setzero_si512();
-    for (int step = 8; step >= 1; step >>= 1) {
+    for (int step = (nan_code + 1) / 2; step >= 1; step >>= 1) {
         __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(pos, _mm512_set1_epi32(step - 1)), t15);
         pos = _mm512_mask_add_epi32(pos, _mm512_cmp_ps_mask(t, y, _CMP_LT_OQ), pos, _mm512_set1_epi32(step));
     }
     return _mm512_mask_mov_epi32(pos, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(nan_code));
 }
 
+/* Codes of elements i .. i + 15 (i a multiple of 16) into the bit stream: exactly 2 * bits bytes. */
 static inline void put_codes16(uint8_t *codes, int i, __m512i code, int bits) {
+    uint8_t *p = codes + i * bits / 8;
     if (bits == 8) {
-        _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(code));
-    } else {  /* as 8 qwords c[2k] | c[2k+1] << 32: fold the high dword onto bits 4..7, keep the low byte */
+        _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(code));
+    } else if (bits == 4) {  /* as 8 qwords c[2k] | c[2k+1] << 32: fold the high dword onto bits 4..7 */
         __m512i pair = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
-        _mm_storel_epi64((__m128i *)(codes + i / 2), _mm512_cvtepi64_epi8(pair));
+        _mm_storel_epi64((__m128i *)p, _mm512_cvtepi64_epi8(pair));
+    } else {  /* each 128-bit lane's 4 codes -> one word c0 | c1 << b | c2 << 2b | c3 << 3b (1 or 3 bytes) */
+        const int b = bits;
+        __m512i w = _mm512_sllv_epi32(code, _mm512_setr_epi32(0, b, 2 * b, 3 * b, 0, b, 2 * b, 3 * b,
+                                                              0, b, 2 * b, 3 * b, 0, b, 2 * b, 3 * b));
+        w = _mm512_or_si512(w, _mm512_shuffle_epi32(w, (_MM_PERM_ENUM)0xB1));  /* lanes (1, 0, 3, 2) */
+        w = _mm512_or_si512(w, _mm512_shuffle_epi32(w, (_MM_PERM_ENUM)0x4E));  /* lanes (2, 3, 0, 1) */
+        __m128i words = _mm512_castsi512_si128(_mm512_permutexvar_epi32(
+            _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w));
+        if (bits == 2) {
+            int32_t four = _mm_cvtsi128_si32(_mm_shuffle_epi8(words, _mm_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1,
+                                                                                    -1, -1, -1, -1, -1, -1, -1, -1)));
+            memcpy(p, &four, 4);
+        } else {
+            __m128i twelve = _mm_shuffle_epi8(words, _mm_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14,
+                                                                   -1, -1, -1, -1));
+            int32_t last = _mm_extract_epi32(twelve, 2);
+            _mm_storel_epi64((__m128i *)p, twelve);
+            memcpy(p + 8, &last, 4);
+        }
     }
+}
+
+/* How to unpack 16 codes of one width: each lane's first byte k, k + 1, its shift, the code mask. */
+typedef struct { __m512i k, k1, sh, mask; int bits; } unpack_t;
+
+static inline unpack_t unpack_init(int bits) {
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i bit = _mm512_mullo_epi32(iota, _mm512_set1_epi32(bits));
+    __m512i k = _mm512_srli_epi32(bit, 3);
+    unpack_t u = {k, _mm512_add_epi32(k, _mm512_set1_epi32(1)), _mm512_and_si512(bit, _mm512_set1_epi32(7)),
+                  _mm512_set1_epi32((1 << bits) - 1), bits};
+    return u;
+}
+
+/* The codes of elements i .. i + 15 (i a multiple of 16) as int32 lanes; reads only their 2 * bits bytes. */
+static inline __m512i codes16(const unpack_t *u, const uint8_t *codes, int i) {
+    const uint8_t *p = codes + i * u->bits / 8;
+    if (u->bits == 8) return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    __m128i raw = _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * u->bits)) - 1), p);
+#else
+    uint8_t tmp[16] = {0};
+    memcpy(tmp, p, 2 * u->bits);
+    __m128i raw = _mm_loadu_si128((const __m128i *)tmp);
+#endif
+    __m512i bytes = _mm512_cvtepu8_epi32(raw);
+    __m512i word = _mm512_or_si512(_mm512_permutexvar_epi32(u->k, bytes),
+                                   _mm512_slli_epi32(_mm512_permutexvar_epi32(u->k1, bytes), 8));
+    return _mm512_and_si512(_mm512_srlv_epi32(word, u->sh), u->mask);
+}
+
+/* A codebook for 16-lane lookups: up to 16 entries in r[0], 64 in r[0..3], 256 read from q. */
+typedef struct { __m512 r[4]; const float *q; int bits; } cb_t;
+
+static inline cb_t cb_init(const float *q, int bits) {
+    cb_t cb = {{_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}, q, bits};
+    if (q && bits <= 4) cb.r[0] = _mm512_maskz_loadu_ps((__mmask16)((1u << (1 << bits)) - 1), q);
+    if (q && bits == 6)
+        for (int j = 0; j < 4; j++) cb.r[j] = _mm512_loadu_ps(q + 16 * j);
+    return cb;
+}
+
+static inline __m512 cb_lookup(const cb_t *cb, __m512i idx) {
+    if (cb->bits <= 4) return _mm512_permutexvar_ps(idx, cb->r[0]);
+    if (cb->bits == 6) {
+        __m512 lo = _mm512_permutex2var_ps(cb->r[0], idx, cb->r[1]);
+        __m512 hi = _mm512_permutex2var_ps(cb->r[2], idx, cb->r[3]);
+        return _mm512_mask_mov_ps(lo, _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), hi);
+    }
+    return _mm512_i32gather_ps(idx, cb->q, 4);
 }
 
 static inline __m512i mix32x16(__m512i x) {
@@ -211,22 +301,16 @@ static inline __m512i mix32x16(__m512i x) {
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-/* q[idx] for 16 lanes: a permute of the register q16 for 16-entry codebooks (4 bits), else a gather. */
-static inline __m512 lookup16(__m512i idx, const float *q, __m512 q16, int bits) {
-    return bits == 4 ? _mm512_permutexvar_ps(idx, q16) : _mm512_i32gather_ps(idx, q, 4);
-}
-
-/* stochastic1 on 16 lanes; i0: the element index of lane 0; q16: q's first 16 entries. */
-static inline __m512i stochastic16(__m512 y, __m512i c, const float *q, __m512 q16, int bits, uint32_t seed,
-                                   int64_t i0) {
-    const int top = (1 << bits) - 1;
+/* stochastic1 on 16 lanes; i0: the element index of lane 0; q: the codebook. */
+static inline __m512i stochastic16(__m512 y, __m512i c, const cb_t *q, uint32_t seed, int64_t i0) {
+    const int top = (1 << q->bits) - 1;
     const __m512i one = _mm512_set1_epi32(1), vtop = _mm512_set1_epi32(top);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i lo = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(y, lookup16(c, q, q16, bits), _CMP_LT_OQ), c, one);
+    __m512i lo = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(y, cb_lookup(q, c), _CMP_LT_OQ), c, one);
     lo = _mm512_max_epi32(lo, _mm512_setzero_si512());
     __mmask16 at_top = _mm512_cmpge_epi32_mask(lo, vtop);
-    __m512 q_lo = lookup16(lo, q, q16, bits);
-    __m512 q_hi = lookup16(_mm512_min_epi32(_mm512_add_epi32(lo, one), vtop), q, q16, bits);
+    __m512 q_lo = cb_lookup(q, lo);
+    __m512 q_hi = cb_lookup(q, _mm512_min_epi32(_mm512_add_epi32(lo, one), vtop));
     __m512i h = mix32x16(_mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)i0), iota),
                                           _mm512_set1_epi32((int)seed)));
     __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0x1p-24f));
@@ -235,28 +319,28 @@ static inline __m512i stochastic16(__m512 y, __m512i c, const float *q, __m512 q
 }
 #endif
 
-/* code i = #{t < x[i] / safe} via the code table (see the header), or for 4 bits with the 15 thresholds
- * thr15 in a register; a NaN gets the top code. 8 bits: codes[i]; 4 bits: the nibble i % 2 of
- * codes[i / 2] (an odd len leaves the last high nibble 0). With a codebook q (stochastic rounding,
- * ckptq.kernels.contract), the code is then rounded stochastically instead, x[0] being element ``first``
- * of the tensor. */
+/* code i = #{t < x[i] / safe} via the code table (see the header), or for 4 and 2 bits with the
+ * thresholds thr15 in a register; a NaN gets the top code; codes packed as put_code does. With a codebook
+ * q (stochastic rounding, ckptq.kernels.contract), the code is then rounded stochastically instead, x[0]
+ * being element ``first`` of the tensor. */
 static inline void encode_block(const float *x, int len, float absmax, const int32_t *table, uint8_t *codes,
                                 int bits, const float *q, uint32_t seed, int64_t first, const float *thr15) {
     const int top = (1 << bits) - 1;
     float safe = absmax > 0.0f ? absmax : 1.0f;  /* NaN > 0 is false: a NaN block divides by 1 */
     int i = 0;
 #if VEC
-    const __m512 vsafe = _mm512_set1_ps(safe), q16 = q && bits == 4 ? _mm512_loadu_ps(q) : vsafe;
-    const int in_register = bits == 4 && thr15;
-    const __m512 t15 = in_register ? _mm512_maskz_loadu_ps(0x7FFF, thr15) : vsafe;
+    const __m512 vsafe = _mm512_set1_ps(safe);
+    const cb_t cb = cb_init(q, bits);
+    const int in_register = bits <= 4 && thr15;
+    const __m512 t15 = in_register ? _mm512_maskz_loadu_ps((__mmask16)((1u << top) - 1), thr15) : vsafe;
     for (; i + VEC <= len; i += VEC) {
         __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), vsafe);
         __m512i code = in_register ? nearest16_reg(y, t15, top) : nearest16(y, table, top);
-        if (q) code = stochastic16(y, code, q, q16, bits, seed, first + i);
+        if (q) code = stochastic16(y, code, &cb, seed, first + i);
         put_codes16(codes, i, code, bits);
     }
 #endif
-    for (; i < len; i++) {  /* the vector loop stops at a multiple of 16: i starts even */
+    for (; i < len; i++) {  /* the vector loop stops at a multiple of 16: on a byte */
         float y = x[i] / safe;
         int code = nearest1(y, table, top);
         put_code(codes, i, q ? stochastic1(y, code, q, top, seed, first + i) : code, bits);
@@ -328,9 +412,13 @@ static inline void decode32_nibbles(const uint8_t *packed, __m512 q16, __m512 ou
 }
 #endif
 
-/* Code i of a block's codes: 8 bits, codes[i]; 4 bits, nibble i % 2 of codes[i / 2]. */
+/* Code i of a block's bit stream. */
 static inline int code_at(const uint8_t *codes, int i, int bits) {
-    return bits == 8 ? codes[i] : (codes[i >> 1] >> ((i & 1) * 4)) & 15;
+    if (bits == 8) return codes[i];
+    int bit = i * bits, k = bit >> 3, sh = bit & 7;
+    int v = codes[k] >> sh;
+    if (sh + bits > 8) v |= codes[k + 1] << (8 - sh);
+    return v & ((1 << bits) - 1);
 }
 
 /* Quantize elements [0, n) of src (dtype F32/BF16/F16) into codes [n * bits / 8, rounded up] and absmax
@@ -403,6 +491,14 @@ int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap,
             __m512 v = _mm512_mul_ps(gather_codebook(c + i, qmap), va);
             _mm512_storeu_ps(o + i, sqrt_transform ? _mm512_mul_ps(v, v) : v);
         }
+        if (bits == 6 || bits == 2) {
+            const unpack_t u = unpack_init(bits);
+            const cb_t cb = cb_init(qmap, bits);
+            for (; i + VEC <= len; i += VEC) {
+                __m512 v = _mm512_mul_ps(cb_lookup(&cb, codes16(&u, c, i)), va);
+                _mm512_storeu_ps(o + i, sqrt_transform ? _mm512_mul_ps(v, v) : v);
+            }
+        }
 #endif
         for (; i < len; i++) {
             float v = qmap[code_at(c, i, bits)] * a;
@@ -416,6 +512,22 @@ int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap,
 enum { DECAY, L2, OMB1, BETA2, OMB2, EPS, NEG_STEP, BC2_SQRT, DECODE_EPS, ENCODE_EPS };
 
 #if VEC
+/* The new values' block maxima as they are made (block_absmax's unsigned max on the bits, in acc[0..2]
+ * for the ratio, sqrt(v), sqrt(vmax)): small blocks then skip a pass each. */
+static inline void track16(__m512i acc[3], const float *mb, const float *sb, const float *xb, int amsgrad) {
+    acc[0] = max_abs_bits(acc[0], mb);
+    acc[1] = max_abs_bits(acc[1], sb);
+    if (amsgrad) acc[2] = max_abs_bits(acc[2], xb);
+}
+
+/* The block maxima that track16 gathered; returns 1 (they are known). */
+static inline int take_maxima(const __m512i acc[3], float *mx, float *sx, float *xx) {
+    *mx = bits_to_absmax(_mm512_reduce_max_epu32(acc[0]));
+    *sx = bits_to_absmax(_mm512_reduce_max_epu32(acc[1]));
+    *xx = bits_to_absmax(_mm512_reduce_max_epu32(acc[2]));
+    return 1;
+}
+
 /* Scalars of the step broadcast to 16 lanes, and its switches. */
 typedef struct {
     __m512 dec_eps, l2, omb1, beta2, omb2, bc2_sqrt, eps, decay, neg_step, enc_eps;
@@ -450,18 +562,22 @@ static inline void step16(const vstep_t *k, __m512 s, __m512 m, __m512 xs, const
 
 /* The fused step on elements [0, n) (whole blocks but the last): param p (dtype pdtype) in place,
  * grad g (gdtype), first moment m (a ratio state when m_ratio), second moment v (sqrt transform), and
- * with amsgrad (x.codes != NULL) max_exp_avg_sq x (sqrt transform), all with codes of ``bits`` bits
- * (decode maps of 256 entries; m_thr, v_thr, x_thr: the 15 thresholds of 4-bit encode maps, which the
- * vector loops search in a register, the code tables serving the rest). Operation order as step_rows.
- * With m_round (the first moment's encode codebook) its new codes are rounded stochastically with seed;
- * element 0 is element ``first`` of the parameter. */
+ * with amsgrad (x.codes != NULL) max_exp_avg_sq x (sqrt transform), with codes of m_bits, v_bits and
+ * x_bits bits (decode maps of 256 entries; m_thr, v_thr, x_thr: the thresholds of encode maps of up to
+ * 16 entries, which the vector loops search in a register, the code tables serving the rest). Operation
+ * order as step_rows.
+ * With m_round / v_round (the first / second moment's encode codebook) its new codes are rounded
+ * stochastically with seed / seed ^ V_SALT; element 0 is element ``first`` of the parameter. */
 int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int64_t block,
                    uint8_t *m_codes, float *m_absmax, const float *m_decode, const int32_t *m_table, int m_ratio,
                    uint8_t *v_codes, float *v_absmax, const float *v_decode, const int32_t *v_table,
                    uint8_t *x_codes, float *x_absmax, const float *x_decode, const int32_t *x_table,
-                   const float *h, int maximize, int bits, const float *m_round, int64_t first, uint32_t seed,
-                   const float *m_thr, const float *v_thr, const float *x_thr) {
-    if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
+                   const float *h, int maximize, int m_bits, int v_bits, int x_bits, const float *m_round,
+                   const float *v_round, int64_t first, uint32_t seed, const float *m_thr, const float *v_thr,
+                   const float *x_thr) {
+    if (BAD_BLOCK(block) || BAD_BITS(m_bits, block) || BAD_BITS(v_bits, block) || (x_codes && BAD_BITS(x_bits, block)))
+        return -1;
+    const int bits = m_bits == v_bits && (!x_codes || x_bits == m_bits) ? m_bits : 0;  /* 0: widths differ */
     /* one block each of param, grad (other dtypes than fp32), new ratio, sqrt(v), sqrt(vmax): C99 VLAs,
      * 5 KB at the default block size, 80 KB at 4096 */
     float pb[block], gb[block], mb[block], sb[block], xb[block];
@@ -477,6 +593,10 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
 #if VEC  /* 4-bit codebooks, one register each (the first 16 entries of the decode maps) */
     const __m512 m16 = _mm512_loadu_ps(m_decode), v16 = _mm512_loadu_ps(v_decode);
     const __m512 x16 = amsgrad ? _mm512_loadu_ps(x_decode) : v16;
+    /* the generic path (widths differ, or 6 / 2 bits): unpackers and codebooks per moment */
+    const unpack_t mu = unpack_init(m_bits), vu = unpack_init(v_bits), xu = unpack_init(amsgrad ? x_bits : v_bits);
+    const cb_t mcb = cb_init(m_decode, m_bits), vcb = cb_init(v_decode, v_bits);
+    const cb_t xcb = cb_init(amsgrad ? x_decode : v_decode, amsgrad ? x_bits : v_bits);
 #endif
 #if DECODE64
     planes_t m_planes, v_planes, x_planes;
@@ -492,16 +612,16 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
         if (pdtype != F32) load_block(p, off, len, pdtype, 0, pb);
         if (gdtype != F32) load_block(g, off, len, gdtype, 0, gb);
         const float ma = m_absmax[b], va = v_absmax[b], xa = amsgrad ? x_absmax[b] : 0.0f;
-        const int64_t at = off * bits / 8;  /* the block's first code byte */
-        const uint8_t *mc = m_codes + at, *vc = v_codes + at, *xc = amsgrad ? x_codes + at : 0;
+        /* the block's first code byte in each stream */
+        const int64_t m_at = off * m_bits / 8, v_at = off * v_bits / 8, x_at = off * x_bits / 8;
+        const uint8_t *mc = m_codes + m_at, *vc = v_codes + v_at, *xc = amsgrad ? x_codes + x_at : 0;
         int i = 0, have_max = 0;  /* have_max: mx, sx, xx hold the block maxima of mb, sb, xb */
         float mx = 0.0f, sx = 0.0f, xx = 0.0f;
 #if VEC
         const __m512 vma = _mm512_set1_ps(ma), vva = _mm512_set1_ps(va), vxa = _mm512_set1_ps(xa);
         if (bits == 4) {
-            /* the new values' block maxima as they are made (block_absmax's unsigned max on the bits): small
-             * blocks then skip a pass each, which is what makes block 128 as fast as 8 bits' 256 */
-            __m512i mmax = _mm512_setzero_si512(), smax = mmax, xmax = mmax;
+            /* the block maxima as they are made (track16): that makes block 128 as fast as 8 bits' 256 */
+            __m512i acc[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
             for (; i + 32 <= len; i += 32) {
                 __m512 sq[2], mq[2], xq[2] = {vxa, vxa};
                 decode32_nibbles(vc + i / 2, v16, sq);
@@ -511,17 +631,21 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
                     int j = i + 16 * r;
                     step16(&k, _mm512_mul_ps(sq[r], vva), _mm512_mul_ps(mq[r], vma),
                            amsgrad ? _mm512_mul_ps(xq[r], vxa) : vxa, gf + j, pf + j, mb + j, sb + j, xb + j);
-                    mmax = max_abs_bits(mmax, mb + j);
-                    smax = max_abs_bits(smax, sb + j);
-                    if (amsgrad) xmax = max_abs_bits(xmax, xb + j);
+                    track16(acc, mb + j, sb + j, xb + j, amsgrad);
                 }
             }
-            if (i == len) {
-                have_max = 1;
-                mx = bits_to_absmax(_mm512_reduce_max_epu32(mmax));
-                sx = bits_to_absmax(_mm512_reduce_max_epu32(smax));
-                xx = bits_to_absmax(_mm512_reduce_max_epu32(xmax));
+            if (i == len) have_max = take_maxima(acc, &mx, &sx, &xx);
+        }
+        if (bits != 8 && bits != 4) {  /* widths differ (the 4-bit budget's 6 + 2), or all 6 / all 2 */
+            __m512i acc[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+            for (; i + VEC <= len; i += VEC) {
+                __m512 s = _mm512_mul_ps(cb_lookup(&vcb, codes16(&vu, vc, i)), vva);
+                __m512 m = _mm512_mul_ps(cb_lookup(&mcb, codes16(&mu, mc, i)), vma);
+                __m512 xs = amsgrad ? _mm512_mul_ps(cb_lookup(&xcb, codes16(&xu, xc, i)), vxa) : vxa;
+                step16(&k, s, m, xs, gf + i, pf + i, mb + i, sb + i, xb + i);
+                track16(acc, mb + i, sb + i, xb + i, amsgrad);
             }
+            if (i == len) have_max = take_maxima(acc, &mx, &sx, &xx);
         }
 #if DECODE64
         for (; bits == 8 && i + 64 <= len; i += 64) {
@@ -544,8 +668,8 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
         }
 #endif
         for (; i < len; i++) {
-            float s = v_decode[code_at(vc, i, bits)] * va;  /* sqrt(v) as stored */
-            float m = m_decode[code_at(mc, i, bits)] * ma;
+            float s = v_decode[code_at(vc, i, v_bits)] * va;  /* sqrt(v) as stored */
+            float m = m_decode[code_at(mc, i, m_bits)] * ma;
             if (m_ratio) m = m * (s + dec_eps);
             float gi = maximize ? -gf[i] : gf[i];
             float pi = pf[i];
@@ -555,7 +679,7 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
             float snew = sqrtf(v);
             float denom_root = snew;
             if (amsgrad) {
-                float xs = x_decode[code_at(xc, i, bits)] * xa;
+                float xs = x_decode[code_at(xc, i, x_bits)] * xa;
                 float vmax = xs * xs;
                 vmax = (vmax != vmax || v != v) ? NAN : (vmax > v ? vmax : v);  /* torch.maximum */
                 denom_root = sqrtf(vmax);
@@ -574,12 +698,12 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
             for (int i = 0; i < len; i++) d[i] = f32_to_f16(pb[i]);
         }
         m_absmax[b] = have_max ? mx : block_absmax(mb, len);
-        encode_block(mb, len, m_absmax[b], m_table, m_codes + at, bits, m_round, seed, first + off, m_thr);
+        encode_block(mb, len, m_absmax[b], m_table, m_codes + m_at, m_bits, m_round, seed, first + off, m_thr);
         v_absmax[b] = have_max ? sx : block_absmax(sb, len);
-        encode_block(sb, len, v_absmax[b], v_table, v_codes + at, bits, 0, 0, 0, v_thr);
+        encode_block(sb, len, v_absmax[b], v_table, v_codes + v_at, v_bits, v_round, seed ^ V_SALT, first + off, v_thr);
         if (amsgrad) {
             x_absmax[b] = have_max ? xx : block_absmax(xb, len);
-            encode_block(xb, len, x_absmax[b], x_table, x_codes + at, bits, 0, 0, 0, x_thr);
+            encode_block(xb, len, x_absmax[b], x_table, x_codes + x_at, x_bits, 0, 0, 0, x_thr);
         }
     }
     return 0;

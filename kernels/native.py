@@ -45,8 +45,8 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "ckq_quantize": [_P, _INT, _I64, _I64, _INT, _P, _P, _P, _INT, _P],
     "ckq_dequantize": [_P, _P, _P, _I64, _I64, _INT, _P, _INT, _INT],
-    "ckq_adam_step": [_P, _INT, _P, _INT, _I64, _I64] + [_P, _P, _P, _P, _INT] + [_P] * 8 + [_P, _INT, _INT]
-    + [_P, _I64, ctypes.c_uint32] + [_P] * 3,
+    "ckq_adam_step": [_P, _INT, _P, _INT, _I64, _I64] + [_P, _P, _P, _P, _INT] + [_P] * 8 + [_P, _INT] + [_INT] * 3
+    + [_P, _P, _I64, ctypes.c_uint32] + [_P] * 3,
 }
 _lock = threading.Lock()
 

@@ -1,7 +1,8 @@
-"""4-bit codes on every backend: the reference against a brute-force nearest-entry search and its packing
-layout, then the C kernels and the Triton kernels (interpreter on the CPU) against the reference, bit for
-bit: codes, scales, decoded values and the fused step, on irregular sizes (odd counts pack a last half
-byte), every input dtype, NaN/Inf.
+"""Codes narrower than 8 bits (6, 4, 2) on every backend: the reference against a brute-force
+nearest-entry search and its bit-stream layout, then the C kernels and the Triton kernels (interpreter on
+the CPU) against the reference, bit for bit: codes, scales, decoded values and the fused step (the 4-bit
+budget's 6 + 2 split, 4 + 4, and other mixes of widths), on irregular sizes (a last byte part full),
+every input dtype, NaN/Inf.
 """
 
 import os
@@ -16,34 +17,47 @@ from ckptq.optim import Adam4bit, AdamW4bit
 from test_native import _assert_same, _special, bucket_edges, build  # noqa: F401  (build: the C builds fixture)
 
 QMAPS = {"ratio": qstate.ratio_policy(4).qmap(), "sqrt": qstate.policy_for("exp_avg_sq", 4).qmap(),
-         "signed-2.5": codebooks.power_map(True, 2.5, 4)}
+         "signed-2.5": codebooks.power_map(True, 2.5, 4), "ratio6": qstate.ratio_policy(6).qmap(),
+         "sqrt2": qstate.policy_for("exp_avg_sq", 2).qmap()}
+WIDTH = {name: {16: 4, 64: 6, 4: 2}[q.numel()] for name, q in QMAPS.items()}
+CODECS = (("ratio", "none"), ("sqrt", "sqrt"), ("ratio6", "none"), ("sqrt2", "sqrt"))  # (codebook, transform)
 needs_c = pytest.mark.skipif(native.library() is None, reason=f"C kernels unavailable: {native.why_unavailable()}")
 
 
-def test_codebooks_have_16_sorted_entries_with_zero_and_the_ends():
-    for qmap in QMAPS.values():
-        assert qmap.shape == (16,) and bool((qmap[1:] > qmap[:-1]).all())
-        assert 0.0 in qmap.tolist() and float(qmap[-1]) == 1.0
-    assert float(QMAPS["ratio"][0]) == -1.0 and float(QMAPS["sqrt"][0]) == 0.0
+def test_codebooks_are_sorted_and_hold_their_ends():
+    for name, qmap in QMAPS.items():
+        assert qmap.shape == (2 ** WIDTH[name],) and bool((qmap[1:] > qmap[:-1]).all())
+        assert float(qmap[-1]) == 1.0 and (0.0 in qmap.tolist()) == (name != "sqrt2")
+    assert float(QMAPS["ratio"][0]) == float(QMAPS["ratio6"][0]) == -1.0 and float(QMAPS["sqrt"][0]) == 0.0
+    assert QMAPS["sqrt2"].tolist() == pytest.approx([1 / 27, 1 / 9, 1 / 3, 1])
 
 
-@pytest.mark.parametrize("n", (1, 2, 127, 129, 1001))
-def test_reference_codes_are_the_nearest_entry_packed_low_nibble_first(n):
-    """Brute force: each code is the nearest codebook entry of x / absmax (ties to the lower), element 2i
-    in the low nibble of byte i; an odd count leaves the last high nibble 0."""
+def _bit_stream(codes: torch.Tensor, n: int, bits: int) -> list[int]:
+    """The n codes read from the bytes the plain way: element i is bits [i * bits, (i + 1) * bits) of the
+    little-endian stream (kernels.contract)."""
+    stream = int.from_bytes(bytes(codes.tolist()), "little")
+    return [(stream >> (i * bits)) & (2**bits - 1) for i in range(n)]
+
+
+@pytest.mark.parametrize("n", (1, 2, 3, 127, 129, 1001))
+@pytest.mark.parametrize("name", ("ratio", "ratio6", "sqrt2"))
+def test_reference_codes_are_the_nearest_entry_in_a_little_endian_bit_stream(n, name):
+    """Brute force: each code is the nearest codebook entry of x / absmax (ties to the lower), element i
+    at bit i * bits of the little-endian stream (4 bits: element 2i in the low nibble of byte i); the bits
+    after the last code are 0."""
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(n, generator=gen)
-    qmap = QMAPS["ratio"]
-    codes, absmax = ops.quantize_blockwise(x, qmap, 64, backend="torch", bits=4)
-    assert codes.shape == ((n + 1) // 2,) and absmax.shape == (-(-n // 64),)
+    qmap, bits = QMAPS[name], WIDTH[name]
+    codes, absmax = ops.quantize_blockwise(x, qmap, 64, backend="torch", bits=bits)
+    assert codes.shape == ((n * bits + 7) // 8,) and absmax.shape == (-(-n // 64),)
     y = x / absmax.repeat_interleave(64)[:n]
     dist = (y[:, None] - qmap[None, :]).abs()
     want = (dist - dist.min(1, keepdim=True).values <= 0).int().argmax(1)  # first (lowest) of the nearest
-    got = torch.stack([codes & 15, codes >> 4], 1).view(-1)
-    assert torch.equal(got[:n].long(), want)
-    if n % 2:
-        assert int(codes[-1]) >> 4 == 0
-    decoded = ops.dequantize_blockwise(codes, absmax, qmap, 64, backend="torch", bits=4, numel=n)
+    assert _bit_stream(codes, n, bits) == want.tolist()
+    assert int.from_bytes(bytes(codes.tolist()), "little") >> (n * bits) == 0
+    if bits == 4:
+        assert torch.equal(torch.stack([codes & 15, codes >> 4], 1).view(-1)[:n].long(), want)
+    decoded = ops.dequantize_blockwise(codes, absmax, qmap, 64, backend="torch", bits=bits, numel=n)
     assert torch.equal(decoded, qmap[want] * absmax.repeat_interleave(64)[:n])
 
 
@@ -68,18 +82,18 @@ def test_wrong_sizes_are_usage_errors():
 @pytest.mark.parametrize("n", (1, 63, 4097, 3 * 65536 + 77))
 @pytest.mark.parametrize("block", (64, 128, 4096))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
-@pytest.mark.parametrize("name,transform", (("ratio", "none"), ("sqrt", "sqrt")))
+@pytest.mark.parametrize("name,transform", CODECS)
 def test_c_quantize_and_dequantize_match_the_reference(n, block, dtype, name, transform, build):
     gen = torch.Generator().manual_seed(n + block)
     x = _special(n, transform == "none", gen).to(dtype)
-    qmap = QMAPS[name]
-    c1, a1 = ops.quantize_blockwise(x, qmap, block, transform, "torch", bits=4)
-    c2, a2 = ops.quantize_blockwise(x, qmap, block, transform, "native", bits=4)
+    qmap, bits = QMAPS[name], WIDTH[name]
+    c1, a1 = ops.quantize_blockwise(x, qmap, block, transform, "torch", bits=bits)
+    c2, a2 = ops.quantize_blockwise(x, qmap, block, transform, "native", bits=bits)
     assert torch.equal(c1, c2)
     _assert_same(a1, a2)
-    d1 = ops.dequantize_blockwise(c1, a1, qmap, block, transform, "torch", bits=4, numel=n)
+    d1 = ops.dequantize_blockwise(c1, a1, qmap, block, transform, "torch", bits=bits, numel=n)
     out = torch.full((n,), 7.0)
-    d2 = ops.dequantize_blockwise(c1, a1, qmap, block, transform, "native", out=out, bits=4, numel=n)
+    d2 = ops.dequantize_blockwise(c1, a1, qmap, block, transform, "native", out=out, bits=bits, numel=n)
     assert d2.data_ptr() == out.data_ptr()
     _assert_same(d1, d2)
 
@@ -88,12 +102,13 @@ def test_c_quantize_and_dequantize_match_the_reference(n, block, dtype, name, tr
 @pytest.mark.parametrize("name", sorted(QMAPS))
 def test_c_code_table_equals_searchsorted_on_every_bucket_edge(name, build):
     """Both ends of every 2^16-float bucket in [-1, 1], every threshold +-1 ulp, and NaN, each in a block
-    whose absmax is exactly 1 (so y = x): the 15-threshold table meets every edge case."""
-    qmap = QMAPS[name]
+    whose absmax is exactly 1 (so y = x): the code table (6 bits) and the register search (4 and 2 bits)
+    meet every edge case."""
+    qmap, bits = QMAPS[name], WIDTH[name]
     x, t = bucket_edges(qmap)
-    codes, _ = ops.quantize_blockwise(x, qmap, 64, backend="native", bits=4)
+    codes, _ = ops.quantize_blockwise(x, qmap, 64, backend="native", bits=bits)
     ref, _ = backend_torch.reference_codes(x, t, 64)
-    assert torch.equal(backend_torch.unpack_nibbles(codes, x.numel()), ref)
+    assert torch.equal(backend_torch.unpack_codes(codes, x.numel(), bits), ref)
 
 
 def _run(cls, p0, grads, backend, **kw):
@@ -110,7 +125,7 @@ def _run(cls, p0, grads, backend, **kw):
 def _assert_same_states(sa: dict, sb: dict) -> None:
     for key, q in sa.items():
         if isinstance(q, dict):
-            assert q["bits"] == sb[key]["bits"] == 4
+            assert q["bits"] == sb[key]["bits"] < 8
             assert torch.equal(q["codes"].cpu(), sb[key]["codes"].cpu()), key
             _assert_same(q["absmax"].cpu(), sb[key]["absmax"].cpu())
 
@@ -160,22 +175,22 @@ def _triton():
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # numpy, inside the interpreter
-@pytest.mark.parametrize("n", (1, 63, 65, 129, 999))
+@pytest.mark.parametrize("n", (1, 63, 65, 999))
 @pytest.mark.parametrize("block", (64, 128))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-@pytest.mark.parametrize("name,transform", (("ratio", "none"), ("sqrt", "sqrt")))
+@pytest.mark.parametrize("name,transform", CODECS)
 def test_triton_quantize_and_dequantize_match_the_reference(n, block, dtype, name, transform):
     device = _triton()
     gen = torch.Generator().manual_seed(n + block)
     x = _special(n, transform == "none", gen).to(dtype)
-    qmap = QMAPS[name]
-    c1, a1 = ops.quantize_blockwise(x, qmap, block, transform, "torch", bits=4)
-    c2, a2 = ops.quantize_blockwise(x.to(device), qmap.to(device), block, transform, "triton", bits=4)
+    qmap, bits = QMAPS[name], WIDTH[name]
+    c1, a1 = ops.quantize_blockwise(x, qmap, block, transform, "torch", bits=bits)
+    c2, a2 = ops.quantize_blockwise(x.to(device), qmap.to(device), block, transform, "triton", bits=bits)
     assert torch.equal(c1, c2.cpu())
     _assert_same(a1, a2.cpu())
-    d1 = ops.dequantize_blockwise(c1, a1, qmap, block, transform, "torch", bits=4, numel=n)
+    d1 = ops.dequantize_blockwise(c1, a1, qmap, block, transform, "torch", bits=bits, numel=n)
     d2 = ops.dequantize_blockwise(c1.to(device), a1.to(device), qmap.to(device), block, transform, "triton",
-                                  bits=4, numel=n)
+                                  bits=bits, numel=n)
     _assert_same(d1, d2.cpu())
 
 
@@ -213,11 +228,14 @@ def test_step_refuses_states_of_the_other_width():
     assert torch.equal(v4[0], before)
 
 
-def test_reference_pack_and_unpack_are_inverse():
-    codes = torch.randint(0, 16, (1001,), dtype=torch.uint8)
-    packed = torch.empty(501, dtype=torch.uint8)
-    backend_torch.pack_nibbles(codes, packed)
-    assert torch.equal(backend_torch.unpack_nibbles(packed, 1001), codes) and int(packed[-1]) == int(codes[-1])
+@pytest.mark.parametrize("bits", (2, 4, 6, 8))
+@pytest.mark.parametrize("n", (1, 3, 4, 1001))
+def test_reference_pack_and_unpack_are_inverse_and_follow_the_bit_stream(bits, n):
+    codes = torch.randint(0, 2**bits, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    packed = torch.empty(ops.code_bytes(n, bits), dtype=torch.uint8)
+    backend_torch.pack_codes(codes, packed, bits)
+    assert torch.equal(backend_torch.unpack_codes(packed, n, bits), codes)
+    assert _bit_stream(packed, n, bits) == codes.tolist()
 
 
 def test_stochastic_rounding_is_unbiased_between_the_two_neighbours():
@@ -287,3 +305,62 @@ def test_seed_outside_uint32_is_a_usage_error(seed):
     with pytest.raises(UsageError, match="seed"):
         ops.adam8bit_step(torch.zeros(64), torch.zeros(64), inputs, torch.zeros(10), block_size=64, ratio=False,
                           bits=4, seed=seed)
+
+
+def _mixed_step(widths, backend, n, amsgrad, seed, device="cpu"):
+    """One fused step on moments of the given code widths (exp_avg a ratio; plain 4- or 2-bit maps for the
+    second moments, a 64-entry one where they are 6 bits) from fixed states; returns (p, [(codes, absmax)])."""
+    gen = torch.Generator().manual_seed(n + sum(widths))
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    dense = [torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 1e-2, torch.rand(n, generator=gen) * 2e-2]
+    ratio_map = torch.tensor([-1.0, 0.0, 0.5, 1.0]) if widths[0] == 2 else qstate.ratio_policy(widths[0]).qmap()
+    maps = [ratio_map] + [
+        codebooks.power_map(False, 3.0)[::4].contiguous() if w == 6 else qstate.policy_for("exp_avg_sq", w).qmap()
+        for w in widths[1:]]
+    states = []
+    for i, (x, qmap, bits) in enumerate(list(zip(dense, maps, widths))[: 3 if amsgrad else 2]):
+        codes, absmax = ops.quantize_blockwise(x, qmap, 128, "none" if i == 0 else "sqrt", "torch", bits)
+        qmap = qmap.to(device)
+        states.append(ops.StepInput(codes.to(device), absmax.to(device), qmap, qmap))
+    hyper = torch.tensor([0.999, 0.0, 0.1, 0.999, 0.001, 1e-8, -1e-3, 0.05, 1e-9, 2e-9])
+    p = p.to(device)
+    ops.adam8bit_step(p, g.to(device), states, hyper, block_size=128, ratio=True, backend=backend,
+                      bits=list(widths[: len(states)]), seed=seed)
+    return p.cpu(), [(s.codes.cpu(), s.absmax.cpu()) for s in states]
+
+
+MIXES = ((6, 2, 4), (6, 2, 8), (4, 4, 4), (8, 2, 6), (6, 6, 6), (2, 2, 2), (4, 2, 2))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("widths", MIXES)
+@pytest.mark.parametrize("backend", ("native", "triton"))
+def test_steps_with_moments_of_different_widths_match_the_reference(widths, backend):
+    """The step takes a code width per moment (the 4-bit budget steps a 6-bit ratio with a 2-bit sqrt(v)
+    and a 4-bit max_exp_avg_sq): C and Triton equal the reference for every mix, with and without amsgrad
+    and stochastic rounding, on sizes that end in a short block and a part-full byte."""
+    if backend == "native" and native.library() is None:
+        pytest.skip(f"C kernels unavailable: {native.why_unavailable()}")
+    device = _triton() if backend == "triton" else "cpu"
+    cases = ((1000, False, None), (77, True, 2**31 + 5)) if backend == "triton" else \
+        [(n, ams, seed) for n in (77, 1000, 4096 + 64) for ams in (False, True) for seed in (None, 12345)]
+    for n, amsgrad, seed in cases:
+        pa, sa = _mixed_step(widths, "torch", n, amsgrad, seed)
+        pb, sb = _mixed_step(widths, backend, n, amsgrad, seed, device)
+        _assert_same(pa, pb)
+        for (ca, aa), (cb, ab) in zip(sa, sb):
+            assert torch.equal(ca, cb)
+            _assert_same(aa, ab)
+
+
+def test_one_width_per_moment_is_checked():
+    states = [ops.StepInput(*ops.quantize_blockwise(torch.randn(64), QMAPS["ratio6"], 64, bits=6), QMAPS["ratio6"],
+                            QMAPS["ratio6"]),
+              ops.StepInput(*ops.quantize_blockwise(torch.rand(64), QMAPS["sqrt2"], 64, "sqrt", bits=2),
+                            QMAPS["sqrt2"], QMAPS["sqrt2"])]
+    with pytest.raises(UsageError, match="bits names 3 code widths for 2 moments"):
+        ops.adam8bit_step(torch.zeros(64), torch.zeros(64), states, torch.zeros(10), block_size=64, ratio=True,
+                          bits=[6, 2, 4])
+    with pytest.raises(UsageError, match="codebook must be a float tensor of 4 entries"):
+        ops.adam8bit_step(torch.zeros(64), torch.zeros(64), states, torch.zeros(10), block_size=64, ratio=True,
+                          bits=[6, 2][::-1])

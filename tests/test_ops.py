@@ -48,8 +48,8 @@ def test_non_float_and_bad_bits_are_usage_errors():
     qmap = qstate.RATIO_POLICY.qmap()
     with pytest.raises(UsageError, match="floating-point"):
         ops.quantize_blockwise(torch.ones(8, dtype=torch.int64), qmap)
-    with pytest.raises(UsageError, match="2-bit codes are not supported; use bits=8 or 4"):
-        ops.quantize_blockwise(torch.ones(8), qmap, bits=2)
+    with pytest.raises(UsageError, match="3-bit codes are not supported; use bits=8 or 6 or 4 or 2"):
+        ops.quantize_blockwise(torch.ones(8), qmap, bits=3)
     with pytest.raises(UsageError, match="codebook must be a float tensor of 16 entries"):
         ops.quantize_blockwise(torch.ones(8), qmap, bits=4)
 
