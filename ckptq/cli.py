@@ -105,7 +105,8 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 @click.argument("src", type=click.Path())
 @click.option("-o", "--output", help="Output path (default: SRC with .q8.safetensors, or .q4, beside it).")
 @click.option("--bits", default=8, show_default=True, type=int,
-              help="Code width of the moments: 8, or 4 (half the size; SRC may also be a converted file).")
+              help="Bits per value of the moments: 8, or 4 (half the size: the first moment's ratio in 6 bits, "
+                   "the second moment in 2; SRC may also be a converted file).")
 @click.option("--block-size", default=None, type=int,
               help="Values per absmax scale: a power of two, 64..4096 (default: 256 for 8 bits, 128 for 4).")
 @click.option("--min-size", default=4096, show_default=True, type=int,

@@ -1,5 +1,5 @@
-"""Codebooks: 256 entries for 8-bit states, 16 for 4-bit ones. Each is sorted ascending, lies in [-1, 1]
-and contains 0.
+"""Codebooks: 2**bits entries for states of ``bits``-bit codes (256, 64, 16, 4). Each is sorted ascending, lies in [-1, 1]
+and contains 0, except the 2-bit second-moment map (``geometric_map``).
 
 Files record the codebook values themselves, so a reader never needs these constructors: they only
 decide what new files get.
@@ -82,3 +82,28 @@ LLOYD_GAUSSIAN_128 = (-1.0, -0.7417, -0.5674, -0.4288, -0.3097, -0.2014, -0.0991
 def lloyd_gaussian_map() -> torch.Tensor:
     """The 16-entry 4-bit ratio codebook above, sorted ascending, fp32 (a fresh tensor)."""
     return torch.tensor(LLOYD_GAUSSIAN_128, dtype=torch.float32)
+
+
+# The 6-bit ratio codebook of the 4-bit budget (64 entries, -1, 0 and +1 held fixed): built as
+# LLOYD_GAUSSIAN_128, 100 Lloyd iterations on 20,000 blocks of 128 torch.randn values (seed 0;
+# tools/bit_split.py ``lloyd_map(64)``), rounded to 4 digits. 31 levels below zero, 32 above.
+LLOYD_GAUSSIAN_128_6BIT = (
+    -1.0, -0.957, -0.9166, -0.8776, -0.8412, -0.806, -0.7725, -0.7396, -0.708, -0.6766, -0.6454, -0.6146,
+    -0.5837, -0.5534, -0.5232, -0.4925, -0.4621, -0.4319, -0.4013, -0.3709, -0.3406, -0.31, -0.2795, -0.2489,
+    -0.2182, -0.1873, -0.1563, -0.1252, -0.0939, -0.0626, -0.0313, 0.0, 0.0283, 0.0566, 0.0847, 0.1127, 0.141,
+    0.1694, 0.1978, 0.2266, 0.2557, 0.285, 0.3144, 0.3441, 0.3739, 0.4037, 0.4333, 0.463, 0.493, 0.5232,
+    0.5535, 0.584, 0.6146, 0.6457, 0.6768, 0.7083, 0.7403, 0.7731, 0.8066, 0.8413, 0.8773, 0.9152, 0.9557, 1.0)
+
+
+def lloyd_gaussian_map_6bit() -> torch.Tensor:
+    """The 64-entry 6-bit ratio codebook above, sorted ascending, fp32 (a fresh tensor)."""
+    return torch.tensor(LLOYD_GAUSSIAN_128_6BIT, dtype=torch.float32)
+
+
+def geometric_map(bits: int = 2, base: float = 3.0) -> torch.Tensor:
+    """``base ** (k - K)`` for k = 0..K, K = 2**bits - 1, fp32, ascending, ending at 1: the 2-bit second
+    moment codebook (sqrt(v) / absmax on 1/27, 1/9, 1/3, 1). It holds no 0 on purpose: a level of 0 would
+    leave only two for the spread of a block's sqrt(v), and v's error cancels out of the update anyway
+    (``ckptq.qstate``); what it changes is the next steps' v, which tools/bit_split.py measured."""
+    k = torch.arange(2**bits, dtype=torch.float64)
+    return torch.pow(float(base), k - (2**bits - 1)).to(torch.float32)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, folder_run, foreign, format, ops, pipeline, qstate, tree, zero, zero_info
+from . import checkpoint, folder_run, foreign, format, ops, pipeline, plan, qstate, tree, zero, zero_info
 from .errors import UsageError
 
 
@@ -109,7 +109,8 @@ def _info_torch(path: str, key: str | None, min_size: int, block_size: int, trus
         row["tensors"] += 1
         row["elements"] += d.tensor.numel()
         row["fp32_bytes"] += d.tensor.numel() * d.tensor.element_size()
-        row["stored_bytes"] += ops.code_bytes(d.tensor.numel(), bits) + 4 * ops.num_blocks(d.tensor.numel(), block_size)
+        width = plan.convert_width(d, bits)
+        row["stored_bytes"] += ops.code_bytes(d.tensor.numel(), width) + 4 * ops.num_blocks(d.tensor.numel(), block_size)
     skeleton, stored = tree.flatten(obj)
     exact = _role_row()
     for s in stored:

@@ -4,7 +4,10 @@ State per parameter: ``step`` (0-dim fp32 tensor, as torch), ``exp_avg``, ``exp_
 amsgrad, ``max_exp_avg_sq``: each a qstate dict (``ckptq.qstate``: uint8 codes + fp32 absmax per
 block + codebook) for parameters with at least ``min_size`` elements, a plain fp32 tensor below.
 ``bits=4`` (or the ``AdamW4bit``/``Adam4bit`` classes, which only set it) stores two 4-bit codes per
-byte on 16-entry codebooks, block 128 by default: about half the memory of 8-bit state.
+byte on 16-entry codebooks, block 128 by default: about half the memory of 8-bit state. Both moments'
+new codes are rounded stochastically at every step (``ckptq.adam.step_param`` says why). A
+``ckptq convert --bits 4`` file stores the ratio in 6 bits and sqrt(v) in 2 (``qstate.convert_width``);
+loading one requantizes it to 4 + 4.
 ``exp_avg`` is stored as the ratio m / (sqrt(v) + eps') to ``exp_avg_sq`` (``qstate``'s ratio
 transform, eps' = ``qstate.ratio_eps`` of the step), exactly as ``ckptq convert`` writes it.
 A step goes ``step`` -> ``ckptq.adam.step_param`` -> ``ckptq.ops.adam8bit_step`` (one fused kernel per

@@ -116,7 +116,8 @@ def _step_value(pid, step) -> float:
 def _steppable(moments: dict, bits: int) -> bool:
     """Whether qstates can be stepped as stored: the optimizer's code width, one block size (one fused
     step), sqrt second moments, a plain or ratio first moment whose divisor is exp_avg_sq. Anything else
-    is requantized (so an 8-bit state loads into a 4-bit optimizer and the other way round)."""
+    is requantized (so an 8-bit state loads into a 4-bit optimizer and the other way round, and a
+    ``convert --bits 4`` file's 6 + 2 layout into the 4-bit optimizer's 4 + 4: ``qstate.convert_width``)."""
     if not all(qstate.is_qstate(v) for v in moments.values()):
         return False
     m = moments["exp_avg"]

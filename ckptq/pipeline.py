@@ -79,7 +79,7 @@ def mark_states(obj: Any, key: str | None, block_size: int, min_size: int, backe
     p = plan.make_plan(obj, key, min_size)
     for d in p.quantized:
         _node(obj, d.path)[d.key] = tree.PendingQuant(d.tensor, d.key, block_size, backend, divisor=d.divisor,
-                                                      device=device, bits=bits)
+                                                      device=device, bits=plan.convert_width(d, bits))
     report.optimizers = len(p.optimizers)
     report.quantized = len(p.quantized)
     report.kept_small = len(p.kept("below min_size"))
@@ -172,7 +172,7 @@ def _convert_file(src, dst, bits, block_size, min_size, key, device, backend, co
         obj = checkpoint.load_torch(src, trust=trust)
     report = ConvertReport(src, [], os.path.getsize(src), 0)
     report.foreign_states = foreign.to_torch(obj)  # bitsandbytes / torchao 8-bit state, decoded first
-    marked = mark_states(obj, key, block_size, min_size, backend, device, report, ops.check_bits(bits))
+    marked = mark_states(obj, key, block_size, min_size, backend, device, report, ops.check_budget(bits))
     if report.optimizers == 0:
         raise InputError(f"{src}: no optimizer state dict (a dict with 'state' and 'param_groups') found; "
                          "name it with --key if it is stored differently")
@@ -212,7 +212,7 @@ def _read_converted(src: str, bits: int) -> Any:
     """A converted file's contents with its states decoded, to be re-encoded at ``bits``; InputError if
     they already have that width (quantizing them again would only add rounding)."""
     conv = format.Converted(src)
-    if _widths(conv.skeleton) == {bits}:
+    if qstate.budget_of(_widths(conv.skeleton)) == bits:
         other = 4 if bits == 8 else 8
         raise InputError(f"{src} already holds {bits}-bit states; `ckptq convert --bits {other}` re-encodes them "
                          f"at {other} bits, `ckptq expand` turns them back into fp32")

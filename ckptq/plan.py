@@ -40,6 +40,7 @@ class Decision:
     tensor: torch.Tensor
     exact: str | None = None  # why it is kept exact; None: stored 8-bit
     divisor: tuple | None = None  # first moments stored as a ratio: (divisor key, its tensor, eps')
+    divides: bool = False  # a second moment that a first moment is stored relative to
     note: str | None = None  # why a first moment is not stored as a ratio
 
     @property
@@ -150,7 +151,7 @@ def _pair_ratio(decisions: dict, group: dict, step: Any) -> None:
         n = _number(step) if step is not None else 0.0
         eps = qstate.ratio_eps_for(group, n) if n is not None and math.isfinite(n) and n >= 0 else float("nan")
         if math.isfinite(eps) and eps > 0 and ratio_fits(m.tensor, v.tensor, eps):
-            m.divisor = (v_key, v.tensor, eps)
+            m.divisor, v.divides = (v_key, v.tensor, eps), True
         else:
             m.note = f"its ratio to {v_key} would not fit float32 (step {step!r}); stored 8-bit on its own"
 
@@ -173,3 +174,9 @@ def make_plan(obj: Any, key: str | None, min_size: int) -> Plan:
             _pair_ratio(decisions, groups.get(pid, {}), pstate.get("step", 0))
             plan.decisions += decisions.values()
     return plan
+
+
+def convert_width(d: Decision, bits: int) -> int:
+    """The code width convert gives a quantized state under a budget of ``bits`` per value
+    (``qstate.convert_width``)."""
+    return qstate.convert_width(bits, d.key, ratio=d.divisor is not None, divisor=d.divides)

@@ -4,10 +4,10 @@ In checkpoints and in optimizer state a quantized state is a ``dict`` (so that `
 sits under PyTorch's own state key, e.g. ``state[0]["exp_avg"]``)::
 
     {"ckptq": "blockwise",      # marks the dict; the codec name
-     "bits": 8,                 # or 4
-     "codes": uint8 [numel],    # one code per element, flat, C order (4 bits: [ceil(numel / 2)], two per byte)
+     "bits": 8,                 # the code width: 8, 6, 4 or 2
+     "codes": uint8 [numel],    # one code per element, flat, C order (narrower: packed, [ceil(numel * bits / 8)])
      "absmax": float32 [ceil(numel / block_size)],
-     "qmap": float32 [256],     # the codebook, sorted ascending (4 bits: [16])
+     "qmap": float32 [256],     # the codebook, sorted ascending ([2**bits])
      "block_size": 256,
      "transform": "none" | "sqrt" | "ratio",
      "shape": (d0, d1, ...),    # the original tensor's shape
@@ -55,6 +55,8 @@ CODEBOOKS = {
     "4bit-power-signed-1.5": functools.partial(codebooks.power_map, True, 1.5, 4),
     "4bit-power-unsigned-3": functools.partial(codebooks.power_map, False, 3.0, 4),
     "4bit-lloyd-gaussian": codebooks.lloyd_gaussian_map,
+    "6bit-lloyd-gaussian": codebooks.lloyd_gaussian_map_6bit,
+    "2bit-geometric-3": functools.partial(codebooks.geometric_map, 2, 3.0),
 }
 RATIO_TRANSFORM = "ratio"
 TRANSFORMS = ops.TRANSFORMS + (RATIO_TRANSFORM,)
@@ -149,18 +151,57 @@ POLICIES_4BIT = {
     "exp_avg_sq": Policy("4bit-power-unsigned-3", "sqrt"),
     "max_exp_avg_sq": Policy("4bit-power-unsigned-3", "sqrt"),
 }
-DEFAULT_POLICY_4BIT = Policy("4bit-power-signed-1.5", "none")
-RATIO_POLICY_4BIT = Policy("4bit-lloyd-gaussian", RATIO_TRANSFORM)
+# 2-bit states: only second moments that divide a 6-bit ratio in a converted file get them (``convert_width``).
+POLICY_2BIT = Policy("2bit-geometric-3", "sqrt")
+# By code width: (policies by state key, the policy of other keys); 6 bits holds ratios only.
+PLAIN_POLICIES = {8: (POLICIES, DEFAULT_POLICY), 4: (POLICIES_4BIT, Policy("4bit-power-signed-1.5", "none")),
+                  2: ({}, POLICY_2BIT)}
+RATIO_POLICIES = {8: RATIO_POLICY, 6: Policy("6bit-lloyd-gaussian", RATIO_TRANSFORM),
+                  4: Policy("4bit-lloyd-gaussian", RATIO_TRANSFORM)}
 
 
 def policy_for(key: str, bits: int = 8) -> Policy:
-    if bits == 4:
-        return POLICIES_4BIT.get(key, DEFAULT_POLICY_4BIT)
-    return POLICIES.get(key, DEFAULT_POLICY)
+    """The policy of a state stored on its own (not as a ratio) with codes of ``bits`` bits."""
+    if bits not in PLAIN_POLICIES:
+        raise UsageError(f"{bits}-bit codes hold ratio states only; store {key!r} with 8, 4 or 2 bits")
+    table, default = PLAIN_POLICIES[bits]
+    return table.get(key, default)
 
 
 def ratio_policy(bits: int = 8) -> Policy:
-    return RATIO_POLICY_4BIT if bits == 4 else RATIO_POLICY
+    if bits not in RATIO_POLICIES:
+        raise UsageError(f"ratio states take 8, 6 or 4 bits, not {bits}")
+    return RATIO_POLICIES[bits]
+
+
+def convert_width(bits: int, key: str, ratio: bool = False, divisor: bool = False) -> int:
+    """The code width ``ckptq convert`` gives a state under a budget of ``bits`` per value (``ops.BUDGETS``):
+    8 bits, every state 8. 4 bits: a first moment stored as a ratio (``ratio``) 6 and the second moment it
+    divides (``divisor``) 2, which keeps 8 bits per parameter for the pair; any other state 4.
+
+    Why 6 + 2 in a file: the update error a checkpoint carries is the ratio's own rounding error (v's
+    cancels out), and at 4 bits per value no code brings it below 6.25% (a Gaussian's rate-distortion
+    bound); 6 bits reach 2.3-2.6% where 4 gave 9-10% (bitsandbytes 8-bit: 3.0-6.7%; tools/fidelity.py).
+
+    Why not in training: the 4-bit optimizer requantizes its state at every step, and sqrt(v) on 4 levels
+    cannot follow v (README): rounded to nearest, each element's level freezes where the first steps put
+    it (from scratch: mean loss +4.4% over the last 100 of 400 steps), rounded stochastically it is too
+    noisy (resumed +0.15%, from scratch -2.6%). So ``AdamW4bit`` keeps 4 + 4 and requantizes a 6 + 2
+    file on load (``ckptq.optim_io``)."""
+    if ops.check_budget(bits) == 8:
+        return 8
+    if ratio:
+        return 6
+    return 2 if divisor and key in RATIO_PAIRS.values() else 4
+
+
+def budget_of(widths) -> int | None:
+    """The budget (``ops.BUDGETS``) that states of these code widths were written under: 8 when all are 8,
+    4 when none is; None for none or a mix."""
+    widths = set(widths)
+    if widths == {8}:
+        return 8
+    return 4 if widths and 8 not in widths else None
 
 
 def is_qstate(obj) -> bool:
@@ -170,7 +211,7 @@ def is_qstate(obj) -> bool:
 def quantize_state(t: torch.Tensor, key: str, block_size: int = ops.DEFAULT_BLOCK_SIZE, backend: str = "auto",
                    bits: int = 8) -> dict:
     """Quantize one optimizer state tensor under the policy for its state key (dict form), with codes of
-    ``bits`` bits (8 or 4)."""
+    ``bits`` bits (8, 4 or 2: ``convert_width`` says which a state of a converted file gets)."""
     pol = policy_for(key, ops.check_bits(bits))
     qmap = pol.qmap().to(t.device)
     codes, absmax = ops.quantize_blockwise(t, qmap, block_size, pol.transform, backend, bits)
@@ -216,7 +257,7 @@ def _divisor_values(v: QState, start: int, stop: int) -> torch.Tensor:
 def quantize_ratio(m: torch.Tensor, v: torch.Tensor, eps: float, block_size: int = ops.DEFAULT_BLOCK_SIZE,
                    backend: str = "auto", divisor_key: str = "exp_avg_sq", bits: int = 8) -> dict:
     """Quantize a first moment ``m`` as r = m / (sqrt(v) + eps), ``v`` its exact second moment (dict form),
-    with codes of ``bits`` bits."""
+    with codes of ``bits`` bits (8, 6 or 4)."""
     if m.numel() != v.numel():
         raise FormatError(f"ratio state has {m.numel()} elements but its divisor {v.numel()}")
     vflat = v.detach().reshape(-1)

@@ -96,8 +96,9 @@ def quantize(t, key: str, block_size: int, bits: int = 8) -> dict:
 
 
 def quantize_moments(dense: dict, group: dict, step, block_size: int, bits: int = 8) -> dict:
-    """fp32 Adam moments {key: tensor or DTensor} -> qstates, exp_avg as the ratio to the exact exp_avg_sq
-    with eps' of ``step`` under ``group``'s eps/betas: the codes ``ckptq convert`` writes."""
+    """fp32 Adam moments {key: tensor or DTensor} -> qstates of ``bits``-bit codes (8 or 4: the optimizer's
+    working layout), exp_avg as the ratio to the exact exp_avg_sq with eps' of ``step`` under ``group``'s
+    eps/betas: at 8 bits the codes ``ckptq convert`` writes."""
     out = {k: quantize(v, k, block_size, bits) for k, v in dense.items() if k != "exp_avg"}
     m, v = dense["exp_avg"], dense["exp_avg_sq"]
     eps = qstate.ratio_eps_for(group, step)

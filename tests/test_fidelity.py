@@ -59,13 +59,13 @@ def test_adam_update_matches_torch_adamw():
 
 
 def test_bit_split_simulation_reproduces_the_4bit_codec(rows, tmp_path):
-    """tools/bit_split.py's fake quantization at 4 + 4 bits gives the update errors the real 4-bit
-    codec gives (its Lloyd codebook is refitted, not copied: within 0.3 points), so its other splits
-    can be trusted as a preview."""
+    """tools/bit_split.py's fake quantization at 6 + 2 bits (geometric sqrt(v) levels) gives the update
+    errors that ``convert --bits 4`` gives (its Lloyd codebook is refitted, not copied: within 0.3
+    points), so its other splits can be trusted as a preview."""
     _, measured, ckpt = rows
     path = tmp_path / "ck.pt"
     torch.save(ckpt, path)
-    worst, median = _load_tool("bit_split").update_errors(str(path), (4, 4), ("power", 3.0))
+    worst, median = _load_tool("bit_split").update_errors(str(path), (6, 2), ("geometric", 0.0))
     real = [r.u_ckptq4 for r in measured]
     assert worst == pytest.approx(max(real), abs=0.003)
     assert median == pytest.approx(sorted(real)[len(real) // 2], abs=0.003)

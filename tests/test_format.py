@@ -214,8 +214,8 @@ def test_newer_version_and_unknown_bit_width_are_refused_clearly(tmp_path):
     def bits(width):
         return lambda m: m.update({"ckptq.skeleton": m["ckptq.skeleton"].replace('"bits":8', f'"bits":{width}')})
 
-    _rewrite_metadata(path, bits(2))
-    with pytest.raises(FormatError, match="2 bits.*cannot decode"):
+    _rewrite_metadata(path, bits(3))
+    with pytest.raises(FormatError, match="3 bits.*cannot decode"):
         ckptq.load(path)
     ckptq.save(obj, path, force=True)
     _rewrite_metadata(path, bits(4))  # a width ckptq reads, but 8-bit-sized codes: damage, not a new format

@@ -25,11 +25,13 @@ from test_format import assert_same
 GOLDEN_V1 = os.path.join(os.path.dirname(__file__), "golden", "v1.safetensors")
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v2.safetensors")
 GOLDEN_4BIT = os.path.join(os.path.dirname(__file__), "golden", "v2-4bit.safetensors")  # 4-bit states, version 2
+GOLDEN_6_2 = os.path.join(os.path.dirname(__file__), "golden", "v2-6bit-2bit.safetensors")  # 6- and 2-bit states
 INFO = {"created_by": "golden"}
 
 
-def _q(x, signed, transform, block_size, bits=8):
-    qmap = codebooks.dynamic_map(signed) if bits == 8 else codebooks.power_map(signed, 1.5 if signed else 3.0, 4)
+def _q(x, signed, transform, block_size, bits=8, qmap=None):
+    if qmap is None:
+        qmap = codebooks.dynamic_map(signed) if bits == 8 else codebooks.power_map(signed, 1.5 if signed else 3.0, 4)
     codes, absmax = ops.quantize_blockwise(x, qmap, block_size, transform, bits=bits)
     return {"ckptq": "blockwise", "bits": bits, "codes": codes, "absmax": absmax, "qmap": qmap,
             "block_size": block_size, "transform": transform, "shape": tuple(x.shape), "dtype": "float32"}
@@ -71,7 +73,24 @@ def golden_object_4bit():
     return {"optimizer": {"state": state, "param_groups": groups}}
 
 
-@pytest.mark.parametrize("path,build", [(GOLDEN, golden_object), (GOLDEN_4BIT, golden_object_4bit)])
+def golden_object_6_2bit():
+    """What ``convert --bits 4`` writes: a 6-bit ratio over a 2-bit sqrt second moment, 301 and 285
+    elements (the last byte part full); the second parameter's state in blocks of 128."""
+    g = torch.Generator().manual_seed(6)
+    state = {}
+    for pid, (shape, block) in enumerate((((301,), 64), ((19, 15), 128))):
+        v = (torch.randn(shape, generator=g) * 1e-2) ** 2
+        m = torch.randn(shape, generator=g) * v.sqrt()
+        ratio = _q(m / (v.sqrt() + 1e-9), None, "none", block, 6, codebooks.lloyd_gaussian_map_6bit())
+        state[pid] = {"step": torch.tensor(5.0), "exp_avg": ratio | {"transform": "ratio", "eps": 1e-9,
+                                                                     "divisor": "exp_avg_sq"},
+                      "exp_avg_sq": _q(v, None, "sqrt", block, 2, codebooks.geometric_map())}
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "params": [0, 1]}]
+    return {"optimizer": {"state": state, "param_groups": groups}}
+
+
+@pytest.mark.parametrize("path,build", [(GOLDEN, golden_object), (GOLDEN_4BIT, golden_object_4bit),
+                                        (GOLDEN_6_2, golden_object_6_2bit)])
 def test_golden_file_is_pinned(tmp_path, path, build):
     if os.environ.get("CKPTQ_REGEN_GOLDEN"):
         ckptq.save(build(), path, info=INFO, force=True)
@@ -99,13 +118,16 @@ def test_third_party_header_checksum_agrees():
 
 def _numpy_values(path, q):
     """qmap[codes] * absmax[block], fp32, flat (docs/FORMAT.md section 5)."""
-    assert q["codec"] == "blockwise" and q["bits"] in (8, 4)
+    bits = q["bits"]
+    assert q["codec"] == "blockwise" and bits in (8, 6, 4, 2)
     with safe_open(path, "np") as f:
         codes, absmax, qmap = (f.get_tensor(q[k]) for k in ("codes", "absmax", "qmap"))
     n = int(np.prod(q["shape"]))
-    assert qmap.shape == (2 ** q["bits"],) and codes.shape == ((n * q["bits"] + 7) // 8,)
-    if q["bits"] == 4:  # element 2i: low nibble of byte i; 2i + 1: high nibble
-        codes = np.stack([codes & 15, codes >> 4], axis=1).reshape(-1)[:n]
+    assert qmap.shape == (2**bits,) and codes.shape == ((n * bits + 7) // 8,)
+    if bits != 8:  # element i: bits [i * bits, (i + 1) * bits) of the little-endian bit stream
+        stream = np.unpackbits(codes, bitorder="little")
+        assert not stream[n * bits :].any()  # the bits after the last code are 0
+        codes = (stream[: n * bits].reshape(n, bits).astype(np.int64) << np.arange(bits)).sum(axis=1)
     return qmap[codes].astype(np.float32) * np.repeat(absmax, q["block_size"])[:n]
 
 
@@ -130,7 +152,8 @@ def _find(node, key):
 
 @pytest.mark.parametrize("golden,pid,role", [(g, pid, role) for g in (GOLDEN_V1, GOLDEN) for pid in (0, 2)
                                               for role in ("exp_avg", "exp_avg_sq")]
-                         + [(GOLDEN_4BIT, pid, role) for pid in (0, 1) for role in ("exp_avg", "exp_avg_sq")])
+                         + [(g, pid, role) for g in (GOLDEN_4BIT, GOLDEN_6_2) for pid in (0, 1)
+                            for role in ("exp_avg", "exp_avg_sq")])
 def test_third_party_decoder_agrees(pid, role, golden):
     with safe_open(golden, "np") as f:
         skeleton = json.loads(f.metadata()["ckptq.skeleton"])

@@ -1,10 +1,12 @@
 """Which split of 8 bits per parameter between the two moments gives the best 4-bit-budget state?
 
-ckptq's 4-bit state gives the ratio r = m / (sqrt(v) + eps') and sqrt(v) 4 bits each (block 128, one fp32
-scale per block and moment: 1.0625 bytes per parameter). The update error at a checkpoint is r's own
-rounding error (v's cancels), so bits moved from v to r buy update fidelity, and cost the second
-moment's precision in the steps after. This tool simulates other splits in plain PyTorch (fake
-quantization: quantize, then decode, in fp32), before any kernel or file format is built for them:
+At 4 bits per value (block 128, one fp32 scale per block and moment: 1.0625 bytes per parameter) the
+update error at a checkpoint is the ratio r = m / (sqrt(v) + eps')'s own rounding error (v's cancels), so
+bits moved from v to r buy update fidelity, and cost the second moment's precision in the steps after.
+This tool simulates splits in plain PyTorch (fake quantization: quantize, then decode, in fp32) before
+any kernel or file format is built for them. It found the 6 + 2 layout of ``ckptq convert --bits 4``;
+``AdamW4bit`` trains on 4 + 4, because ``--resume`` below starts from a trained state and does not show
+what a 2-bit sqrt(v) does from the first step (README, "4-bit state": it freezes).
 
   R bits for r: a Lloyd-Max codebook for block-normalized Gaussian values with -1, 0, +1 fixed (as
                 ``ckptq.codebooks.LLOYD_GAUSSIAN_128`` at 4 bits), rounded to nearest at conversion and

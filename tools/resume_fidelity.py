@@ -12,6 +12,11 @@ steps, saves a checkpoint, then continues ``--steps`` steps on identical batches
   (g) expanded4 torch AdamW from ``ckptq.expand`` of the 4-bit file
 (``--variants`` picks a subset.)
 
+``--from-scratch`` trains instead from the same initialization, without a checkpoint, for ``--steps``
+steps: fp32, ckptq (AdamW8bit), ckptq4 (AdamW4bit), bnb (bitsandbytes AdamW8bit) and ao4 (torchao
+AdamW4bit), each with its own state from the first step: what a quantized state does while the moments
+build up (a 4-bit sqrt(v) rounded to nearest froze there; README, "4-bit state").
+
 Per variant: mean loss over the continuation and max loss over its first 20 steps, each against (a)
 (difference and ratio). (b) and (c) should sit as close to (a) as (d) does; (e) spikes.
 
@@ -44,6 +49,8 @@ from ckptq.optim import AdamW4bit, AdamW8bit  # noqa: E402
 # small enough that five continuations run in a few minutes on 2 cores.
 SIZES = {**mc.SIZES, "mid": dict(vocab_size=2048, n_layer=2, n_head=4, n_embd=128, block_size=64, batch_size=16)}
 VARIANTS = ("fp32", "ckptq", "expanded", "bnb", "fresh", "ckptq4", "expanded4")
+SCRATCH_VARIANTS = ("fp32", "ckptq", "ckptq4", "bnb", "ao4")
+LAST_WINDOW = 100
 SPIKE_WINDOW = 20
 
 
@@ -139,21 +146,50 @@ def start(variant: str, size: str, lr: float, paths: dict):
 
 def summary(curves: dict[str, list[float]]) -> str:
     ref = curves["fp32"]
-    ref_mean, ref_max = statistics.fmean(ref), max(ref[:SPIKE_WINDOW])
+    ref_mean, ref_max, ref_last = statistics.fmean(ref), max(ref[:SPIKE_WINDOW]), statistics.fmean(ref[-LAST_WINDOW:])
     rows = [
         f"| variant | mean loss | Δ mean vs fp32 | ratio | max loss first {SPIKE_WINDOW} | Δ max vs fp32 | ratio "
-        f"| max step Δ first {SPIKE_WINDOW} |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| max step Δ first {SPIKE_WINDOW} | mean loss last {LAST_WINDOW} | ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, losses in curves.items():
-        mean, peak = statistics.fmean(losses), max(losses[:SPIKE_WINDOW])
+        mean, peak, last = statistics.fmean(losses), max(losses[:SPIKE_WINDOW]), statistics.fmean(losses[-LAST_WINDOW:])
         # Batches are identical, so the per-step difference cancels batch noise: the spike itself.
         step_gap = max(a - b for a, b in zip(losses[:SPIKE_WINDOW], ref))
         rows.append(
             f"| {name} | {mean:.4f} | {mean - ref_mean:+.4f} | {mean / ref_mean:.4f} "
-            f"| {peak:.4f} | {peak - ref_max:+.4f} | {peak / ref_max:.4f} | {step_gap:+.4f} |"
+            f"| {peak:.4f} | {peak - ref_max:+.4f} | {peak / ref_max:.4f} | {step_gap:+.4f} "
+            f"| {last:.4f} | {last / ref_last:.4f} |"
         )
     return "\n".join(rows)
+
+
+def scratch_optimizer(variant: str, model: torch.nn.Module, lr: float):
+    """A fresh optimizer of ``--from-scratch``'s variant for ``model``."""
+    groups = param_groups(model, lr)
+    if variant == "bnb":
+        import bitsandbytes.optim
+
+        return bitsandbytes.optim.AdamW8bit(groups, lr=lr)
+    if variant == "ao4":
+        from torchao.optim import AdamW4bit as TorchaoAdamW4bit
+
+        return TorchaoAdamW4bit(groups, lr=lr)
+    cls = {"fp32": torch.optim.AdamW, "ckptq": AdamW8bit, "ckptq4": AdamW4bit}[variant]
+    return cls(groups, lr=lr)
+
+
+def from_scratch(args) -> tuple[dict[str, list[float]], str]:
+    """Every variant trained from the same initialization on the same batches."""
+    cfg, batch_size = model_config(args.size)
+    perm = mc._transition_table(cfg["vocab_size"], torch.Generator().manual_seed(args.seed))
+    data = batches(cfg, batch_size, perm, args.steps, args.seed + 1)
+    curves: dict[str, list[float]] = {}
+    for variant in ["fp32"] + [v for v in args.variants.split(",") if v in SCRATCH_VARIANTS and v != "fp32"]:
+        torch.manual_seed(args.seed)
+        model = mc.GPT(**cfg)
+        train_steps(model, scratch_optimizer(variant, model, args.lr), data, curves.setdefault(variant, []))
+    return curves, f"trained from scratch, lr {args.lr:g}"
 
 
 def _running_mean(xs: list[float], width: int) -> list[float]:
@@ -190,10 +226,30 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--plot", help="write the loss curves to this PNG")
     parser.add_argument("--workdir", help="keep the checkpoints here (default: a temporary folder)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)} (fp32 always runs)")
+    parser.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (--from-scratch: "
+                        f"{', '.join(SCRATCH_VARIANTS)}; fp32 always runs)")
+    parser.add_argument("--from-scratch", action="store_true", help="train every variant from initialization instead")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.variants is None:
+        args.variants = ",".join(SCRATCH_VARIANTS if args.from_scratch else VARIANTS)
+    if args.from_scratch:
+        curves, setting = from_scratch(args)
+    else:
+        curves, setting = resume(args)
+    cfg, _ = model_config(args.size)
+    n = sum(p.numel() for p in mc.GPT(**cfg).parameters())
+    title = f"{args.size} ({n / 1e6:.2f} M params), {setting}"
+    print(f"{title}; {args.steps} steps on identical batches\n")
+    print(summary(curves))
+    if args.plot:
+        plot(curves, args.plot, title)
+        print(f"\nwrote {args.plot}")
+
+
+def resume(args) -> tuple[dict[str, list[float]], str]:
+    """fp32 and the chosen variants resumed from one torch AdamW checkpoint of ``--pretrain`` steps."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.workdir or tmp
         os.makedirs(folder, exist_ok=True)
@@ -212,13 +268,7 @@ def main() -> None:
             torch.manual_seed(args.seed)
             model, opt = start(variant, args.size, args.lr, paths)
             train_steps(model, opt, data, curves.setdefault(variant, []))
-    n = sum(p.numel() for p in mc.GPT(**cfg).parameters())
-    title = f"{args.size} ({n / 1e6:.2f} M params), resumed at step {args.pretrain}, lr {args.lr:g}"
-    print(f"{title}; {args.steps} steps on identical batches\n")
-    print(summary(curves))
-    if args.plot:
-        plot(curves, args.plot, title)
-        print(f"\nwrote {args.plot}")
+    return curves, f"resumed at step {args.pretrain}, lr {args.lr:g}"
 
 
 if __name__ == "__main__":
