@@ -1,5 +1,5 @@
 """Codebooks: 2**bits entries for states of ``bits``-bit codes (256, 64, 16, 4). Each is sorted ascending, lies in [-1, 1]
-and contains 0, except the 2-bit second-moment map (``geometric_map``).
+and contains 0, except the geometric second-moment maps (``geometric_map``).
 
 Files record the codebook values themselves, so a reader never needs these constructors: they only
 decide what new files get.
@@ -101,9 +101,11 @@ def lloyd_gaussian_map_6bit() -> torch.Tensor:
 
 
 def geometric_map(bits: int = 2, base: float = 3.0) -> torch.Tensor:
-    """``base ** (k - K)`` for k = 0..K, K = 2**bits - 1, fp32, ascending, ending at 1: the 2-bit second
-    moment codebook (sqrt(v) / absmax on 1/27, 1/9, 1/3, 1). It holds no 0 on purpose: a level of 0 would
-    leave only two for the spread of a block's sqrt(v), and v's error cancels out of the update anyway
-    (``ckptq.qstate``); what it changes is the next steps' v, which tools/bit_split.py measured."""
+    """``base ** (k - K)`` for k = 0..K, K = 2**bits - 1, fp32, ascending, ending at 1: second-moment
+    codebooks with the same relative gap everywhere. 2 bits, base 3: a converted file's sqrt(v) / absmax
+    on 1/27, 1/9, 1/3, 1; 4 bits, base 1.3: the 4-bit optimizer's, from 1.3**-15 ~ 0.02. No 0 on purpose:
+    a value below the lowest level is rounded up to it, never down to a 0 that would lose the element's
+    scale (the zero-point problem of Li et al., NeurIPS 2023), and a 2-bit code keeps all 4 levels for
+    the spread of a block."""
     k = torch.arange(2**bits, dtype=torch.float64)
     return torch.pow(float(base), k - (2**bits - 1)).to(torch.float32)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import cpu_runtime, lut
-from .contract import V_SALT, StepFlags, StepState, code_bytes, group_shape, mix32, num_blocks
+from .contract import StepFlags, StepState, code_bytes, group_shape, mix32, num_blocks
 
 STEP_CHUNK = 1 << 18  # elements per chunk of the step (whole blocks for every block size): 1 MB temporaries
 
@@ -238,10 +238,12 @@ def on_device(h: torch.Tensor, device: torch.device) -> torch.Tensor:
     return h if h.device == device else h.to(device)
 
 
-def uniforms(first: int, n: int, seed: int, device) -> torch.Tensor:
-    """The stochastic rounding's u (``contract``) of elements first .. first + n - 1: fp32 [n] in [0, 1)."""
+def uniforms(first: int, n: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stochastic rounding's u (``contract``) of elements first .. first + n - 1 for the first and the
+    second moment: two fp32 [n] in [0, 1), the high and low halves of one hash per element."""
     index = torch.arange(first, first + n, dtype=torch.int64, device=device) & 0xFFFFFFFF
-    return (mix32(index ^ seed) >> 8).to(torch.float32) * 2.0**-24  # a 24-bit integer: exact in fp32
+    h = mix32(index ^ seed)
+    return (h >> 16).to(torch.float32) * 2.0**-16, (h & 0xFFFF).to(torch.float32) * 2.0**-16  # exact in fp32
 
 
 def stochastic_codes(x: torch.Tensor, absmax: torch.Tensor, nearest: torch.Tensor, qmap: torch.Tensor,
@@ -280,12 +282,11 @@ def step_rows(p, g, h, states: tuple[StepState, ...], ratio: bool, maximize: boo
     p32, m, v, vmax = adam_math(p.float(), g.float(), m, s * s, vmax, h, maximize)
     s = ieee_sqrt(v)  # exact fp32 v: the new divisor of the ratio
     r = m / (s + h[9])
-    new = ()
-    for x, state, salt in ((r, m_state, 0), (s, v_state, V_SALT)):
+    new, us = (), uniforms(first, r.numel(), seed, r.device) if seed is not None else (None, None)
+    for x, state, u in ((r, m_state, us[0]), (s, v_state, us[1])):
         codes, absmax = quantize_rows(x, state.thresholds)
-        if seed is not None:
-            u = uniforms(first, x.numel(), seed ^ salt, x.device).view(x.shape)
-            codes = stochastic_codes(x, absmax, codes, state.encode, u)
+        if u is not None:
+            codes = stochastic_codes(x, absmax, codes, state.encode, u.view(x.shape))
         new += ((codes, absmax),)
     if vmax is not None:
         new += (quantize_rows(ieee_sqrt(vmax), x_state[0].thresholds),)

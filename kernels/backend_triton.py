@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .contract import V_SALT, StepFlags, StepState, num_blocks
+from .contract import StepFlags, StepState, num_blocks
 
 _TILE = 2048  # elements per program when blocks are small
 
@@ -55,16 +55,21 @@ def _mix32(x):
 
 
 @triton.jit
-def _stochastic(pos, x, absmax, enc_ptr, offs, seed, BITS: tl.constexpr):
+def _stochastic(pos, x, absmax, enc_ptr, offs, seed, BITS: tl.constexpr, HIGH: tl.constexpr):
     # Stochastic rounding (contract) of x [ROWS, BLOCK] given _encode's nearest codes pos and block scales
-    # absmax; enc_ptr: the codebook [2**BITS]; offs: the elements' indices in the parameter.
+    # absmax; enc_ptr: the codebook [2**BITS]; offs: the elements' indices in the parameter; HIGH: the
+    # hash's high 16 bits (the first moment) or its low 16 (the second).
     top = (1 << BITS) - 1
     safe = tl.where(absmax > 0, absmax, 1.0)
     y = tl.math.div_rn(x, safe[:, None])
     lo = tl.maximum(pos - (y < tl.load(enc_ptr + pos)).to(tl.int32), 0)
     q_lo = tl.load(enc_ptr + lo)
     h = _mix32(offs.to(tl.uint32) ^ seed.to(tl.uint32, bitcast=True))
-    u = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)  # a 24-bit integer: exact
+    if HIGH:
+        h = h >> 16
+    else:
+        h = h & 0xFFFF
+    u = h.to(tl.float32) * (1.0 / 65536.0)  # a 16-bit integer: exact
     up = u * (tl.load(enc_ptr + tl.minimum(lo + 1, top)) - q_lo) < y - q_lo
     return tl.where(lo >= top, top, lo + up.to(tl.int32))
 
@@ -166,7 +171,6 @@ def _adam_kernel(
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
     M_BITS: tl.constexpr, V_BITS: tl.constexpr, X_BITS: tl.constexpr,  # each moment's code width
     STOCHASTIC: tl.constexpr,  # exp_avg's and exp_avg_sq's new codes round stochastically (else to nearest)
-    V_SALT: tl.constexpr,  # contract.V_SALT as int32 bits: exp_avg_sq's seed is seed ^ V_SALT
 ):
     rows, offs, mask, rmask = _tile(n, n_blocks, BLOCK, ROWS)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -194,11 +198,11 @@ def _adam_kernel(
     r = tl.math.div_rn(m, s + enc_eps)  # the new ratio
     codes, absmax = _encode(r, mask, m_thr, M_BITS)
     if STOCHASTIC:
-        codes = _stochastic(codes, r, absmax, m_enc, offs, seed, M_BITS)
+        codes = _stochastic(codes, r, absmax, m_enc, offs, seed, M_BITS, True)
     _store(codes, absmax, m_codes, m_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, M_BITS)
     codes, absmax = _encode(s, mask, v_thr, V_BITS)
     if STOCHASTIC:
-        codes = _stochastic(codes, s, absmax, v_enc, offs, seed ^ V_SALT, V_BITS)
+        codes = _stochastic(codes, s, absmax, v_enc, offs, seed, V_BITS, False)
     _store(codes, absmax, v_codes, v_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, V_BITS)
 
 
@@ -228,4 +232,4 @@ def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
     _launch(_adam_kernel, p.numel(), flags.block_size, p, g, *h.tolist(), *m[:5], *v[:5], *(x[0] if x else v)[:5],
             seed - (1 << 32) if seed >= 1 << 31 else seed, M_RATIO=flags.ratio, AMSGRAD=bool(x),
             MAXIMIZE=flags.maximize, M_BITS=m.bits, V_BITS=v.bits, X_BITS=(x[0] if x else v).bits,
-            STOCHASTIC=flags.seed is not None, V_SALT=V_SALT, enable_fp_fusion=False)
+            STOCHASTIC=flags.seed is not None, enable_fp_fusion=False)

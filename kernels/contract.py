@@ -28,8 +28,9 @@ Stochastic rounding (the step's new codes of the first and second moment when ``
 set; states under 8 bits use it; max_exp_avg_sq always rounds to nearest): with q the encode codebook, c
 the code above and K = 2**bits, lo = clamp(c - (y < q[c]), 0, K - 1); code = K - 1 if lo == K - 1, else
 lo + (u * (q[lo + 1] - q[lo]) < y - q[lo]) in fp32 (each product and difference rounded once: no
-division, no FMA), where u = (mix32(i mod 2**32 XOR seed') >> 8) * 2**-24, i is the element's index in
-the parameter, seed' = seed for the first moment and seed XOR ``V_SALT`` for the second. A y on a codebook entry keeps its code, a NaN gets the top
+division, no FMA). One hash per element serves both moments: h = mix32(i mod 2**32 XOR seed), i the
+element's index in the parameter; u = (h >> 16) * 2**-16 for the first moment and (h & 0xFFFF) * 2**-16
+for the second (16 bits of probability each). A y on a codebook entry keeps its code, a NaN gets the top
 one; E[q[code]] = y otherwise (up to fp32 rounding). ``mix32`` is the integer hash below (every backend
 computes it on uint32 lanes).
 
@@ -73,7 +74,6 @@ class StepFlags(NamedTuple):
 
 
 MIX32 = (0x7FEB352D, 0x846CA68B)  # the multipliers of mix32
-V_SALT = 0x5BD1E995  # the second moment's stochastic rounding uses seed ^ V_SALT: other numbers than the first's
 
 
 def _mul_mod32(x, c: int):

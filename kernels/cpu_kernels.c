@@ -169,8 +169,6 @@ static inline void put_code(uint8_t *codes, int i, int c, int bits) {
     if (sh + bits > 8) codes[k + 1] = (uint8_t)(c >> (8 - sh));
 }
 
-#define V_SALT 0x5BD1E995u  /* ckptq.kernels.contract.V_SALT: the second moment's seed is seed ^ V_SALT */
-
 /* ckptq.kernels.contract.mix32: the stochastic rounding's hash. */
 static inline uint32_t mix32(uint32_t x) {
     x ^= x >> 16;
@@ -180,12 +178,15 @@ static inline uint32_t mix32(uint32_t x) {
     return x ^ (x >> 16);
 }
 
-/* Stochastic rounding of y (nearest code c) on the codebook q of top + 1 entries, element index i. */
-static inline int stochastic1(float y, int c, const float *q, int top, uint32_t seed, int64_t i) {
+/* The uniform in [0, 1) of one half of hash h (ckptq.kernels.contract): the first moment takes the high
+ * 16 bits (high = 1), the second the low 16. A 16-bit integer times 2^-16: exact. */
+static inline float uniform1(uint32_t h, int high) { return (float)(high ? h >> 16 : h & 0xFFFFu) * 0x1p-16f; }
+
+/* Stochastic rounding of y (nearest code c) on the codebook q of top + 1 entries with uniform u. */
+static inline int stochastic1(float y, int c, const float *q, int top, float u) {
     int lo = c - (y < q[c]);
     if (lo < 0) lo = 0;
     if (lo >= top) return top;
-    float u = (float)(mix32((uint32_t)i ^ seed) >> 8) * 0x1p-24f;
     return lo + (u * (q[lo + 1] - q[lo]) < y - q[lo]);
 }
 
@@ -301,30 +302,69 @@ static inline __m512i mix32x16(__m512i x) {
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-/* stochastic1 on 16 lanes; i0: the element index of lane 0; q: the codebook. */
-static inline __m512i stochastic16(__m512 y, __m512i c, const cb_t *q, uint32_t seed, int64_t i0) {
+/* The contract's stochastic rounding on 16 lanes from lo (the entry at or below y, clamped to
+ * 0 .. K - 1): lo + 1 with probability (y - q[lo]) / (q[lo + 1] - q[lo]), top stays top. q: the codebook,
+ * u: the lanes' uniforms (uniform16). */
+static inline __m512i stochastic16_up(__m512 y, __m512i lo, const cb_t *q, __m512 u) {
     const int top = (1 << q->bits) - 1;
     const __m512i one = _mm512_set1_epi32(1), vtop = _mm512_set1_epi32(top);
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i lo = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(y, cb_lookup(q, c), _CMP_LT_OQ), c, one);
-    lo = _mm512_max_epi32(lo, _mm512_setzero_si512());
     __mmask16 at_top = _mm512_cmpge_epi32_mask(lo, vtop);
     __m512 q_lo = cb_lookup(q, lo);
     __m512 q_hi = cb_lookup(q, _mm512_min_epi32(_mm512_add_epi32(lo, one), vtop));
-    __m512i h = mix32x16(_mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)i0), iota),
-                                          _mm512_set1_epi32((int)seed)));
-    __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)), _mm512_set1_ps(0x1p-24f));
     __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(q_hi, q_lo)), _mm512_sub_ps(y, q_lo), _CMP_LT_OQ);
     return _mm512_mask_mov_epi32(_mm512_mask_add_epi32(lo, up, lo, one), at_top, vtop);
 }
+
+/* stochastic1 on 16 lanes, from the nearest code c. */
+static inline __m512i stochastic16(__m512 y, __m512i c, const cb_t *q, __m512 u) {
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i lo = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(y, cb_lookup(q, c), _CMP_LT_OQ), c, one);
+    return stochastic16_up(y, _mm512_max_epi32(lo, _mm512_setzero_si512()), q, u);
+}
+
+/* uniform1 of 16 hashes. */
+static inline __m512 uniform16(const uint32_t *h, int high) {
+    __m512i x = _mm512_loadu_si512(h);
+    x = high ? _mm512_srli_epi32(x, 16) : _mm512_and_si512(x, _mm512_set1_epi32(0xFFFF));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(x), _mm512_set1_ps(0x1p-16f));
+}
+
+/* stochastic16 for a codebook of up to 16 entries in a register, without the nearest code: for y not
+ * NaN the contract's lo = clamp(c - (y < q[c]), 0, K - 1) is #{j >= 1 : q[j] <= y} (c counts the
+ * midpoints below y, so q[c - 1] < y < q[c + 1]), found by a binary search of ``bits`` permutes over
+ * q[1 .. K - 1]; a NaN gets lo = K - 1, hence the top code, as the contract's c = K - 1 gives it. */
+static inline __m512i stochastic16_reg(__m512 y, const cb_t *q, __m512 u) {
+    const int top = (1 << q->bits) - 1;
+    __m512i lo = _mm512_setzero_si512();
+    for (int step = (top + 1) / 2; step >= 1; step >>= 1) {
+        __m512i probe = _mm512_add_epi32(lo, _mm512_set1_epi32(step));
+        __mmask16 at_or_below = _mm512_cmp_ps_mask(_mm512_permutexvar_ps(probe, q->r[0]), y, _CMP_LE_OQ);
+        lo = _mm512_mask_mov_epi32(lo, at_or_below, probe);
+    }
+    lo = _mm512_mask_mov_epi32(lo, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(top));
+    return stochastic16_up(y, lo, q, u);
+}
 #endif
+
+/* h[k] = mix32((i0 + k) mod 2^32 ^ seed) for k < len: the step's stochastic rounding hashes. */
+static inline void hashes(uint32_t *h, int len, int64_t i0, uint32_t seed) {
+    int k = 0;
+#if VEC
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; k + VEC <= len; k += VEC) {
+        __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(i0 + k)), iota);
+        _mm512_storeu_si512(h + k, mix32x16(_mm512_xor_si512(idx, _mm512_set1_epi32((int)seed))));
+    }
+#endif
+    for (; k < len; k++) h[k] = mix32((uint32_t)(i0 + k) ^ seed);
+}
 
 /* code i = #{t < x[i] / safe} via the code table (see the header), or for 4 and 2 bits with the
  * thresholds thr15 in a register; a NaN gets the top code; codes packed as put_code does. With a codebook
- * q (stochastic rounding, ckptq.kernels.contract), the code is then rounded stochastically instead, x[0]
- * being element ``first`` of the tensor. */
+ * q (stochastic rounding, ckptq.kernels.contract), the code is then rounded stochastically instead, with
+ * the uniforms of hashes h (their high halves when ``high``). */
 static inline void encode_block(const float *x, int len, float absmax, const int32_t *table, uint8_t *codes,
-                                int bits, const float *q, uint32_t seed, int64_t first, const float *thr15) {
+                                int bits, const float *q, const uint32_t *h, int high, const float *thr15) {
     const int top = (1 << bits) - 1;
     float safe = absmax > 0.0f ? absmax : 1.0f;  /* NaN > 0 is false: a NaN block divides by 1 */
     int i = 0;
@@ -335,15 +375,20 @@ static inline void encode_block(const float *x, int len, float absmax, const int
     const __m512 t15 = in_register ? _mm512_maskz_loadu_ps((__mmask16)((1u << top) - 1), thr15) : vsafe;
     for (; i + VEC <= len; i += VEC) {
         __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), vsafe);
-        __m512i code = in_register ? nearest16_reg(y, t15, top) : nearest16(y, table, top);
-        if (q) code = stochastic16(y, code, &cb, seed, first + i);
+        __m512i code;
+        if (q && bits <= 4)  /* the codebook's own entries in a register: no nearest code needed */
+            code = stochastic16_reg(y, &cb, uniform16(h + i, high));
+        else {
+            code = in_register ? nearest16_reg(y, t15, top) : nearest16(y, table, top);
+            if (q) code = stochastic16(y, code, &cb, uniform16(h + i, high));
+        }
         put_codes16(codes, i, code, bits);
     }
 #endif
     for (; i < len; i++) {  /* the vector loop stops at a multiple of 16: on a byte */
         float y = x[i] / safe;
         int code = nearest1(y, table, top);
-        put_code(codes, i, q ? stochastic1(y, code, q, top, seed, first + i) : code, bits);
+        put_code(codes, i, q ? stochastic1(y, code, q, top, uniform1(h[i], high)) : code, bits);
     }
 }
 
@@ -567,7 +612,8 @@ static inline void step16(const vstep_t *k, __m512 s, __m512 m, __m512 xs, const
  * 16 entries, which the vector loops search in a register, the code tables serving the rest). Operation
  * order as step_rows.
  * With m_round / v_round (the first / second moment's encode codebook) its new codes are rounded
- * stochastically with seed / seed ^ V_SALT; element 0 is element ``first`` of the parameter. */
+ * stochastically, both from one hash per element, mix32(i ^ seed) with i = ``first`` + the element's
+ * index here (the first moment its high 16 bits, the second its low 16). */
 int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int64_t block,
                    uint8_t *m_codes, float *m_absmax, const float *m_decode, const int32_t *m_table, int m_ratio,
                    uint8_t *v_codes, float *v_absmax, const float *v_decode, const int32_t *v_table,
@@ -581,6 +627,7 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
     /* one block each of param, grad (other dtypes than fp32), new ratio, sqrt(v), sqrt(vmax): C99 VLAs,
      * 5 KB at the default block size, 80 KB at 4096 */
     float pb[block], gb[block], mb[block], sb[block], xb[block];
+    uint32_t hb[block];  /* the block's stochastic rounding hashes */
     const float decay = h[DECAY], l2 = h[L2], omb1 = h[OMB1], beta2 = h[BETA2], omb2 = h[OMB2], eps = h[EPS];
     const float neg_step = h[NEG_STEP], bc2_sqrt = h[BC2_SQRT], dec_eps = h[DECODE_EPS], enc_eps = h[ENCODE_EPS];
     const int amsgrad = x_codes != 0;
@@ -698,9 +745,10 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
             for (int i = 0; i < len; i++) d[i] = f32_to_f16(pb[i]);
         }
         m_absmax[b] = have_max ? mx : block_absmax(mb, len);
-        encode_block(mb, len, m_absmax[b], m_table, m_codes + m_at, m_bits, m_round, seed, first + off, m_thr);
+        if (m_round || v_round) hashes(hb, len, first + off, seed);
+        encode_block(mb, len, m_absmax[b], m_table, m_codes + m_at, m_bits, m_round, hb, 1, m_thr);
         v_absmax[b] = have_max ? sx : block_absmax(sb, len);
-        encode_block(sb, len, v_absmax[b], v_table, v_codes + v_at, v_bits, v_round, seed ^ V_SALT, first + off, v_thr);
+        encode_block(sb, len, v_absmax[b], v_table, v_codes + v_at, v_bits, v_round, hb, 0, v_thr);
         if (amsgrad) {
             x_absmax[b] = have_max ? xx : block_absmax(xb, len);
             encode_block(xb, len, x_absmax[b], x_table, x_codes + x_at, x_bits, 0, 0, 0, x_thr);

@@ -27,9 +27,10 @@ needs_c = pytest.mark.skipif(native.library() is None, reason=f"C kernels unavai
 def test_codebooks_are_sorted_and_hold_their_ends():
     for name, qmap in QMAPS.items():
         assert qmap.shape == (2 ** WIDTH[name],) and bool((qmap[1:] > qmap[:-1]).all())
-        assert float(qmap[-1]) == 1.0 and (0.0 in qmap.tolist()) == (name != "sqrt2")
-    assert float(QMAPS["ratio"][0]) == float(QMAPS["ratio6"][0]) == -1.0 and float(QMAPS["sqrt"][0]) == 0.0
+        assert float(qmap[-1]) == 1.0 and (0.0 in qmap.tolist()) == (name not in ("sqrt", "sqrt2"))
+    assert float(QMAPS["ratio"][0]) == float(QMAPS["ratio6"][0]) == -1.0
     assert QMAPS["sqrt2"].tolist() == pytest.approx([1 / 27, 1 / 9, 1 / 3, 1])
+    assert QMAPS["sqrt"].tolist() == pytest.approx([1.3 ** (k - 15) for k in range(16)])  # no 0: see qstate
 
 
 def _bit_stream(codes: torch.Tensor, n: int, bits: int) -> list[int]:
@@ -246,7 +247,7 @@ def test_stochastic_rounding_is_unbiased_between_the_two_neighbours():
     row = torch.cat([torch.rand(59, generator=gen) * 2 - 1, qmap[[0, 5, 7, 12]], torch.tensor([1.0])])  # absmax 1
     x = row.repeat(4000, 1)  # [4000, 64]: each value rounded with 4000 random numbers (element indices differ)
     nearest, absmax = backend_torch.reference_codes(x.reshape(-1), ops.midpoints(qmap), 64)
-    u = backend_torch.uniforms(0, x.numel(), 2**32 - 7, "cpu").view(x.shape)
+    u = backend_torch.uniforms(0, x.numel(), 2**32 - 7, "cpu")[0].view(x.shape)
     codes = backend_torch.stochastic_codes(x, absmax, nearest.view(x.shape), qmap, u).long()
     below = (torch.searchsorted(qmap, row, right=True) - 1).clamp(max=14)
     assert bool(((codes == below) | (codes == below + 1)).all())
@@ -257,7 +258,7 @@ def test_stochastic_rounding_is_unbiased_between_the_two_neighbours():
     assert float((qmap[codes].mean(0) - row).abs().max()) < 0.012
     nan = torch.tensor([[0.5, float("nan")] * 32])
     near, scale = backend_torch.reference_codes(nan.view(-1), ops.midpoints(qmap), 64)
-    nan_codes = backend_torch.stochastic_codes(nan, scale, near.view(1, 64), qmap, backend_torch.uniforms(0, 64, 1, "cpu").view(1, 64))
+    nan_codes = backend_torch.stochastic_codes(nan, scale, near.view(1, 64), qmap, backend_torch.uniforms(0, 64, 1, "cpu")[1].view(1, 64))
     assert bool((nan_codes[:, 1::2] == 15).all()) and set(nan_codes[:, ::2].unique().tolist()) <= {12, 13}
 
 
