@@ -85,7 +85,7 @@ def check_flags(group: dict) -> None:
 
 def check_options(block_size, min_size, backend, bits=8) -> int:
     """Check ckptq's own options; returns the block size (``None``: the default for ``bits``)."""
-    if type(bits) is not int or bits not in ops.SUPPORTED_BITS:
+    if type(bits) is not int or bits not in ops.BUDGETS:
         raise ArgumentError(f"bits {bits!r} is not supported; use 8 or 4")
     block_size = ops.DEFAULT_BLOCK_SIZES[bits] if block_size is None else block_size
     if block_size not in ops.BLOCK_SIZES:

@@ -89,6 +89,8 @@ def test_bad_bits_are_one_line_errors(trained_ckpt, tmp_path):
     assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "ckpt.q3.safetensors").exists()
     with pytest.raises(ArgumentError, match="bits 3 is not supported"):
         AdamW8bit([torch.nn.Parameter(torch.zeros(3))], bits=3)
+    with pytest.raises(ArgumentError, match="bits 6 is not supported"):  # a code width, not a budget
+        AdamW8bit([torch.nn.Parameter(torch.zeros(3))], bits=6)
 
 
 def test_8bit_state_loads_into_the_4bit_optimizer_and_back():
