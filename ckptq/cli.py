@@ -128,7 +128,7 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def convert(src, output, bits, block_size, min_size, key, device, compress, level, threads, max_shard_size, trust,
             force, replace, quiet, as_json):
-    """Convert the fp32 Adam moments in SRC to 8-bit (--bits 4: 4-bit): a torch.save file or a converted
+    """Convert the fp32 Adam moments in SRC to 8-bit (--bits 4: 4 bits per value): a torch.save file or a converted
     file -> safetensors; a Trainer, accelerate or Lightning checkpoint folder -> each optimizer file beside
     it (optimizer.pt -> optimizer.q8.safetensors); a torch.distributed.checkpoint folder -> a DCP folder
     (SRC.q8; under torchrun the ranks share the work); a DeepSpeed ZeRO checkpoint -> its optimizer

@@ -34,7 +34,7 @@ COMPRESS_GAIN = {"weights": 1.19, "moments": 1.07}
 
 
 def moment_bytes(numel: int, bits: int, block_size: int) -> int:
-    """Bytes of one quantized moment: codes packed ``8 // bits`` per byte and one fp32 scale per block
+    """Bytes of one quantized moment: ``bits`` per code, packed, and one fp32 scale per block
     (docs/FORMAT.md §5; the codebook, 1 KiB per file, is left out)."""
     return math.ceil(numel * bits / 8) + 4 * math.ceil(numel / block_size)
 

@@ -270,8 +270,8 @@ def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[Step
                   bits: int | Sequence[int] = 8, seed: int | None = None) -> None:
     """One fused low-bit Adam(W) step on one parameter, in place: the param and each moment's codes/absmax.
     ``bits``: the code width of every moment, or one per moment (8, 6, 4 or 2; codebooks of 2**bits entries). ``seed`` (an integer
-    in [0, 2**32)): exp_avg's new codes are rounded stochastically, unbiased, with random numbers hashed from
-    the seed and each element's index (``ckptq.kernels.contract``); None rounds to nearest.
+    in [0, 2**32)): exp_avg's and exp_avg_sq's new codes are rounded stochastically, unbiased, with random
+    numbers hashed from the seed and each element's index (``ckptq.kernels.contract``); None rounds to nearest.
 
     ``states``: exp_avg, exp_avg_sq and optionally max_exp_avg_sq (both stored as sqrt(v)); exp_avg's codes
     are ratios m / (sqrt(v) + decode_eps) when ``ratio``, plain values otherwise, and are always written

@@ -130,7 +130,8 @@ def convert(
     replace: bool = False,
     progress: Progress | None = None,
 ) -> ConvertReport:
-    """Convert a torch.save checkpoint's fp32 optimizer states to blockwise 8-bit (``bits=4``: 4-bit) codes;
+    """Convert a torch.save checkpoint's fp32 optimizer states to blockwise 8-bit codes (``bits=4``: 4 bits per
+    value, a 6-bit ratio over a 2-bit second moment, ``qstate.convert_width``);
     write safetensors. A converted ckptq file as ``src`` is decoded and re-encoded at ``bits`` (8 <-> 4). A
     Trainer / accelerate / Lightning checkpoint folder: its optimizer files, each beside its original.
     ``block_size``: values per scale (default 256 for 8 bits, 128 for 4).

@@ -67,7 +67,7 @@ class PendingQuant:
     backend: str = "auto"
     divisor: tuple | None = None  # (sibling key, its exact tensor, eps'): store as a ratio state
     device: str = "cpu"  # where quantization runs ("cuda": the Triton kernels); inputs stay on the CPU
-    bits: int = 8  # code width: 8 or 4
+    bits: int = 8  # code width: 8, 6, 4 or 2 (``qstate.convert_width``)
     _result: dict | None = field(default=None, repr=False)
 
     def result(self) -> dict:

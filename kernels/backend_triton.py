@@ -116,7 +116,7 @@ def _store(codes, absmax, codes_ptr, absmax_ptr, offs, rows, mask, rmask, n,
         quads = tl.reshape(tl.where(mask, codes, 0), (ROWS, BLOCK // 4, 4))
         word = tl.sum(quads << (tl.arange(0, 4) * BITS)[None, None, :], axis=2)  # [ROWS, BLOCK / 4]
         groups = rows[:, None] * (BLOCK // 4) + tl.arange(0, BLOCK // 4)[None, :]
-        nbytes = (n * BITS + 7) // 8
+        nbytes = (tl.full([1, 1], n, tl.int64) * BITS + 7) // 8  # in int64: n * 6 passes 2**31 from n ~ 358 M
         for j in tl.static_range(BITS // 2):  # the group's bytes: 1 (2 bits) or 3 (6 bits)
             boffs = groups * (BITS // 2) + j
             tl.store(codes_ptr + boffs, ((word >> (8 * j)) & 255).to(tl.uint8), mask=boffs < nbytes)

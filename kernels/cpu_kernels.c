@@ -624,10 +624,10 @@ int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int
     if (BAD_BLOCK(block) || BAD_BITS(m_bits, block) || BAD_BITS(v_bits, block) || (x_codes && BAD_BITS(x_bits, block)))
         return -1;
     const int bits = m_bits == v_bits && (!x_codes || x_bits == m_bits) ? m_bits : 0;  /* 0: widths differ */
-    /* one block each of param, grad (other dtypes than fp32), new ratio, sqrt(v), sqrt(vmax): C99 VLAs,
-     * 5 KB at the default block size, 80 KB at 4096 */
+    /* one block each of param, grad (other dtypes than fp32), new ratio, sqrt(v), sqrt(vmax) and the
+     * stochastic rounding hashes: C99 VLAs, 6 KB at the default block size, 96 KB at 4096 */
     float pb[block], gb[block], mb[block], sb[block], xb[block];
-    uint32_t hb[block];  /* the block's stochastic rounding hashes */
+    uint32_t hb[block];
     const float decay = h[DECAY], l2 = h[L2], omb1 = h[OMB1], beta2 = h[BETA2], omb2 = h[OMB2], eps = h[EPS];
     const float neg_step = h[NEG_STEP], bc2_sqrt = h[BC2_SQRT], dec_eps = h[DECODE_EPS], enc_eps = h[ENCODE_EPS];
     const int amsgrad = x_codes != 0;

@@ -213,7 +213,7 @@ def test_triton_step_matches_the_reference(n, block, kw):
     _assert_same_states(sa, sb)
 
 
-def test_step_refuses_states_of_the_other_width():
+def test_step_refuses_codebooks_and_codes_of_another_width():
     p = torch.randn(300)
     m8 = ops.quantize_blockwise(torch.randn(300), codebooks.power_map(True, 1.5), 64)
     v4 = ops.quantize_blockwise(torch.rand(300), QMAPS["sqrt"], 64, "sqrt", bits=4)
@@ -295,7 +295,8 @@ def test_stochastic_steps_match_the_reference_at_both_widths(bits, backend):
         for (ca, aa), (cb, ab) in zip(sa, sb):
             assert torch.equal(ca, cb)
             _assert_same(aa, ab)
-    assert not torch.equal(_stepped(bits, "torch", 6, "cpu")[1][0][0], _stepped(bits, "torch", 6 + 97, "cpu")[1][0][0])
+    a, b = _stepped(bits, "torch", 6, "cpu")[1], _stepped(bits, "torch", 6 + 97, "cpu")[1]
+    assert not torch.equal(a[0][0], b[0][0]) and not torch.equal(a[1][0], b[1][0])  # both moments draw
 
 
 @pytest.mark.parametrize("seed", (-1, 2**32, True, 1.5))
@@ -365,3 +366,25 @@ def test_one_width_per_moment_is_checked():
     with pytest.raises(UsageError, match="codebook must be a float tensor of 4 entries"):
         ops.adam8bit_step(torch.zeros(64), torch.zeros(64), states, torch.zeros(10), block_size=64, ratio=True,
                           bits=[6, 2][::-1])
+
+
+@pytest.mark.parametrize("bits", (6, 2))
+def test_triton_stores_codes_of_tensors_past_2_31_bits(bits):
+    """The last byte a store may write is computed in int64: with n * bits past 2**31 an int32 product
+    wrapped negative and masked every code byte off (found in review). One program's tile of a tensor of
+    400 M (6 bits) or 1.5 G (2 bits) elements must get the codes a 4096-element tensor gets there."""
+    device = _triton()
+    from ckptq.kernels import backend_triton
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(bits)).to(device)
+    qmap = QMAPS["ratio6" if bits == 6 else "sqrt2"].to(device)
+    tile = []
+    for n in (4096, 400_000_000 if bits == 6 else 1_500_000_000):  # n * bits wraps negative in int32
+        codes = torch.full((4096 * bits // 8,), 0xAA, dtype=torch.uint8, device=device)
+        absmax = torch.zeros(32, device=device)
+        backend_triton._quantize_kernel[(1,)](x.abs() if bits == 2 else x, ops.midpoints(qmap), codes, absmax, n,
+                                              -(-n // 128), BLOCK=128, ROWS=16, SQRT=False, BITS=bits)
+        tile.append(codes[: 16 * 128 * bits // 8].cpu())
+    want, _ = ops.quantize_blockwise(x[: 16 * 128].cpu().abs() if bits == 2 else x[: 16 * 128].cpu(), qmap.cpu(),
+                                     128, backend="torch", bits=bits)
+    assert torch.equal(tile[0], want) and torch.equal(tile[1], want)
