@@ -202,16 +202,19 @@ static inline __m512i nearest16(__m512 y, const int32_t *table, int nan_code) {
     return _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(nan_code));
 }
 
-/* The same count for the 2**bits - 1 thresholds held in the register t15 (codebooks of up to 16
- * entries): a binary search of ``bits`` permutes, no gather from the 256 KB code table. Probes stay
- * within t15[0 .. 2**bits - 2]. */
-static inline __m512i nearest16_reg(__m512 y, __m512 t15, int nan_code) {
+/* #{k < top : r[first + k] < y} (strict) or <= y (not strict), for r[first .. first + top - 1] ascending
+ * in one register, top = 2**bits - 1 <= 15: a binary search of ``bits`` permutes that probes only those
+ * entries, no gather from the 256 KB code table; a NaN y counts top. With the thresholds (first 0,
+ * strict) it is the nearest code, as nearest16 gives it; with a codebook's own entries (first 1, not
+ * strict) the entry at or below y that stochastic rounding starts from (stochastic16_up). */
+static inline __m512i count16_reg(__m512 y, __m512 r, int top, int first, int strict) {
     __m512i pos = _mm512_setzero_si512();
-    for (int step = (nan_code + 1) / 2; step >= 1; step >>= 1) {
-        __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(pos, _mm512_set1_epi32(step - 1)), t15);
-        pos = _mm512_mask_add_epi32(pos, _mm512_cmp_ps_mask(t, y, _CMP_LT_OQ), pos, _mm512_set1_epi32(step));
+    for (int step = (top + 1) / 2; step >= 1; step >>= 1) {
+        __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(pos, _mm512_set1_epi32(first + step - 1)), r);
+        __mmask16 below = strict ? _mm512_cmp_ps_mask(t, y, _CMP_LT_OQ) : _mm512_cmp_ps_mask(t, y, _CMP_LE_OQ);
+        pos = _mm512_mask_add_epi32(pos, below, pos, _mm512_set1_epi32(step));
     }
-    return _mm512_mask_mov_epi32(pos, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(nan_code));
+    return _mm512_mask_mov_epi32(pos, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(top));
 }
 
 /* Codes of elements i .. i + 15 (i a multiple of 16) into the bit stream: exactly 2 * bits bytes. */
@@ -329,21 +332,6 @@ static inline __m512 uniform16(const uint32_t *h, int high) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(x), _mm512_set1_ps(0x1p-16f));
 }
 
-/* stochastic16 for a codebook of up to 16 entries in a register, without the nearest code: for y not
- * NaN the contract's lo = clamp(c - (y < q[c]), 0, K - 1) is #{j >= 1 : q[j] <= y} (c counts the
- * midpoints below y, so q[c - 1] < y < q[c + 1]), found by a binary search of ``bits`` permutes over
- * q[1 .. K - 1]; a NaN gets lo = K - 1, hence the top code, as the contract's c = K - 1 gives it. */
-static inline __m512i stochastic16_reg(__m512 y, const cb_t *q, __m512 u) {
-    const int top = (1 << q->bits) - 1;
-    __m512i lo = _mm512_setzero_si512();
-    for (int step = (top + 1) / 2; step >= 1; step >>= 1) {
-        __m512i probe = _mm512_add_epi32(lo, _mm512_set1_epi32(step));
-        __mmask16 at_or_below = _mm512_cmp_ps_mask(_mm512_permutexvar_ps(probe, q->r[0]), y, _CMP_LE_OQ);
-        lo = _mm512_mask_mov_epi32(lo, at_or_below, probe);
-    }
-    lo = _mm512_mask_mov_epi32(lo, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(top));
-    return stochastic16_up(y, lo, q, u);
-}
 #endif
 
 /* h[k] = mix32((i0 + k) mod 2^32 ^ seed) for k < len: the step's stochastic rounding hashes. */
@@ -376,10 +364,12 @@ static inline void encode_block(const float *x, int len, float absmax, const int
     for (; i + VEC <= len; i += VEC) {
         __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), vsafe);
         __m512i code;
-        if (q && bits <= 4)  /* the codebook's own entries in a register: no nearest code needed */
-            code = stochastic16_reg(y, &cb, uniform16(h + i, high));
+        if (q && bits <= 4)  /* no nearest code needed: for y not NaN the contract's lo = clamp(c - (y <
+                              * q[c]), 0, K - 1) is #{j >= 1 : q[j] <= y} (q[c - 1] < y < q[c + 1]); a NaN
+                              * counts K - 1, the top code, as the contract's c = K - 1 gives it */
+            code = stochastic16_up(y, count16_reg(y, cb.r[0], top, 1, 0), &cb, uniform16(h + i, high));
         else {
-            code = in_register ? nearest16_reg(y, t15, top) : nearest16(y, table, top);
+            code = in_register ? count16_reg(y, t15, top, 0, 1) : nearest16(y, table, top);
             if (q) code = stochastic16(y, code, &cb, uniform16(h + i, high));
         }
         put_codes16(codes, i, code, bits);
