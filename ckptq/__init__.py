@@ -5,11 +5,32 @@
     ckpt = ckptq.load("ckpt.q8.safetensors")          # quantized states stay quantized
     ckptq.save(ckpt, "copy.q8.safetensors")
     ckptq.expand("ckpt.q8.safetensors", "ckpt_fp32.pt")
+    opt = ckptq.optim.AdamW8bit(model.parameters())
+
+Everything is imported on first use (PEP 562), so ``import ckptq`` and ``ckptq --help`` do not import
+torch; ``ckptq.optim``, ``ckptq.dcp`` and ``ckptq.integrations`` are there without importing them first.
 """
+
+import importlib
 
 __version__ = "0.1.0"
 
-from .errors import CkptqError  # noqa: E402
-from .pipeline import convert, expand, load, save  # noqa: E402
+_FUNCTIONS = {"convert": "ckptq.sources.pipeline", "expand": "ckptq.sources.pipeline", "info": "ckptq.sources.info",
+              "load": "ckptq.sources.pipeline", "save": "ckptq.sources.pipeline", "CkptqError": "ckptq.errors"}
+_SUBPACKAGES = ("optim", "dcp", "integrations", "codec", "format", "sources", "deepspeed", "estimate", "kernels")
+__all__ = ["convert", "expand", "info", "load", "save", "CkptqError", "__version__", "optim", "dcp", "integrations"]
 
-__all__ = ["convert", "expand", "load", "save", "CkptqError", "__version__"]
+
+def __getattr__(name: str):
+    if name in _FUNCTIONS:
+        value = getattr(importlib.import_module(_FUNCTIONS[name]), name)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"ckptq.{name}")
+    else:
+        raise AttributeError(f"module 'ckptq' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

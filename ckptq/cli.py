@@ -10,7 +10,8 @@ from contextlib import contextmanager
 
 import click
 
-from . import __version__, ops
+from . import __version__
+from .codec import ops
 from .errors import CkptqError
 from .format import Compression, parse_size
 
@@ -133,7 +134,7 @@ def convert(src, output, bits, block_size, min_size, key, device, compress, leve
     it (optimizer.pt -> optimizer.q8.safetensors); a torch.distributed.checkpoint folder -> a DCP folder
     (SRC.q8; under torchrun the ranks share the work); a DeepSpeed ZeRO checkpoint -> its optimizer
     partitions beside them."""
-    from .pipeline import convert as run
+    from .sources.pipeline import convert as run
 
     shard = _run(parse_size, max_shard_size) or None
     comp = Compression(level, threads) if compress else None
@@ -175,7 +176,7 @@ def expand(src, output, no_verify, force, quiet, trust, replace):
     """Turn a converted file (or shard index/folder), or a torch.save file holding 8-bit state (ckptq's,
     bitsandbytes', torchao's), back into an ordinary fp32 torch.save checkpoint. A Trainer, accelerate or
     Lightning checkpoint folder: back into the files its resume reads (optimizer.pt, optimizer.bin, *.ckpt)."""
-    from .pipeline import expand as run
+    from .sources.pipeline import expand as run
 
     with _progress(quiet, "expand") as progress:
         r = _run(run, src, output, force=force, verify=not no_verify, trust=trust, replace=replace, progress=progress)
@@ -196,7 +197,7 @@ def expand(src, output, no_verify, force, quiet, trust, replace):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def info(path, bits, min_size, block_size, key, trust, as_json):
     """Show what is inside a torch checkpoint or a converted file: roles, sizes, savings, options."""
-    from .info import info as run
+    from .sources.info import info as run
 
     r = _run(run, path, key=key, min_size=min_size, block_size=block_size, trust=trust, bits=bits)
     click.echo(json.dumps(r, indent=1) if as_json else _format_info(r))
@@ -284,7 +285,7 @@ def _format_info(r: dict) -> str:
 def estimate(model, batch_size, seq_len, world_size, zero_stage, precision, attention, block_size, min_size, as_json):
     """What full fine-tuning with AdamW needs per device, and its checkpoint on disk. MODEL: a Hugging Face
     config.json, a folder holding one, or a parameter count (7B, 125M)."""
-    from .estimate import Setup, estimate as run
+    from .estimate.memory import Setup, estimate as run
 
     setup = Setup(batch_size, seq_len, world_size, zero_stage, precision, attention, block_size, min_size)
     r = _run(run, model, setup)

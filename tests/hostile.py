@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import ckptq  # noqa: E402
-from ckptq import codebooks, format, ops  # noqa: E402
+from ckptq.codec import codebooks, ops
+from ckptq import format  # noqa: E402
 from ckptq.errors import CkptqError  # noqa: E402
 from test_format import assert_same  # noqa: E402
 
@@ -98,7 +99,7 @@ def rewrite(path: str, edit, reseal: bool = True) -> None:
     it again as a writer would: what a deliberately crafted file looks like."""
     import json
 
-    from ckptq import integrity
+    from ckptq.format import integrity
 
     data = open(path, "rb").read()
     (n,) = struct.unpack("<Q", data[:8])
@@ -132,7 +133,7 @@ def write_index(path: str, index: dict) -> None:
     """Write an index sealed as ckptq would (a crafted index carries a valid checksum)."""
     import json
 
-    from ckptq import integrity
+    from ckptq.format import integrity
 
     index["metadata"][integrity.KEY] = integrity.PLACEHOLDER
     raw = bytearray(json.dumps(index, indent=1, separators=(",", ":")).encode())

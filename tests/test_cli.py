@@ -134,7 +134,7 @@ def test_help_and_version():
 def test_write_failure_midway_leaves_nothing_and_input_untouched(failure, code, message, compress, trained_ckpt,
                                                                   tmp_path, monkeypatch):
     """A full disk or Ctrl-C in the middle of writing: one line, no output, no temp file, input as it was."""
-    from ckptq import safetensors_io
+    from ckptq.format import safetensors_io
 
     path, _, _ = trained_ckpt
     before = open(path, "rb").read()
@@ -155,7 +155,7 @@ def test_write_failure_midway_leaves_nothing_and_input_untouched(failure, code, 
 
 
 def test_expand_interrupted_leaves_nothing(trained_ckpt, tmp_path, monkeypatch):
-    from ckptq import qstate
+    from ckptq.codec import qstate
 
     path, _, _ = trained_ckpt
     assert run("convert", path, "-q").exit_code == 0

@@ -9,7 +9,7 @@ import pytest
 import numpy as np
 import torch
 
-from ckptq import codebooks, ops
+from ckptq.codec import codebooks, ops
 from ckptq.errors import UsageError
 from ckptq.kernels import backend_torch, cpu_runtime, lut, native
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import zstandard
 
-from ckptq.compress import MIN_BYTES, compress, decompress
+from ckptq.format.compress import MIN_BYTES, compress, decompress
 from ckptq.errors import FormatError
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.uint8, torch.int64, torch.bool]

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 import ckptq
 from ckptq.cli import main
 from ckptq.errors import InputError
-from ckptq.info import info as ckptq_info
+from ckptq.sources.info import info as ckptq_info
 from ckptq.optim import AdamW8bit
 
 
@@ -184,7 +184,7 @@ def test_the_optimizer_never_loads_finite_state_into_nan(recwarn):
     """AdamW8bit.load_state_dict of fp32 moments that 8 bits would damage: a negative second moment keeps
     that parameter's state fp32 (with a warning naming it); a ratio that would overflow stores the first
     moment on its own. Nothing finite comes back non-finite."""
-    from ckptq import qstate
+    from ckptq.codec import qstate
     from ckptq.optim import AdamW8bit
 
     sd = _adamw_state()

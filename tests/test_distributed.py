@@ -78,7 +78,7 @@ def single_process(stop: int, opts=("adamw8bit",), switch_at: int = 0, via_8bit:
 
 def _through_8bit(sd: dict) -> dict:
     """fp32 moments quantized as ckptq stores them and decoded back (8-bit ones just decoded)."""
-    from ckptq import qstate, sharded
+    from ckptq.codec import qstate, sharded
 
     group = sd["param_groups"][0]
     out = {"param_groups": sd["param_groups"], "state": {}}

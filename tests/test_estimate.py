@@ -10,9 +10,9 @@ from click.testing import CliRunner
 
 from ckptq.cli import main
 from ckptq.errors import InputError, UsageError
-from ckptq.estimate import Setup, estimate, moment_bytes, state_bytes
-from ckptq.estimate_activations import activation_bytes, layer_bytes_per_token
-from ckptq.estimate_params import Architecture, Model, model_from_config, parse_count
+from ckptq.estimate.memory import Setup, estimate, moment_bytes, state_bytes
+from ckptq.estimate.activations import activation_bytes, layer_bytes_per_token
+from ckptq.estimate.params import Architecture, Model, model_from_config, parse_count
 
 SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
 CONFIGS = {

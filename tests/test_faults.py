@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckptq
-from ckptq.files import TMP_MARK, remove_stale_temps
+from ckptq.format.files import TMP_MARK, remove_stale_temps
 
 
 @pytest.fixture
@@ -69,8 +69,8 @@ def test_expand_is_reproducible(ckpt, tmp_path):
 
 
 KILL = {  # where the child SIGKILLs itself: (module attribute to wrap, after how many calls)
-    "convert, mid-tensor": ("ckptq.safetensors_io:_write_tensor", 3),
-    "expand, mid-record": ("ckptq.torch_stream:_Sink.write", 6),
+    "convert, mid-tensor": ("ckptq.format.safetensors_io:_write_tensor", 3),
+    "expand, mid-record": ("ckptq.format.torch_stream:_Sink.write", 6),
     "sharded overwrite, between renames": ("os:replace", 4),
 }
 

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 from conftest import TinyLM, param_groups, train
 
-from ckptq import readback
+from ckptq.sources import readback
 from ckptq.cli import main
 from ckptq.optim import AdamW8bit
 
@@ -203,7 +203,7 @@ def _listing(d):
 
 
 def test_a_failed_write_during_replace_deletes_nothing_and_leaves_no_file(tmp_path, monkeypatch):
-    from ckptq import safetensors_io
+    from ckptq.format import safetensors_io
 
     d = trainer_folder(tmp_path)
     before = digests(d)

@@ -97,7 +97,7 @@ def test_adamw8bit_loads_bitsandbytes_state_directly():
     """AdamW8bit.load_state_dict takes a bitsandbytes AdamW8bit state dict as it is (the user's dict is not
     modified) and continues from the moments bitsandbytes decodes to."""
     bnb = pytest.importorskip("bitsandbytes")
-    from ckptq import qstate
+    from ckptq.codec import qstate
     from ckptq.optim import AdamW8bit
 
     ps, opt = _train(bnb.optim.AdamW8bit)

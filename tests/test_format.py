@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 import ckptq
-from ckptq import format, integrity, qstate
+from ckptq import format
+from ckptq.format import integrity
+from ckptq.codec import qstate
 from ckptq.errors import ChecksumError, FormatError, InputError, OutputExistsError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
@@ -233,7 +235,7 @@ def test_existing_output_needs_force_and_failed_write_leaves_nothing(tmp_path):
     class Boom(torch.Tensor):
         pass
 
-    from ckptq import tree
+    from ckptq.codec import tree
 
     skeleton, stored = tree.flatten({"a": torch.ones(3), "b": torch.ones(4)})
 

@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptq
-from ckptq import ops, qstate, sharded
+from ckptq.codec import ops, qstate, sharded
 from ckptq.cli import main
 from ckptq.errors import ArgumentError
 from ckptq.optim import AdamW4bit, AdamW8bit

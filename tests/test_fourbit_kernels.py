@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from ckptq import codebooks, ops, qstate
+from ckptq.codec import codebooks, ops, qstate
 from ckptq.errors import UsageError
 from ckptq.kernels import backend_torch, native
 from ckptq.optim import Adam4bit, AdamW4bit
@@ -265,7 +265,7 @@ def test_stochastic_rounding_is_unbiased_between_the_two_neighbours():
 def _stepped(bits: int, backend: str, seed: int, device: str):
     from test_kernels_adam import _clone  # the Triton step test's helpers
 
-    from ckptq import adam
+    from ckptq.optim import adam
     gen = torch.Generator().manual_seed(bits + seed % 97)
     n, block = 1000, 128
     p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 import ckptq
-from ckptq import codebooks, ops
+from ckptq.codec import codebooks, ops
 from test_format import assert_same
 
 GOLDEN_V1 = os.path.join(os.path.dirname(__file__), "golden", "v1.safetensors")

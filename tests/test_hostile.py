@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckptq
-from ckptq import compress, integrity
+from ckptq.format import compress, integrity
 from ckptq.errors import CkptqError, FormatError, InputError
 from hostile import (KINDS, edit_skeleton, make_set, mutation_campaign, resealed_campaign, rewrite,
                      write_index)
@@ -209,11 +209,11 @@ def test_fifos_never_hang_any_command(tmp_path):
     os.unlink(paths[2])
     os.mkfifo(paths[2])
     script = f"""
-import ckptq, ckptq.info
+import ckptq
 from ckptq.errors import InputError
 fifo, pt, index = {str(tmp_path / "fifo.safetensors")!r}, {str(tmp_path / "fifo.pt")!r}, {paths[0]!r}
 calls = [lambda: ckptq.convert(pt), lambda: ckptq.convert(fifo), lambda: ckptq.expand(fifo, fifo + ".pt"),
-         lambda: ckptq.info.info(fifo), lambda: ckptq.info.info(pt), lambda: ckptq.load(fifo),
+         lambda: ckptq.info(fifo), lambda: ckptq.info(pt), lambda: ckptq.load(fifo),
          lambda: ckptq.load(index), lambda: ckptq.expand(index, index + ".pt")]
 for call in calls:
     try:
@@ -274,13 +274,11 @@ def test_decompression_bomb_is_refused_before_allocating(case, tmp_path, monkeyp
 
 
 def test_damaged_files_from_info_are_one_line_too(plain):
-    import ckptq.info
-
     with open(plain, "r+b") as f:
         f.seek(100)
         f.write(b"#")
     with pytest.raises(CkptqError) as e:
-        ckptq.info.info(plain)
+        ckptq.info(plain)
     assert "\n" not in str(e.value)
 
 

@@ -14,7 +14,7 @@ import ckptq
 from ckptq.integrations import _state
 from ckptq.integrations.accelerate import store_8bit
 from ckptq.optim import AdamW8bit, to_torch_state_dict
-from ckptq.qstate import count_qstates, is_qstate
+from ckptq.codec.qstate import count_qstates, is_qstate
 
 FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning")
 

@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from ckptq import adam, qstate  # noqa: E402
+from ckptq.optim import adam
+from ckptq.codec import qstate  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Irregular sizes around block boundaries (small: the interpreter is slow).

@@ -16,7 +16,7 @@ if DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from ckptq import codebooks, ops  # noqa: E402
+from ckptq.codec import codebooks, ops  # noqa: E402
 from ckptq.errors import UsageError  # noqa: E402
 
 BLOCK_SIZES = (64, 256, 4096)

@@ -11,7 +11,7 @@ import platform
 import pytest
 import torch
 
-from ckptq import codebooks, ops, qstate
+from ckptq.codec import codebooks, ops, qstate
 from ckptq.kernels import backend_torch, lut
 from ckptq.errors import UsageError
 from ckptq.kernels import native

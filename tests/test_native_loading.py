@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptq import codebooks, ops
+from ckptq.codec import codebooks, ops
 from ckptq.kernels import native
 
 CC = shutil.which("cc")
@@ -170,7 +170,7 @@ def _child(code: str, env_path: Path, *args: str) -> subprocess.CompletedProcess
 
 LOAD_AND_CHECK = """
 import warnings, torch
-from ckptq import codebooks, ops
+from ckptq.codec import codebooks, ops
 from ckptq.kernels import native
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

@@ -5,7 +5,8 @@ that say what to fix; backend choice happens here; DTensor parameters are steppe
 import pytest
 import torch
 
-from ckptq import adam, ops, qstate
+from ckptq.optim import adam
+from ckptq.codec import ops, qstate
 from ckptq.errors import UsageError
 from ckptq.kernels import backend_native, backend_torch
 

@@ -15,7 +15,7 @@ import io
 import pytest
 import torch
 
-from ckptq import qstate
+from ckptq.codec import qstate
 from ckptq.errors import StateMismatchError, UsageError
 from ckptq.optim import Adam8bit, AdamW8bit
 

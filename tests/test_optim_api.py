@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from ckptq import qstate
+from ckptq.codec import qstate
 from ckptq.errors import ArgumentError, CkptqError, StateMismatchError, UsageError
 from ckptq.optim import Adam8bit, AdamW8bit, expand_on_load, to_torch_state_dict
 

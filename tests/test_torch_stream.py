@@ -5,7 +5,7 @@ import collections
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from ckptq import torch_stream
+from ckptq.format import torch_stream
 from test_format import assert_same, trees
 
 

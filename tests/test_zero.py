@@ -15,10 +15,10 @@ import torch
 from click.testing import CliRunner
 
 import ckptq
-from ckptq import zero_pickle
+from ckptq.deepspeed import objects as zero_pickle
 from ckptq.cli import main
 from ckptq.errors import InputError, OutputExistsError, UsageError
-from ckptq.info import info
+from ckptq.sources.info import info
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "zero")
 CASES = {"zero1": (1, False), "zero2": (2, False), "zero3": (3, False), "zero2_bf16": (2, True)}
@@ -141,7 +141,7 @@ def test_a_single_rank_file_converts_alone_and_expands_back(tmp_path):
 
 def rewrite(path, obj):
     """Save ``obj`` (loaded memory-mapped from ``path``) over ``path``: beside it first, then renamed."""
-    from ckptq import torch_stream
+    from ckptq.format import torch_stream
 
     torch_stream.save(obj, f"{path}.new", pickler=zero_pickle.Pickler)
     os.replace(f"{path}.new", path)

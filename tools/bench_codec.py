@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ckptq import codebooks, ops
+from ckptq.codec import codebooks, ops
 
 
 def make_tensors(numel: int, seed: int) -> dict[str, tuple[torch.Tensor, bool, str]]:

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import zstandard
 
-from ckptq.compress import compress, decompress
-from ckptq.qstate import quantize_state
+from ckptq.format.compress import compress, decompress
+from ckptq.codec.qstate import quantize_state
 
 CHUNK = 4 << 20
 

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fidelity  # noqa: E402  (tools/ is not a package)
 import resume_fidelity as rf  # noqa: E402
 
-from ckptq import ops  # noqa: E402
+from ckptq.codec import ops  # noqa: E402
 from ckptq.kernels import backend_torch  # noqa: E402
 
 BLOCK = 128

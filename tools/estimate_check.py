@@ -26,8 +26,8 @@ import tempfile
 
 import torch
 
-from ckptq.estimate import Setup, estimate
-from ckptq.estimate_params import model_from_config
+from ckptq.estimate.memory import Setup, estimate
+from ckptq.estimate.params import model_from_config
 
 CONFIGS = {  # dropout off, as in current fine-tuning recipes (CPU kernels keep dropout masks at 4 bytes)
     "gpt2-30M": ("GPT2Config", dict(n_layer=6, n_embd=384, n_head=6, vocab_size=50257, n_positions=1024,

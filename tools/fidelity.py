@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ckptq import qstate
+from ckptq.codec import qstate
 
 MIN_NUMEL = 4096  # bitsandbytes keeps smaller tensors in fp32
 BLOCK_SIZE = 256

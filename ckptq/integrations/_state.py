@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from .. import checkpoint, pipeline
+from ..codec import checkpoint
+from ..sources import pipeline
 from ..optim import Adam8bit, AdamW8bit, to_torch_state_dict
 
 

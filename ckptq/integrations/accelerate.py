@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import pipeline
+from ..sources import pipeline
 from ..optim import expand_on_load
 from . import _state
 

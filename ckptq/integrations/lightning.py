@@ -24,7 +24,8 @@ try:
 except ImportError as e:
     raise ImportError(f"ckptq.integrations.lightning needs Lightning ({e}); pip install lightning") from e
 
-from .. import pipeline, qstate
+from ..sources import pipeline
+from ..codec import qstate
 from . import _state
 
 FP32_KEY = "ckptq_fp32_optimizer_states"  # indices into optimizer_states: stored 8-bit from fp32, decoded on load

@@ -30,7 +30,7 @@ try:
 except ImportError as e:
     raise ImportError(f"ckptq.integrations.transformers needs transformers ({e}); pip install transformers") from e
 
-from .. import pipeline
+from ..sources import pipeline
 from . import _state
 
 OPTIMIZER_8BIT_NAME = "optimizer.q8.safetensors"

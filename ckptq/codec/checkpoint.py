@@ -1,0 +1,136 @@
+"""Reading torch.save checkpoints safely, and finding the optimizer states inside them."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from ..errors import InputError, UsageError
+
+QUANTIZABLE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def load_torch(path: str, trust: bool = False) -> Any:
+    """``torch.load`` onto the CPU with ``weights_only=True`` (``trust=True`` allows full unpickling),
+    memory-mapped where the file allows. Errors become one-line :class:`InputError`."""
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: no such file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not trust, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as e:
+        raise InputError(_unsafe_message(path, e)) from None
+    except Exception as e:  # torch raises many types for damaged files (RuntimeError, KeyError, EOFError...)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
+        raise InputError(f"{path} is not a readable torch checkpoint (truncated or not made by torch.save): {first}") from None
+
+
+def _unsafe_message(path: str, e: Exception) -> str:
+    try:
+        needs = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:
+        needs = []
+    if needs:
+        return (f"{path} needs arbitrary unpickling of {', '.join(needs[:5])}, which torch.load(weights_only=True) "
+                "refuses; ckptq keeps tensors, containers, numbers and strings only, so re-save the checkpoint "
+                "with such objects as dicts or strings (e.g. vars(args)); `ckptq info --trust` shows a file you trust")
+    if not zipfile.is_zipfile(path):  # torch's message would be a paragraph about weights_only
+        return f"{path} is not a readable torch checkpoint (truncated or not made by torch.save)"
+    return f"{path} is not a readable torch checkpoint: {str(e).splitlines()[0].split('. ')[0]}"
+
+
+def is_dcp_folder(path: str) -> bool:
+    """A torch.distributed.checkpoint folder: ``.metadata`` beside the ``.distcp`` files."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def is_torch_file(path: str) -> bool:
+    """A torch.save file: a zip archive (torch >= 1.6) or a legacy pickle (protocol 2 magic)."""
+    if not os.path.isfile(path):  # never open a FIFO or a device to sniff it
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head == b"PK\x03\x04" or head[:2] == b"\x80\x02"
+
+
+def is_optimizer_state(obj: Any) -> bool:
+    return (isinstance(obj, dict) and isinstance(obj.get("state"), dict)
+            and isinstance(obj.get("param_groups"), list))
+
+
+@dataclass
+class Found:
+    path: tuple  # keys from the root to the optimizer state dict
+    state_dict: dict
+
+
+def find_optimizers(obj: Any, key: str | None = None) -> list[Found]:
+    """Optimizer state dicts in ``obj``: found by shape (``state`` + ``param_groups``), or at the
+    '/'-separated key path ``key``."""
+    if key is not None:
+        node, path = obj, ()
+        for part in [p for p in key.split("/") if p]:
+            node, k = _step(node, part, key)
+            path += (k,)
+        if not is_optimizer_state(node):
+            raise UsageError(f"key path {key!r} does not hold an optimizer state dict (state + param_groups)")
+        return [Found(path, node)]
+    return list(_walk(obj, ()))
+
+
+def _step(node: Any, part: str, key: str):
+    if isinstance(node, dict):
+        for k in node:
+            if str(k) == part:
+                return node[k], k
+    elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+        return node[int(part)], int(part)
+    raise UsageError(f"key path {key!r}: no entry {part!r}; run `ckptq info` to see the structure")
+
+
+def _walk(obj: Any, path: tuple) -> Iterator[Found]:
+    if is_optimizer_state(obj):
+        yield Found(path, obj)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk(v, path + (k,))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _walk(v, path + (i,))
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from iter_tensors(k)
+            yield from iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v)
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    s = t.untyped_storage()
+    return (t.device.type, s.data_ptr(), s.nbytes()) if s.nbytes() else ("empty", id(t))
+
+
+def shared_storages(obj: Any) -> set:
+    """Keys of storages used by more than one tensor in ``obj``."""
+    seen, shared = set(), set()
+    for t in iter_tensors(obj):
+        k = storage_key(t)
+        (shared if k in seen else seen).add(k)
+    return shared
+
+
+def is_quantizable(t: Any, min_size: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in QUANTIZABLE_DTYPES and t.numel() >= min_size

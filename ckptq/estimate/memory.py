@@ -1,0 +1,176 @@
+"""What a full fine-tuning run needs, per device and on disk: ``ckptq estimate``.
+
+Model states follow ZeRO's accounting (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", §3): under mixed precision a device holds the 16-bit weights the kernels use,
+their 16-bit gradients, and the optimizer's fp32 master weights and moments; stage 1 shards the optimizer
+state (master weights included), stage 2 the gradients too, stage 3 (FSDP's full sharding) the weights as
+well. In fp32 there is no master copy: the weights are the master. Activations: ``ckptq.estimate_activations``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from ..codec import checkpoint, ops, plan
+from ..errors import UsageError
+from .activations import activation_bytes
+from .params import Model, load_model
+
+PRECISIONS = {"fp32": 4, "bf16-mixed": 2, "fp16-mixed": 2}  # bytes of the weights/activations kernels use
+ATTENTIONS = ("sdpa", "eager")
+FP32_MOMENTS = 8  # AdamW: exp_avg + exp_avg_sq, fp32
+# Issue #12's 4-bit state (not yet written by this ckptq): two codes per byte and one fp32 scale per 128
+# values, i.e. 0.5 + 4/128 bytes per value, about 1.06 bytes per parameter for both moments.
+FOUR_BIT = {"bits": 4, "block_size": 128}
+# The lossless stage (``convert --compress``), measured per role with ``ckptq info --json`` on
+# ``tools/make_checkpoint.py --size small --steps 400`` converted with and without ``--compress``: the
+# weights (and the few states kept fp32) 10.40 -> 8.76 MB, 1.19x (as MiniLM's pretrained fp32 weights in
+# tools/bench_compress.py); the 8-bit moments 5.22 -> 4.88 MB, 1.07x (ratio-encoded first-moment codes
+# are near their entropy and stay raw; the second moment's codes shrink ~1.14x). bf16 weights do better.
+COMPRESS_GAIN = {"weights": 1.19, "moments": 1.07}
+
+
+def moment_bytes(numel: int, bits: int, block_size: int) -> int:
+    """Bytes of one quantized moment: ``bits`` per code, packed, and one fp32 scale per block
+    (docs/FORMAT.md §5; the codebook, 1 KiB per file, is left out)."""
+    return math.ceil(numel * bits / 8) + 4 * math.ceil(numel / block_size)
+
+
+def state_bytes(model: Model, bits: int, block_size: int, min_size: int, rows_whole: bool) -> int:
+    """Both Adam moments of every parameter at ``bits``: tensors below ``min_size`` elements keep fp32 state
+    (``checkpoint.is_quantizable``, the rule convert and the optimizer apply); with ``rows_whole`` (FSDP2)
+    so do tensors whose rows are not whole blocks (``sharded.row_aligned``)."""
+    shapes = [s for _, s in model.tensors] if model.tensors else [(model.count,)]
+    total = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        meta = torch.empty(shape, device="meta")
+        aligned = not rows_whole or (n // shape[0]) % block_size == 0
+        quantized = checkpoint.is_quantizable(meta, min_size) and aligned
+        total += 2 * moment_bytes(n, bits, block_size) if quantized else FP32_MOMENTS * n
+    return total
+
+
+@dataclass
+class Setup:
+    batch_size: int = 1  # sequences per device per micro-step
+    seq_len: int | None = None  # default: the config's context, at most 2048
+    world_size: int = 1
+    zero_stage: int = 0  # 0: nothing sharded (DDP); 1: optimizer state; 2: + gradients; 3: + weights (FSDP)
+    precision: str = "bf16-mixed"
+    attention: str = "sdpa"
+    block_size: int = ops.DEFAULT_BLOCK_SIZE
+    min_size: int = plan.DEFAULT_MIN_SIZE
+
+    def check(self) -> None:
+        for name in ("batch_size", "world_size"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name.replace('_', ' ')} {getattr(self, name)} must be at least 1")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise UsageError(f"sequence length {self.seq_len} must be at least 1")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise UsageError(f"ZeRO stage {self.zero_stage} must be 0, 1, 2 or 3")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"precision {self.precision!r} must be one of {', '.join(PRECISIONS)}")
+        if self.attention not in ATTENTIONS:
+            raise UsageError(f"attention {self.attention!r} must be one of {', '.join(ATTENTIONS)}")
+        ops.check_block_size(self.block_size)
+        if self.min_size < 1:
+            raise UsageError(f"min size {self.min_size} must be at least 1")
+
+
+@dataclass
+class Estimate:
+    """Bytes per device (``per_device``: rows; ``totals``: per optimizer, see ``_totals``) and on disk
+    (``checkpoint``); ``None`` where the input cannot say (activations of a bare parameter count)."""
+
+    model: str
+    params: int
+    architecture: dict | None
+    setup: dict
+    per_device: dict = field(default_factory=dict)
+    totals: dict = field(default_factory=dict)
+    checkpoint: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _shard(nbytes: int, setup: Setup, from_stage: int) -> int:
+    return -(-nbytes // setup.world_size) if setup.zero_stage >= from_stage else nbytes
+
+
+def _optimizer_states(model: Model, setup: Setup) -> dict:
+    rows_whole = setup.world_size > 1 and setup.zero_stage >= 1 and model.tensors is not None  # a count: no rows
+    return {"adamw_fp32": FP32_MOMENTS * model.count,
+            "ckptq_8bit": state_bytes(model, 8, setup.block_size, setup.min_size, rows_whole),
+            "ckptq_4bit": state_bytes(model, FOUR_BIT["bits"], FOUR_BIT["block_size"], setup.min_size, rows_whole)}
+
+
+def _gathered(model: Model, setup: Setup, p: int) -> int:
+    """Stage 3: weights of the units being all-gathered at once, in the compute dtype, and their unsharded
+    gradients before the reduce-scatter. FSDP2-style wrapping assumed: the root unit (embeddings, final
+    norm, head) stays gathered through the forward, one decoder layer runs and the next is prefetched."""
+    if setup.zero_stage < 3 or setup.world_size == 1 or model.arch is None:
+        return 0
+    layer = sum(math.prod(s) for _, s in model.layer_tensors(0))
+    root = model.count - layer * model.arch.num_layers
+    return p * (root + 2 * layer) + p * layer
+
+
+def _disk(model: Model, setup: Setup) -> dict:
+    """A checkpoint of fp32 weights and the optimizer state as written (not sharded: all ranks together)."""
+    weights = 4 * model.count
+    eight = state_bytes(model, 8, setup.block_size, setup.min_size, False)
+    four = state_bytes(model, FOUR_BIT["bits"], FOUR_BIT["block_size"], setup.min_size, False)
+    return {"fp32": weights + FP32_MOMENTS * model.count, "ckptq_8bit": weights + eight,
+            "ckptq_8bit_compressed": int(weights / COMPRESS_GAIN["weights"] + eight / COMPRESS_GAIN["moments"]),
+            "ckptq_4bit": weights + four}
+
+
+def _totals(rows: dict, optimizer: int) -> dict:
+    """``peak``: one micro-batch per step, gradients freed after it (``zero_grad(set_to_none=True)``): the
+    backward starts with every activation alive plus the loss's gradient and no gradients yet, and ends
+    with all gradients and no activations. ``accumulating``: gradients live through the forward (gradient
+    accumulation), so everything adds up. The optimizer step's own temporaries are not counted."""
+    held = rows["weights"] + rows["master_weights"] + rows["gathered_for_compute"] + optimizer
+    out = {"model_states": held + rows["gradients"]}
+    for suffix, acts in (("", rows["activations"]), ("_checkpointed", rows["activations_checkpointed"])):
+        live = None if acts is None else acts + rows["loss_backward"]
+        out["peak" + suffix] = None if live is None else held + max(live, rows["gradients"])
+        out["accumulating" + suffix] = None if live is None else held + rows["gradients"] + live
+    return out
+
+
+def estimate(spec: str, setup: Setup | None = None) -> Estimate:
+    """Memory per device and checkpoint size for full fine-tuning of ``spec`` (a ``config.json``, a folder
+    holding one, or a parameter count like ``7B``) with AdamW, in the given setup."""
+    setup = setup or Setup()
+    setup.check()
+    model = load_model(spec)
+    p = PRECISIONS[setup.precision]
+    mixed = setup.precision != "fp32"
+    notes = []
+    if model.arch and setup.seq_len is None:
+        setup = replace(setup, seq_len=min(model.arch.max_positions or 2048, 2048))
+    elif model.arch and model.arch.max_positions and setup.seq_len > model.arch.max_positions:
+        notes.append(f"sequence length {setup.seq_len} is beyond the model's context ({model.arch.max_positions})")
+    rows = {"weights": _shard(p * model.count, setup, 3),
+            "master_weights": _shard(4 * model.count, setup, 1) if mixed else 0,
+            "gradients": _shard(p * model.count, setup, 2),
+            "gathered_for_compute": _gathered(model, setup, p)}
+    rows |= {f"optimizer_{k}": _shard(v, setup, 1) for k, v in _optimizer_states(model, setup).items()}
+    if model.arch:
+        acts = activation_bytes(model.arch, setup.batch_size, setup.seq_len, p, setup.attention)
+        rows |= {"activations": acts["none"], "activations_checkpointed": acts["full"], "loss_backward": acts["loss"]}
+    else:
+        rows |= {"activations": None, "activations_checkpointed": None, "loss_backward": None}
+        notes.append("activations (and under ZeRO-3 the weights gathered for compute) need the architecture: "
+                     "give a config.json instead of a parameter count")
+    totals = {opt: _totals(rows, rows[f"optimizer_{opt}"]) for opt in ("adamw_fp32", "ckptq_8bit", "ckptq_4bit")}
+    arch = asdict(model.arch) if model.arch else None
+    return Estimate(model.source, model.count, arch, asdict(setup), rows, totals, _disk(model, setup), notes)

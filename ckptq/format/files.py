@@ -1,0 +1,133 @@
+"""Opening inputs safely and writing outputs atomically.
+
+Inputs: only regular files are read. A FIFO, socket or device named as an input (or as a shard in an
+index) would block ``open`` or read forever, so files are opened non-blocking and checked with
+``fstat`` before a byte is read.
+
+Outputs: each is written to a temp file beside it and renamed into place when complete. Temp names are
+recognisable, ``.<name>.ckptq-tmp-<host>-<pid>-<random>.tmp`` (``.r`` appended while a header is
+relocated), so that what a killed run (``kill -9``, power loss) left behind can be told apart: every
+write removes the temp files in its output folder that this host's dead processes left and that belong
+to the same user. Anything else is left alone; such files can also be deleted by hand at any time when
+no ckptq run is writing to that folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import stat
+import tempfile
+from contextlib import contextmanager
+from typing import BinaryIO, Iterator
+
+from ..errors import InputError, OutputExistsError
+
+TMP_MARK = ".ckptq-tmp-"
+
+
+def remove_path(path: str) -> None:
+    """Delete a file, a link (not what it points to) or a folder tree; nothing if it does not exist."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def open_regular(path: str, what: str = "input") -> BinaryIO:
+    """Open ``path`` for reading if it is a regular file (symlinks to one are fine); never blocks."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except OSError as e:
+        raise InputError(f"cannot open {what} {path}: {e.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise InputError(f"{what} {path} is {kind}; ckptq reads only regular files")
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _tmp_prefix(final: str) -> str:
+    return f".{os.path.basename(final)}{TMP_MARK}{socket.gethostname()}-{os.getpid()}-"
+
+
+def _stale(folder: str, name: str) -> bool:
+    """A temp file of ours (same host, same user) whose writing process is gone."""
+    m = re.fullmatch(rf"\..+{re.escape(TMP_MARK)}{re.escape(socket.gethostname())}-(\d+)-\w+\.tmp(\.r)?", name)
+    if not m:
+        return False
+    try:
+        if os.lstat(os.path.join(folder, name)).st_uid != os.geteuid():
+            return False
+        os.kill(int(m.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):  # alive but not ours (EPERM), or gone already
+        return False
+    return False
+
+
+def remove_stale_temps(folder: str) -> list[str]:
+    """Delete the temp files that killed ckptq runs of this user on this host left in ``folder``."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        if TMP_MARK in name and _stale(folder, name):
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextmanager
+def atomic_outputs(finals: list[str], force: bool) -> Iterator[list[str]]:
+    """Temp paths beside each final path; all renamed into place on success, all removed on failure
+    (including Ctrl-C)."""
+    for p in finals:
+        if os.path.exists(p) and not force:
+            raise OutputExistsError(f"{p} exists; pass --force (Python: force=True) to overwrite it")
+    tmps: list[str] = []
+    try:
+        for folder in {os.path.dirname(os.path.abspath(p)) for p in finals}:
+            if not os.path.isdir(folder):
+                raise InputError(f"output folder {folder} does not exist")
+            remove_stale_temps(folder)
+        for p in finals:
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(p)), prefix=_tmp_prefix(p), suffix=".tmp")
+            os.close(fd)
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
+            tmps.append(tmp)
+        yield tmps
+        for tmp, p in zip(tmps, finals):
+            os.replace(tmp, p)
+    except BaseException:
+        for tmp in tmps:
+            for leftover in (tmp, tmp + ".r"):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)
+        raise

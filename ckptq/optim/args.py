@@ -1,0 +1,121 @@
+"""Argument and param-group checks for ``ckptq.optim``: the same conditions and message openings as
+``torch.optim.Adam(W)`` ("Invalid learning rate: ..."), raised as ``ArgumentError`` (a ``ValueError``),
+at construction, in ``add_param_group`` and in ``load_state_dict`` before anything changes.
+
+torch's implementation flags and what they mean here:
+
+- ``foreach`` (None/True/False): accepted, no effect. ckptq steps each parameter with one fused kernel
+  (the C kernel on the CPU, Triton on CUDA); there is no separate multi-tensor path.
+- ``fused`` (None/True/False): accepted, no effect, for the same reason: every step is fused.
+- ``capturable``: False accepted; True is refused (the step reads its step count on the host, so it
+  cannot be captured in a CUDA graph).
+- ``differentiable``: False accepted; True is refused (8-bit moments carry no autograd history).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ..codec import ops
+from ..errors import ArgumentError
+
+IMPL_FLAGS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
+HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+GROUP_FLAGS = {"amsgrad": False, "maximize": False, **IMPL_FLAGS}  # what torch's Adam fills in when absent
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _scalar(x, name: str):
+    """A real number or a 1-element floating tensor; ArgumentError otherwise."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ArgumentError(f"Tensor {name} must be 1-element, got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise ArgumentError(f"Tensor {name} must be floating point, got {x.dtype}")
+        if x.is_meta:
+            raise ArgumentError(f"Tensor {name} is on the meta device and has no value; pass a number")
+        return float(x)
+    if not _is_number(x):
+        raise ArgumentError(f"{name} must be a number, got {type(x).__name__} {x!r}")
+    return float(x)
+
+
+def check_hyper(lr, betas, eps, weight_decay) -> None:
+    """torch.optim.Adam(W)'s checks: lr, eps, weight_decay >= 0 and 0 <= beta < 1."""
+    if not 0.0 <= _scalar(lr, "lr"):
+        raise ArgumentError(f"Invalid learning rate: {lr} (must be >= 0)")
+    if not 0.0 <= _scalar(eps, "eps"):
+        raise ArgumentError(f"Invalid epsilon value: {eps} (must be >= 0)")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ArgumentError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ArgumentError("betas must be either both floats or both Tensors")
+    for i, beta in enumerate(betas):
+        name = f"betas[{i}]"
+        if not 0.0 <= _scalar(beta, name) < 1.0:
+            raise ArgumentError(f"Invalid beta parameter at index {i}: {beta} (must lie in [0, 1))")
+    if not 0.0 <= _scalar(weight_decay, "weight_decay"):
+        raise ArgumentError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
+
+
+def check_flags(group: dict) -> None:
+    """amsgrad/maximize are bools; torch's implementation flags take the values documented above."""
+    for name in ("amsgrad", "maximize", "capturable", "differentiable"):
+        if name in group and not isinstance(group[name], bool):
+            raise ArgumentError(f"{name} must be True or False, got {group[name]!r}")
+    for name in ("foreach", "fused"):
+        if name in group and group[name] not in (None, True, False):
+            raise ArgumentError(f"{name} must be None, True or False, got {group[name]!r}")
+    if group.get("capturable"):
+        raise ArgumentError(
+            "capturable=True is not supported: the 8-bit step reads its step count on the host and cannot "
+            "be captured in a CUDA graph; pass capturable=False"
+        )
+    if group.get("differentiable"):
+        raise ArgumentError(
+            "differentiable=True is not supported: 8-bit moments carry no autograd history; "
+            "use torch.optim for differentiating through the optimizer step"
+        )
+
+
+def check_options(block_size, min_size, backend, bits=8) -> int:
+    """Check ckptq's own options; returns the block size (``None``: the default for ``bits``)."""
+    if type(bits) is not int or bits not in ops.BUDGETS:
+        raise ArgumentError(f"bits {bits!r} is not supported; use 8 or 4")
+    block_size = ops.DEFAULT_BLOCK_SIZES[bits] if block_size is None else block_size
+    if block_size not in ops.BLOCK_SIZES:
+        raise ArgumentError(f"block_size {block_size!r} is not supported; use a power of two from 64 to 4096")
+    if not _is_number(min_size) or int(min_size) != min_size or min_size < 0:
+        raise ArgumentError(f"min_size must be a whole number >= 0, got {min_size!r}")
+    if backend not in ops.BACKENDS:
+        raise ArgumentError(f"backend {backend!r} is not one of {', '.join(ops.BACKENDS)}")
+    return block_size
+
+
+def check_group(group: dict, where: str) -> None:
+    """One param group with every hyperparameter present (defaults filled in); ``where`` names it."""
+    if not isinstance(group, dict):
+        raise ArgumentError(f"{where} must be a dict, got {type(group).__name__}")
+    missing = [k for k in ("params", *HYPER_KEYS) if k not in group]
+    if missing:
+        raise ArgumentError(f"{where} has no {', '.join(map(repr, missing))}; every param group needs them")
+    try:
+        check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        check_flags(group)
+    except ArgumentError as e:
+        raise ArgumentError(f"{where}: {e}") from None
+
+
+def check_params(params, where: str) -> None:
+    """Parameters must have storage (not be on ``meta``) to load state for them."""
+    for p in params:
+        if isinstance(p, torch.Tensor) and p.is_meta:
+            raise ArgumentError(
+                f"{where} has a parameter on the meta device (shape {tuple(p.shape)}); materialize the model "
+                "(e.g. module.to_empty(device=...)) and build the optimizer on its parameters before loading"
+            )

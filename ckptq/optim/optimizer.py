@@ -1,0 +1,240 @@
+"""8-bit (and 4-bit) Adam and AdamW that keep PyTorch's state keys and resume from ``ckptq`` checkpoints.
+
+State per parameter: ``step`` (0-dim fp32 tensor, as torch), ``exp_avg``, ``exp_avg_sq`` and, with
+amsgrad, ``max_exp_avg_sq``: each a qstate dict (``ckptq.qstate``: uint8 codes + fp32 absmax per
+block + codebook) for parameters with at least ``min_size`` elements, a plain fp32 tensor below.
+``bits=4`` (or the ``AdamW4bit``/``Adam4bit`` classes, which only set it) stores two 4-bit codes per
+byte on 16-entry codebooks, block 128 by default: about half the memory of 8-bit state. Both moments'
+new codes are rounded stochastically at every step (``ckptq.adam.step_param`` says why). A
+``ckptq convert --bits 4`` file stores the ratio in 6 bits and sqrt(v) in 2 (``qstate.convert_width``);
+loading one requantizes it to 4 + 4.
+``exp_avg`` is stored as the ratio m / (sqrt(v) + eps') to ``exp_avg_sq`` (``qstate``'s ratio
+transform, eps' = ``qstate.ratio_eps`` of the step), exactly as ``ckptq convert`` writes it.
+A step goes ``step`` -> ``ckptq.adam.step_param`` -> ``ckptq.ops.adam8bit_step`` (one fused kernel per
+parameter: C on the CPU, Triton on CUDA, the PyTorch reference elsewhere). Design after torchao's
+low-bit optimizers (``torchao/optim``).
+
+Where users touch them they behave as ``torch.optim`` optimizers: torch's arguments (``ckptq.optim_args``),
+complex parameters (stepped through ``view_as_real``, as torch does), hooks, deepcopy/pickle, and
+``load_state_dict`` of older or torch-written state dicts (``ckptq.optim_io``).
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from . import adam, args as optim_args
+from ..codec import foreign, ops, qstate, sharded
+from ..errors import StateMismatchError, UsageError
+from .args import GROUP_FLAGS
+from .state_io import MOMENT_KEYS, expand_on_load, import_state_dict, to_torch_state_dict
+
+BACKENDS = ops.BACKENDS
+OPTIONS = {"block_size": 256, "min_size": 4096, "backend": "auto", "bits": 8}  # ckptq's own, beyond torch's arguments
+
+
+class _Adam8bitBase(torch.optim.Optimizer):
+    decoupled = True
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        amsgrad=False,
+        *,
+        maximize=False,
+        foreach=None,
+        fused=None,
+        capturable=False,
+        differentiable=False,
+        block_size=None,
+        min_size=4096,
+        backend="auto",
+        bits=8,
+    ):
+        """torch.optim.Adam(W)'s arguments (``foreach``/``fused``/``capturable``/``differentiable`` as
+        ``ckptq.optim_args`` documents), plus ``bits`` (8 or 4), ``block_size`` (default 256 for 8 bits,
+        128 for 4), ``min_size`` and ``backend`` for the quantized state. Bad values raise
+        ``ArgumentError``, a ``ValueError``, before anything is built."""
+        optim_args.check_hyper(lr, betas, eps, weight_decay)
+        block_size = optim_args.check_options(block_size, min_size, backend, bits)
+        flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused)
+        flags.update(capturable=capturable, differentiable=differentiable)
+        optim_args.check_flags(flags)
+        self.block_size, self.min_size, self.backend, self.bits = block_size, min_size, backend, bits
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``, with the group's values checked first (``ArgumentError``)."""
+        if isinstance(param_group, dict):
+            where = f"param group {len(self.param_groups)}"
+            optim_args.check_group({**self.defaults, **param_group}, where)
+        super().add_param_group(param_group)
+
+    def __getstate__(self) -> dict:
+        """torch keeps defaults, state and param_groups; the 8-bit options travel too (deepcopy, pickle)."""
+        return {**super().__getstate__(), **{k: getattr(self, k) for k in OPTIONS}}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for key, default in OPTIONS.items():  # objects pickled before the options travelled
+            if key not in self.__dict__:
+                setattr(self, key, default)
+        for group in self.param_groups:  # groups pickled before a flag existed, as torch's Adam does
+            for key, default in GROUP_FLAGS.items():
+                group.setdefault(key, default)
+
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        keys = MOMENT_KEYS[: 3 if group["amsgrad"] else 2]
+        zeros = {k: self._zeros(p) for k in keys}
+        state = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        state.update(self._quantize_moments(zeros, group, 0.0) if self._quantized(p) else zeros)
+        return state
+
+    def _quantized(self, p: torch.Tensor) -> bool:
+        """8-bit state from ``min_size`` elements of the (global) parameter; a DTensor's only where its
+        blocks can follow its shards (``ckptq.sharded``)."""
+        return p.numel() >= self.min_size and (not sharded.is_dtensor(p) or sharded.row_aligned(p, self.block_size))
+
+    @staticmethod
+    def _zeros(p: torch.Tensor) -> torch.Tensor:
+        """fp32 zeros shaped and placed like ``p`` (a DTensor for a DTensor)."""
+        return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+    def _quantize(self, t: torch.Tensor, key: str) -> dict:
+        return sharded.quantize(t, key, self.block_size, self.bits)
+
+    def _quantize_moments(self, dense: dict, group: dict, step: float) -> dict:
+        """fp32 moments {key: tensor} -> qstates as ``ckptq convert`` writes them (``sharded.quantize_moments``;
+        DTensor moments are quantized shard by shard into state placed like them)."""
+        return sharded.quantize_moments(dense, group, step, self.block_size, self.bits)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_not_meta()
+        params = ((p, group) for group in self.param_groups for p in group["params"])
+        for index, (p, group) in enumerate(params):
+            if p.grad is None:
+                continue
+            if p.is_complex() and not p.grad.is_sparse:
+                self._step_complex(p, group, index)
+            else:
+                self._step_param(p, group, index)
+        return loss
+
+    def _check_not_meta(self) -> None:
+        """Before any parameter steps: meta parameters have no values to update (a step would build
+        meta state that silently stays meta after ``module.to_empty``)."""
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.grad is not None and (p.is_meta or p.grad.is_meta):
+                    raise UsageError(
+                        f"parameter {j} of param group {i} (shape {tuple(p.shape)}) or its gradient is on the meta "
+                        "device; materialize the model (module.to_empty(device=...)) before stepping"
+                    )
+
+    def _step_complex(self, p: torch.Tensor, group: dict, index: int) -> None:
+        """A complex parameter steps as torch's Adam(W) steps it: its real view (real and imaginary parts
+        as independent reals), so its state has shape ``(*p.shape, 2)``; the state stays keyed by ``p``."""
+        real = torch.view_as_real(p)
+        real.grad = torch.view_as_real(p.grad)
+        self.state[real] = self.state[p]  # the same dict: the step updates p's state in place
+        try:
+            self._step_param(real, group, index)
+        finally:
+            del self.state[real]
+
+    def _step_param(self, p: torch.Tensor, group: dict, index: int) -> None:
+        if p.grad.is_sparse:
+            raise UsageError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
+        state = self.state[p]
+        if not state:
+            state.update(self._init_state(p, group))
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = self._like(state["exp_avg_sq"], p)
+        adam.step_param(p, state, group, self.decoupled, self.backend, salt=index)
+
+    def _like(self, template, p: torch.Tensor):
+        """A zero max_exp_avg_sq in the same representation as ``template`` (amsgrad turned on later)."""
+        zeros = self._zeros(p)
+        return self._quantize(zeros, "max_exp_avg_sq") if qstate.is_qstate(template) else zeros
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load this optimizer's own state dict, a torch Adam/AdamW one (fp32 moments, quantized here
+        as ``ckptq convert`` does: ``qstate.quantize_state``, exp_avg by ``qstate.quantize_ratio``), or
+        ``ckptq.load(path)["optimizer"]`` (qstates used as stored; a plain, pre-ratio exp_avg is
+        re-encoded as a ratio by the next step), or a bitsandbytes / torchao 8-bit optimizer's state dict
+        (decoded, then quantized as ckptq's).
+
+        Raises ``StateMismatchError`` (a ``ValueError``) before changing anything if groups, counts, shapes
+        or group values are wrong. Group flags an older torch did not save (``maximize``...) are filled in
+        as torch fills them; torch's implementation flags (``foreach``, ``fused``...) stay this optimizer's.
+        Runs torch's ``register_load_state_dict_pre_hook``/``post_hook`` hooks as torch does: pre hooks on
+        a shallow copy (one may return a replacement), post hooks after the state is in place.
+        """
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        state_dict = _from_other_8bit_optimizers(state_dict)
+        state, groups = import_state_dict(self, state_dict)
+        self.state.clear()
+        self.state.update(state)
+        self.param_groups = groups
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+
+def _from_other_8bit_optimizers(state_dict):
+    """bitsandbytes' or torchao's 8-bit state decoded to torch's fp32 form (``ckptq.foreign``), in a copy."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
+            or not any(foreign.kind(v) for v in state_dict["state"].values()):
+        return state_dict
+    state_dict = {**state_dict, "state": dict(state_dict["state"])}
+    foreign.to_torch(state_dict)
+    return state_dict
+
+
+class AdamW8bit(_Adam8bitBase):
+    """``torch.optim.AdamW`` with blockwise 8-bit moments (decoupled weight decay; default 1e-2)."""
+
+    decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, **kwargs):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+class Adam8bit(_Adam8bitBase):
+    """``torch.optim.Adam`` with blockwise 8-bit moments (L2 weight decay added to the gradient)."""
+
+    decoupled = False
+
+
+class AdamW4bit(AdamW8bit):
+    """``AdamW8bit`` with ``bits=4``: two 4-bit codes per byte, block 128 (about 1.06 bytes per parameter
+    for both moments instead of 2.03)."""
+
+    def __init__(self, params, *args, **kwargs):
+        super().__init__(params, *args, **{"bits": 4, **kwargs})
+
+
+class Adam4bit(Adam8bit):
+    """``Adam8bit`` with ``bits=4`` (see ``AdamW4bit``)."""
+
+    def __init__(self, params, *args, **kwargs):
+        super().__init__(params, *args, **{"bits": 4, **kwargs})
+
+
+__all__ = ["AdamW8bit", "Adam8bit", "AdamW4bit", "Adam4bit", "StateMismatchError", "expand_on_load",
+           "to_torch_state_dict"]

@@ -1,0 +1,211 @@
+"""Import an optimizer state dict into ``ckptq.optim``'s 8-bit Adam: validate everything first, then
+build the new state (qstates copied as stored, fp32 moments quantized as ``ckptq convert`` does:
+``qstate.quantize_state``, exp_avg as a ratio by ``qstate.quantize_ratio``).
+
+``torch.optim.Optimizer.load_state_dict`` cannot be reused: it casts every floating tensor to the
+parameter's dtype (uint8 codes would become floats) and turns strings nested in state dicts into
+generator reprs.
+
+The way back: ``to_torch_state_dict`` decodes an 8-bit state dict for ``torch.optim.Adam(W)``, and
+``expand_on_load`` makes a torch optimizer's ``load_state_dict`` do it itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..codec import ops, plan, qstate, sharded
+from . import args as optim_args
+from .adam import MOMENT_KEYS
+from ..errors import ArgumentError, FormatError, StateMismatchError, UsageError
+from .args import GROUP_FLAGS, IMPL_FLAGS
+
+def import_state_dict(opt, state_dict: dict):
+    """Return ``(state {param: dict}, param_groups)`` for ``opt``; raises before ``opt`` changes."""
+    saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
+        raise StateMismatchError("not an optimizer state dict: expected keys 'state' (a dict) and 'param_groups'")
+    if len(saved_groups) != len(opt.param_groups):
+        raise StateMismatchError(
+            f"state dict has {len(saved_groups)} param groups but the optimizer has {len(opt.param_groups)}; "
+            "build the optimizer with the same groups as the one that was saved"
+        )
+    groups = [_import_group(i, group, saved) for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups))]
+    id_map, group_of = {}, {}
+    for group, saved in zip(groups, saved_groups):
+        id_map.update(zip(saved["params"], group["params"]))
+        group_of.update((pid, group) for pid in saved["params"])
+    state = {}
+    for pid, saved_state in state_dict["state"].items():
+        if pid not in id_map and not isinstance(pid, int):
+            state[pid] = saved_state  # state not assigned to a parameter travels as-is, as in torch
+            continue
+        if pid not in id_map:
+            raise StateMismatchError(f"state dict has state for parameter id {pid!r}, which no param group lists")
+        if not isinstance(saved_state, dict):
+            raise StateMismatchError(f"state of parameter {pid} is a {type(saved_state).__name__}, not a dict")
+        state[id_map[pid]] = _import_param_state(opt, id_map[pid], pid, saved_state, group_of[pid])
+    return state, groups
+
+
+def _import_group(i: int, group: dict, saved) -> dict:
+    """The group to install for saved group ``i``: saved values, flags an older torch did not save filled
+    as torch fills them, torch's implementation flags and ``params`` (and ``param_names`` when the saved
+    group has none) kept from the optimizer's group ``group``. Checked like a constructor argument."""
+    where = f"param group {i} of the state dict"
+    if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+        raise StateMismatchError(f"{where} has no 'params' list of parameter ids; it is not an optimizer state dict")
+    if len(group["params"]) != len(saved["params"]):
+        raise StateMismatchError(
+            f"param group {i} has {len(group['params'])} parameters but the state dict's has "
+            f"{len(saved['params'])}; pass the same parameters in the same order"
+        )
+    new = {**GROUP_FLAGS, **saved, "params": group["params"]}
+    new.update({k: group[k] for k in IMPL_FLAGS if k in group})
+    if "param_names" in group and "param_names" not in saved:
+        new["param_names"] = group["param_names"]
+    try:
+        optim_args.check_group(new, where)
+        optim_args.check_params(group["params"], f"param group {i}")
+    except ArgumentError as e:
+        raise StateMismatchError(str(e)) from None
+    return new
+
+
+def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> dict:
+    unknown = set(saved) - {"step", *MOMENT_KEYS}
+    if unknown or "exp_avg" not in saved or "exp_avg_sq" not in saved:
+        raise StateMismatchError(
+            f"state of parameter {pid} has keys {sorted(saved)}, expected step/exp_avg/exp_avg_sq"
+            "[/max_exp_avg_sq] as torch.optim.Adam(W) writes them; convert other optimizers' state first"
+        )
+    p = torch.view_as_real(p) if p.is_complex() else p  # complex parameters keep real-view state, as step does
+    moments = {k: _real_view(saved[k]) for k in MOMENT_KEYS if k in saved}
+    for key, value in moments.items():
+        _check_shape(p, pid, key, value)
+    step = _step_value(pid, saved.get("step", 0))
+    out = {"step": torch.tensor(step, dtype=torch.float32)}
+    if _steppable(moments, getattr(opt, "bits", 8)):
+        out.update({k: _copy_qstate(v, p.device) for k, v in moments.items()})
+        return out
+    quantized = opt._quantized(p) or any(qstate.is_qstate(v) for v in moments.values())
+    dense = {k: v.to(device=p.device, dtype=torch.float32) for k, v in _decoded(moments, pid).items()}
+    unsafe = plan.unsafe_moments(dense) if quantized else None
+    if unsafe:  # 8 bits would turn finite values into NaN/Inf: keep this parameter's state fp32, and say so
+        warnings.warn(f"ckptq: state of parameter {pid}: {unsafe}; kept in fp32", RuntimeWarning, stacklevel=4)
+    out.update(opt._quantize_moments(dense, group, step) if quantized and not unsafe
+               else {k: v.clone() for k, v in dense.items()})
+    return out
+
+
+def _real_view(value):
+    """torch's Adam(W) keeps complex moments for complex parameters; ckptq keeps their real view."""
+    return torch.view_as_real(value) if isinstance(value, torch.Tensor) and value.is_complex() else value
+
+
+def _step_value(pid, step) -> float:
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_meta and not step.is_complex():
+        return float(step)
+    if isinstance(step, (int, float)) and not isinstance(step, bool):
+        return float(step)
+    shown = f"a tensor of shape {tuple(step.shape)} on {step.device}" if isinstance(step, torch.Tensor) else repr(step)
+    raise StateMismatchError(f"state 'step' of parameter {pid} is {shown}; expected a number or 1-element tensor")
+
+
+def _steppable(moments: dict, bits: int) -> bool:
+    """Whether qstates can be stepped as stored: the optimizer's code width, one block size (one fused
+    step), sqrt second moments, a plain or ratio first moment whose divisor is exp_avg_sq. Anything else
+    is requantized (so an 8-bit state loads into a 4-bit optimizer and the other way round, and a
+    ``convert --bits 4`` file's 6 + 2 layout into the 4-bit optimizer's 4 + 4: ``qstate.convert_width``)."""
+    if not all(qstate.is_qstate(v) for v in moments.values()):
+        return False
+    m = moments["exp_avg"]
+    return (
+        all(v["bits"] == bits for v in moments.values())
+        and len({v["block_size"] for v in moments.values()}) == 1
+        and all(v["transform"] == "sqrt" for k, v in moments.items() if k != "exp_avg")
+        and (m["transform"] == "none" or (m.get("divisor") == "exp_avg_sq" and isinstance(m.get("eps"), float)))
+    )
+
+
+def _decoded(moments: dict, pid) -> dict:
+    try:
+        return qstate.dequantize_states(moments)
+    except (FormatError, KeyError) as exc:
+        raise StateMismatchError(f"state of parameter {pid}: {exc}") from exc
+
+
+def _copy_qstate(value: dict, device) -> dict:
+    q = dict(value)
+    for name in ("codes", "absmax", "qmap"):
+        q[name] = value[name].to(device).clone()  # our steps write codes in place: never share them
+    if not sharded.is_dtensor(q["codes"]):  # a DTensor keeps the row layout (ckptq.sharded); one process, flat
+        q["codes"], q["absmax"] = q["codes"].reshape(-1), q["absmax"].reshape(-1)
+    q["shape"] = tuple(value["shape"])
+    return q
+
+
+def _check_shape(p: torch.Tensor, pid, key: str, value) -> None:
+    _check_not_meta(pid, key, value)
+    if qstate.is_qstate(value):
+        qstate.check_qstate(value)
+        try:
+            shape = tuple(value["shape"])
+            n_codes = ops.check_quantized(value["codes"], value["absmax"], value["qmap"], value["block_size"],
+                                          value["bits"], p.numel() if shape == tuple(p.shape) else None)
+        except (UsageError, KeyError, TypeError) as e:
+            raise StateMismatchError(f"state {key!r} of parameter {pid} is malformed: {e}") from None
+    elif isinstance(value, torch.Tensor):
+        shape, n_codes = tuple(value.shape), value.numel()
+    else:
+        raise StateMismatchError(f"state {key!r} of parameter {pid} is a {type(value).__name__}, not a tensor")
+    if shape != tuple(p.shape) or n_codes != p.numel():
+        raise StateMismatchError(
+            f"state {key!r} of parameter {pid} has shape {shape} but the parameter has shape {tuple(p.shape)}; "
+            "pass the parameters in the order the optimizer was saved with"
+        )
+
+
+def _check_not_meta(pid, key: str, value) -> None:
+    parts = [value] if isinstance(value, torch.Tensor) else list(value.values()) if isinstance(value, dict) else []
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in parts):
+        raise StateMismatchError(
+            f"state {key!r} of parameter {pid} is on the meta device and has no values; save the optimizer "
+            "after its state is materialized (meta tensors carry only shapes)"
+        )
+
+
+def to_torch_state_dict(state_dict: dict, optimizer=None) -> dict:
+    """An ``AdamW8bit``/``Adam8bit`` state dict (or ``ckptq.load(path)["optimizer"]``) as
+    ``torch.optim.Adam(W)`` loads it: every 8-bit state decoded to an fp32 tensor (exp_avg through its
+    ratio), other tensors copied (torch's load keeps same-device tensors as they are, so the two
+    optimizers would share them). Given ``optimizer`` (the torch optimizer it is for), the real-view
+    states of its complex parameters become complex again, as torch keeps them."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
+        raise StateMismatchError("not an optimizer state dict: expected keys 'state' (a dict) and 'param_groups'")
+    complex_ids = set()
+    if optimizer is not None:
+        saved_ids = [pid for g in state_dict.get("param_groups", []) for pid in g.get("params", [])]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        complex_ids = {pid for pid, p in zip(saved_ids, params) if p.is_complex()}
+    state = {}
+    for pid, saved in state_dict["state"].items():
+        state[pid] = _dense_state(pid, saved, pid in complex_ids) if isinstance(saved, dict) else saved
+    return {**state_dict, "state": state}
+
+
+def _dense_state(pid, saved: dict, is_complex: bool) -> dict:
+    decoded = _decoded(saved, pid) if any(qstate.is_qstate(v) for v in saved.values()) else saved
+    out = {k: v.clone() if isinstance(v, torch.Tensor) and v is saved.get(k) else v for k, v in decoded.items()}
+    if is_complex:
+        out.update({k: torch.view_as_complex(out[k].contiguous()) for k in MOMENT_KEYS if k in out})
+    return out
+
+
+def expand_on_load(optimizer: torch.optim.Optimizer):
+    """Let a torch optimizer (``torch.optim.AdamW``...) load 8-bit state dicts: registers a
+    ``load_state_dict`` pre-hook that applies ``to_torch_state_dict``. Without it torch accepts such a
+    dict and fails at the first step (``'dict' object has no attribute 'lerp_'``). Returns the hook handle."""
+    return optimizer.register_load_state_dict_pre_hook(lambda opt, sd: to_torch_state_dict(sd, opt))

@@ -1,0 +1,237 @@
+"""Checkpoint folders of the programs people train with: which files hold the optimizer state, and what
+each one's converted file is called, in both directions.
+
+- Hugging Face Trainer ``checkpoint-N/``: ``optimizer.pt`` beside model.safetensors, scheduler.pt,
+  trainer_state.json, rng_state.pth.
+- accelerate ``save_state``: ``optimizer.bin``, ``optimizer_1.bin``, ... (one per prepared optimizer),
+  beside model.safetensors, scheduler.bin, random_states_0.pkl; with FSDP's sharded state dict an
+  ``optimizer_0/`` torch.distributed.checkpoint folder instead (converted by ``ckptq.dcp_folder``).
+- Lightning: ``*.ckpt`` files (``epoch=0-step=100.ckpt``, ``last.ckpt``), torch.save files whose
+  ``optimizer_states`` list holds the optimizer state dicts.
+- DeepSpeed ``global_stepN/``: recognised only, see :func:`_deepspeed`.
+
+Converted files go beside the originals: ``optimizer.pt`` -> ``optimizer.q8.safetensors``,
+``optimizer_0/`` -> ``optimizer_0.q8/``; every other file is left alone. Expand writes back the name the
+framework's resume reads: the source name recorded in the converted file, else the framework's name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from ..codec import checkpoint, qstate, tree
+from .. import format
+from ..errors import CkptqError, InputError, UsageError
+
+TRAINER_MARKER = "trainer_state.json"
+_ACCELERATE_FILE = re.compile(r"optimizer(_\d+)?\.bin")
+_ACCELERATE_DCP = re.compile(r"optimizer(_\d+)?")
+_OPTIMIZER_STEM = re.compile(r"optimizer(_\d+)?")  # one checkpoint may hold several of these (accelerate)
+_CONVERTED = (".q8" + format.SUFFIX, ".q8" + format.INDEX_SUFFIX)  # one file, a sharded set's index
+_DEEPSPEED = re.compile(r"(.*_optim_states\.pt|mp_rank_\d+_model_states\.pt|zero_pp_rank_.*\.pt)")
+_CHECKPOINT_DIR = re.compile(r"checkpoint-\d+|global_step\d+")
+_LOOKED_FOR = ("optimizer.pt (Trainer), optimizer.bin / optimizer_N.bin / optimizer_N/ (accelerate), "
+               "*.ckpt (Lightning)")
+
+
+@dataclass
+class Job:
+    src: str
+    dst: str
+    in_place: bool = False  # expand: an 8-bit torch.save file rewritten as fp32 under its own name
+
+
+@dataclass
+class Layout:
+    folder: str
+    framework: str  # "Trainer", "accelerate", "Lightning", or "plain" (e.g. nanoGPT's out/ after convert)
+    jobs: list[Job] = field(default_factory=list)
+
+
+def is_checkpoint_folder(path: str) -> bool:
+    """A folder that a training framework wrote (or ckptq converted in place), as opposed to a folder that
+    holds one ckptq shard set (its index): it names an optimizer file, a framework file, checkpoint
+    subfolders, or converted files of a framework's files. A folder with neither is looked at as one, to
+    say what is missing."""
+    if not os.path.isdir(path) or checkpoint.is_dcp_folder(path):
+        return False
+    names = os.listdir(path)
+    if not any(n.endswith(format.INDEX_SUFFIX) for n in names):
+        return True
+    return any(n in ("optimizer.pt", TRAINER_MARKER, "latest") or n.endswith(".ckpt") or _ACCELERATE_FILE.fullmatch(n)
+               or n.startswith("random_states_") or _DEEPSPEED.fullmatch(n) or _CHECKPOINT_DIR.fullmatch(n)
+               or n.endswith(_CONVERTED[0]) or _framework_source(os.path.join(path, n)) for n in names)
+
+
+def _recorded_source(path: str) -> str | None:
+    """The source file name a converted file records (``optimizer.pt``, ``last.ckpt``), if a plain name."""
+    try:
+        conv = tree.Converted(path, verify=False)
+    except CkptqError:
+        return None
+    conv.close()
+    source = conv.info.get("source")
+    return source if isinstance(source, str) and source and os.path.basename(source) == source else None
+
+
+def _framework_source(path: str) -> bool:
+    """A converted shard set's index whose source was a framework's optimizer file."""
+    if not path.endswith(_CONVERTED[1]) or not os.path.isfile(path):
+        return False
+    source = _recorded_source(path) or ""
+    return source == "optimizer.pt" or bool(_ACCELERATE_FILE.fullmatch(source)) or source.endswith(".ckpt")
+
+
+def _framework(folder: str) -> str:
+    """Which framework wrote the folder, by its files and the sources its converted files record."""
+    names = os.listdir(folder)
+    names += [_recorded_source(os.path.join(folder, n)) or "" for n in names if _converted_stem(n) is not None]
+    if TRAINER_MARKER in names or "optimizer.pt" in names:
+        return "Trainer"
+    if any(n.endswith(".ckpt") for n in names):
+        return "Lightning"
+    if any(_ACCELERATE_FILE.fullmatch(n) or _ACCELERATE_DCP.fullmatch(n) or n.startswith("random_states_") for n in names):
+        return "accelerate"
+    return "plain"
+
+
+def _converted_stem(name: str) -> str | None:
+    for suffix in _CONVERTED:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return None
+
+
+def _sources(folder: str) -> list[str]:
+    """The files (or DCP subfolders) that hold a framework's optimizer state, sorted."""
+    out = []
+    for n in sorted(os.listdir(folder)):
+        p = os.path.join(folder, n)
+        if os.path.isfile(p) and (n == "optimizer.pt" or _ACCELERATE_FILE.fullmatch(n) or n.endswith(".ckpt")):
+            out.append(p)
+        elif _ACCELERATE_DCP.fullmatch(n) and checkpoint.is_dcp_folder(p):
+            out.append(p)
+    return out
+
+
+def is_deepspeed(folder: str) -> bool:
+    """A DeepSpeed checkpoint: ``global_stepN/`` (ZeRO partitions ``*_optim_states.pt`` beside
+    ``mp_rank_*_model_states.pt``), or the folder above it, holding ``latest`` and ``global_stepN/``."""
+    names = os.listdir(folder)
+    return any(_DEEPSPEED.fullmatch(n) for n in names) or ("latest" in names and any(
+        n.startswith("global_step") for n in names))
+
+
+def _deepspeed(folder: str, verb: str) -> None:
+    """Where DeepSpeed checkpoints plug in: every folder command passes here first. A module that reads
+    ZeRO partitions is dispatched on :func:`is_deepspeed` before the checkpoint-folder branch of
+    ``pipeline.convert`` / ``pipeline.expand`` / ``info.info`` (as DCP folders are); until then, say so."""
+    if is_deepspeed(folder):
+        raise InputError(f"{folder} is a DeepSpeed checkpoint; ckptq cannot {verb} DeepSpeed ZeRO checkpoints yet")
+
+
+def _one_checkpoint(folder: str, found: list[str], verb: str) -> None:
+    """Several files that are not the optimizers of one checkpoint (accelerate's optimizer, optimizer_1, ...)."""
+    stems = [os.path.basename(p).split(".")[0] for p in found]
+    if len(found) > 1 and not all(_OPTIMIZER_STEM.fullmatch(s) for s in stems):
+        names = ", ".join(os.path.basename(p) for p in found)
+        raise UsageError(f"{folder} holds {len(found)} candidates ({names}); pass one: ckptq {verb} {found[0]}")
+
+
+def _subcheckpoints(folder: str, verb: str) -> None:
+    subs = sorted((n for n in os.listdir(folder) if _CHECKPOINT_DIR.fullmatch(n)), key=lambda n: int(n.split("-")[-1].removeprefix("global_step")))
+    if subs:
+        raise UsageError(f"{folder} holds {len(subs)} checkpoint folders ({', '.join(subs[:6])}"
+                         f"{', ...' if len(subs) > 6 else ''}); pass one: ckptq {verb} {os.path.join(folder, subs[-1])}")
+
+
+def _nothing(folder: str, what: str) -> InputError:
+    names = sorted(os.listdir(folder))
+    held = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") if names else "nothing"
+    return InputError(f"{folder} is not a torch.distributed.checkpoint folder (no .metadata) and holds no {what} "
+                      f"(looked for {_LOOKED_FOR}; found {held}); pass the file that holds the optimizer state")
+
+
+def for_convert(folder: str) -> Layout:
+    """The optimizer files of a checkpoint folder and where their converted files go."""
+    _deepspeed(folder, "convert")
+    found = _sources(folder)
+    if not found:
+        _subcheckpoints(folder, "convert")
+        raise _nothing(folder, "optimizer file")
+    _one_checkpoint(folder, found, "convert")
+    jobs = [Job(p, p + ".q8" if os.path.isdir(p) else _converted_name(p)) for p in found]
+    return Layout(folder, _framework(folder), jobs)
+
+
+def _converted_name(path: str) -> str:
+    base = os.path.basename(path)
+    return os.path.join(os.path.dirname(path), base.rsplit(".", 1)[0] + ".q8" + format.SUFFIX)
+
+
+def _converted(folder: str) -> list[str]:
+    """Converted optimizer files in a folder: single files, shard sets (by their index), DCP ``.q8`` folders."""
+    out = []
+    for n in sorted(os.listdir(folder)):
+        p = os.path.join(folder, n)
+        if (os.path.isfile(p) and _converted_stem(n) is not None) or (
+                n.endswith(".q8") and _ACCELERATE_DCP.fullmatch(n[:-3]) and checkpoint.is_dcp_folder(p)):
+            out.append(p)
+    return out
+
+
+def _holds_8bit(path: str) -> bool:
+    from ..codec import foreign
+
+    obj = checkpoint.load_torch(path)
+    return bool(qstate.count_qstates(obj) or foreign.to_torch(obj))
+
+
+def _restored_name(folder: str, path: str) -> str:
+    """The file the framework's resume reads, for the converted file ``path``: the source name the file
+    records (``optimizer.pt``, ``optimizer.bin``, ``last.ckpt``), else the name the folder's framework uses."""
+    if os.path.isdir(path):
+        return path[: -len(".q8")]
+    stem = _converted_stem(os.path.basename(path))
+    source = _recorded_source(path)
+    if source and source.rsplit(".", 1)[0] == stem:
+        return os.path.join(folder, source)
+    names = os.listdir(folder)
+    ext = (".pt" if TRAINER_MARKER in names else ".bin" if any(n.startswith("random_states_") for n in names)
+           else ".ckpt" if any(n.endswith(".ckpt") for n in names) else None)
+    if ext is None:
+        raise UsageError(f"{path} records no source file name and {folder} has no Trainer, accelerate or Lightning "
+                         f"files to tell which name to restore; expand it by name: ckptq expand {path} -o NAME")
+    return os.path.join(folder, stem + ext)
+
+
+def for_expand(folder: str, replace: bool) -> Layout:
+    """The converted optimizer files of a checkpoint folder and the names their expansions take; or the
+    framework's own files when they hold 8-bit state (saved from AdamW8bit), rewritten in place."""
+    _deepspeed(folder, "expand")
+    found = _converted(folder)
+    if found:
+        _one_checkpoint(folder, found, "expand")
+        return Layout(folder, _framework(folder), [Job(p, _restored_name(folder, p)) for p in found])
+    eight = [p for p in _sources(folder) if os.path.isfile(p) and _holds_8bit(p)]
+    if not eight:
+        _subcheckpoints(folder, "expand")
+        raise _nothing(folder, "8-bit optimizer state (*.q8.safetensors, or a framework file holding 8-bit state)")
+    _one_checkpoint(folder, eight, "expand")
+    if not replace:
+        names = ", ".join(os.path.basename(p) for p in eight)
+        raise UsageError(f"{names} in {folder} hold 8-bit state; `ckptq expand {folder} --replace` rewrites them as "
+                         f"fp32 under the same names (or: ckptq expand {eight[0]} -o OTHER)")
+    return Layout(folder, _framework(folder), [Job(p, p, in_place=True) for p in eight])
+
+
+def for_info(folder: str) -> Layout:
+    """Every optimizer file of a checkpoint folder, original or converted (jobs without outputs)."""
+    _deepspeed(folder, "describe")
+    found = sorted(_sources(folder) + _converted(folder))
+    if not found:
+        _subcheckpoints(folder, "info")
+        raise _nothing(folder, "optimizer file")
+    return Layout(folder, _framework(folder), [Job(p, "") for p in found])

@@ -1,0 +1,151 @@
+"""Reading a written output back before its original is deleted (``--replace``).
+
+A converted file is checked against its source: every stored tensor's checksum, every exact tensor bit for
+bit, and every 8-bit state re-quantized from the source with the parameters the file records (codes,
+scales and codebook must be identical: quantization is deterministic). An expanded file is loaded with
+``torch.load(weights_only=True)`` and compared bit for bit with the decoding of its source. Only then,
+with the output's folder entry made durable (``fsync`` of the folder), is the original removed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from ..codec import checkpoint, foreign, qstate, tree
+from .. import format
+from ..format import files
+from ..errors import FormatError, InputError
+
+
+class ReadbackError(FormatError):
+    """A written output does not read back as what was meant; the original was kept."""
+
+
+@contextmanager
+def discarding(outputs: list[str]) -> Iterator[None]:
+    """An output that fails its check is removed (it is known bad); the original stays."""
+    try:
+        yield
+    except (FormatError, InputError):
+        for p in outputs:
+            files.remove_path(p)
+        raise
+
+
+def check_converted(src: str, outputs: list[str], trust: bool = False) -> None:
+    """Raise :class:`ReadbackError` (and remove ``outputs``) unless the converted ``outputs`` (file, or
+    index + shards) of the torch.save file ``src`` decode to exactly what convert meant to write."""
+    if format.is_safetensors(src):  # a converted file re-encoded at another width: its decoded states
+        want = tree.Converted(src).read(dequantize=True)
+    else:
+        want = checkpoint.load_torch(src, trust=trust)
+    foreign.to_torch(want)  # bitsandbytes / torchao state is converted from its fp32 form, as convert does
+    with discarding(outputs):
+        conv = tree.Converted(outputs[0], verify=True)  # verify: each tensor's crc32 is checked as it is read
+        try:
+            _compare(want, conv.read(dequantize=False), "", outputs[0])
+        finally:
+            conv.close()
+
+
+def replace_converted(src: str, outputs: list[str], trust: bool = False) -> list[str]:
+    """``--replace`` for one file: check the outputs, then delete ``src``; returns what was deleted."""
+    check_converted(src, outputs, trust)
+    remove_original(src, outputs)
+    return [src]
+
+
+def check_expanded(src: str, dst: str, trust: bool = False) -> None:
+    """Raise :class:`ReadbackError` (and remove ``dst``) unless the torch.save file ``dst`` holds exactly the
+    decoding of ``src`` (a converted file or set, or a torch.save file holding 8-bit states)."""
+    with discarding([dst]):
+        _check_expanded(src, dst, trust)
+
+
+def _check_expanded(src: str, dst: str, trust: bool) -> None:
+    got = checkpoint.load_torch(dst)
+    if checkpoint.is_torch_file(src):
+        want = checkpoint.load_torch(src, trust=trust)
+        foreign.to_torch(want)
+        qstate.decode_qstates(want)
+        _compare(want, got, "", dst)
+        return
+    conv = tree.Converted(src, verify=True)
+    try:
+        _compare(conv.read(dequantize=True, lazy=True), got, "", dst)  # lazy: one decoded tensor at a time
+    finally:
+        conv.close()
+
+
+def _mismatch(where: str, path: str, what: str) -> ReadbackError:
+    return ReadbackError(f"{where} does not read back as written ({path or '<root>'}: {what}); it was removed "
+                         "and the original kept")
+
+
+def _compare(want: Any, got: Any, path: str, where: str, siblings: dict | None = None) -> None:
+    if qstate.is_qstate(got) and isinstance(want, torch.Tensor):
+        want = _requantize(want, got, path, where, siblings)
+    want = _materialize(want)
+    if isinstance(want, torch.Tensor):
+        if not (isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
+                and _same_bytes(want, got)):
+            raise _mismatch(where, path, "tensor differs")
+    elif isinstance(want, dict):
+        if not isinstance(got, dict) or list(map(str, want)) != list(map(str, got)):
+            raise _mismatch(where, path, "keys differ")
+        for (k, w), g in zip(want.items(), got.values()):
+            _compare(w, g, f"{path}/{k}", where, want)
+    elif isinstance(want, (list, tuple)):
+        if type(got) is not type(want) or len(got) != len(want):
+            raise _mismatch(where, path, "sequence differs")
+        for i, (w, g) in enumerate(zip(want, got)):
+            _compare(w, g, f"{path}/{i}", where)
+    elif not (want == got or (isinstance(want, float) and isinstance(got, float) and math.isnan(want) and math.isnan(got))):
+        raise _mismatch(where, path, f"{str(want)[:40]!r} != {str(got)[:40]!r}")
+
+
+def _requantize(t: torch.Tensor, q: dict, path: str, where: str, siblings: dict | None) -> dict:
+    """What convert meant to store for source tensor ``t``, with the parameters the file records."""
+    key = path.rsplit("/", 1)[-1]
+    if q.get("transform") != qstate.RATIO_TRANSFORM:
+        return qstate.quantize_state(t, key, q["block_size"], bits=q.get("bits", 8))
+    v = (siblings or {}).get(q.get("divisor"))
+    if not isinstance(v, torch.Tensor):
+        raise _mismatch(where, path, "ratio state without its second moment in the source")
+    return qstate.quantize_ratio(t, v, q["eps"], q["block_size"], divisor_key=q["divisor"], bits=q.get("bits", 8))
+
+
+def _materialize(x: Any) -> Any:
+    """A ``torch_stream.LazyTensor`` (a lazily read expand input) as the tensor it stands for."""
+    storage = getattr(x, "storage", None)
+    if hasattr(storage, "produce"):
+        return storage.produce().reshape(-1).as_strided(x.shape, x.stride, x.offset)
+    return x
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads and signed zeros included)."""
+    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
+                       b.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
+def sync_folder(path: str) -> None:
+    """Make the folder entries of ``path`` (a rename into place) durable before anything is deleted."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_original(src: str, outputs: list[str]) -> None:
+    """Delete ``src`` (a file or a folder) once ``outputs`` are checked; their folder entries synced first."""
+    for out in outputs:
+        sync_folder(out)
+    files.remove_path(src)
+    sync_folder(src)
