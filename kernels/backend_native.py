@@ -47,7 +47,7 @@ def _code_offset(start: int, bits: int) -> int:
     return start * bits // 8
 
 
-def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: int = 8) -> None:
+def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: int = 8, row_len=None) -> None:
     lib, table = native.library(), lut.native_code_table(thresholds)
     dtype, size = KERNEL_DTYPES[src.dtype], src.element_size()
 
@@ -60,7 +60,8 @@ def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: 
     cpu_runtime.for_each_chunk(span, src.numel(), cpu_runtime.native_chunk(src.numel()), src.device)
 
 
-def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool, bits: int = 8) -> None:
+def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool, bits: int = 8,
+               row_len=None) -> None:
     lib, qmap = native.library(), _decode_map(qmap)
 
     def span(start: int, stop: int) -> None:

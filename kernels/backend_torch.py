@@ -21,8 +21,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import cpu_runtime, lut
-from .contract import StepFlags, StepState, code_bytes, group_shape, mix32, num_blocks
+from . import cpu_runtime, lut, rows
+from .contract import (DenseGroup, StepFlags, StepGroup, StepState, code_bytes, group_shape, is_flat, mix32,
+                       num_blocks)
 
 STEP_CHUNK = 1 << 18  # elements per chunk of the step (whole blocks for every block size): 1 MB temporaries
 
@@ -133,8 +134,13 @@ def _chunk(device: torch.device) -> int:
     return cpu_runtime.CPU_CHUNK if device.type == "cpu" else cpu_runtime.DEVICE_CHUNK
 
 
-def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: int = 8) -> None:
-    """Blockwise quantize (contract in ``contract``), in chunks of whole blocks on the CPU pool."""
+def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: int = 8, row_len=None) -> None:
+    """Blockwise quantize (contract in ``contract``), in chunks of whole blocks on the CPU pool; rows that are
+    not whole blocks through ``rows``."""
+    if not is_flat(src.numel(), row_len, block_size):
+        x = ieee_sqrt(src) if sqrt else src.to(torch.float32)
+        rows.quantize(x, thresholds, block_size, codes, absmax, bits, row_len)
+        return
     table = lut.code_table(thresholds)
     n, chunk = src.numel(), _chunk(src.device)
 
@@ -189,9 +195,15 @@ def _gather_nibbles(packed: torch.Tensor, qmap: torch.Tensor, out: torch.Tensor,
     torch.index_select(qmap, 0, unpack_codes(packed, n, 4).to(torch.int32), out=out)
 
 
-def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool, bits: int = 8) -> None:
+def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool, bits: int = 8,
+               row_len=None) -> None:
     """out = qmap[codes] * absmax[block], squared for ``sqrt`` (contract in ``contract``)."""
     n, chunk = out.numel(), _chunk(codes.device)
+    if not is_flat(n, row_len, block_size):
+        rows.dequantize(codes, absmax, qmap, block_size, out, bits, row_len)
+        if sqrt:
+            out.mul_(out)
+        return
 
     def span(start: int, stop: int) -> None:
         ws = cpu_runtime.workspace(codes.device, min(chunk, n))
@@ -238,11 +250,13 @@ def on_device(h: torch.Tensor, device: torch.device) -> torch.Tensor:
     return h if h.device == device else h.to(device)
 
 
-def uniforms(first: int, n: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stochastic rounding's u (``contract``) of elements first .. first + n - 1 for the first and the
-    second moment: two fp32 [n] in [0, 1), the high and low halves of one hash per element."""
-    index = torch.arange(first, first + n, dtype=torch.int64, device=device) & 0xFFFFFFFF
-    h = mix32(index ^ seed)
+def uniforms(first, n: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stochastic rounding's u (``contract``) of elements first .. first + n - 1 (or of the element
+    indices ``first``, an int64 tensor of n) for the first and the second moment: two fp32 [n] in [0, 1),
+    the high and low halves of one hash per element."""
+    index = first.reshape(-1) if isinstance(first, torch.Tensor) else \
+        torch.arange(first, first + n, dtype=torch.int64, device=device)
+    h = mix32((index & 0xFFFFFFFF) ^ seed)
     return (h >> 16).to(torch.float32) * 2.0**-16, (h & 0xFFFF).to(torch.float32) * 2.0**-16  # exact in fp32
 
 
@@ -269,7 +283,8 @@ def step_rows(p, g, h, states: tuple[StepState, ...], ratio: bool, maximize: boo
               first: int = 0):
     """The fused step on whole blocks: p, g [nb, B] (any float dtype), states with codes [nb, B]; p[0, 0] is
     element ``first`` of the parameter. Returns (p fp32 [nb, B], ((codes, absmax), ...)): the new values, in
-    the order of ``states``; with a ``seed`` the first and second moments' codes are rounded stochastically."""
+    the order of ``states``; with a ``seed`` the first and second moments' codes are rounded stochastically.
+    ``first`` may also be an int64 tensor [nb, B] of the elements' indices (rows of the row layout)."""
     m_state, v_state, *x_state = states
     s = _decode_rows(v_state)  # sqrt(v) as stored
     m = _decode_rows(m_state)
@@ -312,6 +327,10 @@ def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
     """The fused 8-bit Adam(W) step in chunks of whole blocks (contract in ``contract``). A short last
     block is stepped on its own as [1, length]: padding would take part in the block's math."""
     block, h = flags.block_size, on_device(h, p.device)
+    if not is_flat(p.numel(), flags.row_len, block):
+        with torch.no_grad():
+            rows.adam_step(p, g, states, h, flags)
+        return
 
     def run(start: int, end: int) -> None:
         full = start + (end - start) // block * block
@@ -333,3 +352,20 @@ def adam_dense_step(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, h, maximize: bool
     exp_avg_sq.copy_(v)
     if max_exp_avg_sq is not None:
         max_exp_avg_sq.copy_(vmax)
+
+
+def adam_step_group(group: StepGroup) -> None:
+    """The group's members stepped one after another: what every backend's grouped step must equal."""
+    for i, (member, g) in enumerate(zip(group.members, group.grads)):
+        states = tuple(StepState(c, a, cb.qmap, cb.thresholds, cb.encode, bits)
+                       for c, a, cb, bits in zip(member.codes, member.absmax, group.codebooks, group.bits))
+        seed = None if group.seeds is None else int(group.seeds[i])
+        flags = StepFlags(group.block_size, group.ratio, group.maximize, seed, member.row_len)
+        adam_step(member.p, g, states, group.hyper[i], flags)
+
+
+def adam_dense_group(group: DenseGroup) -> None:
+    """``adam_dense_step`` on each member, one after another."""
+    for p, g, moments, h in zip(group.params, group.grads, group.moments, group.hyper):
+        exp_avg, exp_avg_sq, *vmax = moments
+        adam_dense_step(p, g, exp_avg, exp_avg_sq, vmax[0] if vmax else None, h, group.maximize)

@@ -217,11 +217,12 @@ def _launch(kernel, n: int, block_size: int, *args, **constexprs) -> None:
                                      num_warps=8 if rows * block_size > _TILE else 4, **constexprs)
 
 
-def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: int = 8) -> None:
+def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: int = 8, row_len=None) -> None:
     _launch(_quantize_kernel, src.numel(), block_size, src, thresholds, codes, absmax, SQRT=sqrt, BITS=bits)
 
 
-def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool, bits: int = 8) -> None:
+def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool, bits: int = 8,
+               row_len=None) -> None:
     _launch(_dequantize_kernel, out.numel(), block_size, codes, absmax, qmap, out, SQRT=sqrt, BITS=bits)
 
 

@@ -6,15 +6,33 @@ validates their inputs and picks the backend once; the backend modules beside th
 the Triton CUDA kernels) then receive flat, contiguous, already-checked tensors and plain flags, with
 identical signatures::
 
-    quantize(src, thresholds, block_size, sqrt, codes, absmax, bits) -> None
+    quantize(src, thresholds, block_size, sqrt, codes, absmax, bits, row_len) -> None
         src         [n] float (float32/bfloat16/float16; the PyTorch backend takes any float dtype)
         thresholds  fp32 [2**bits - 1] ascending: midpoints of the codebook (see ``midpoints``)
-        codes       uint8 [code_bytes(n, bits)] out;  absmax  fp32 [num_blocks(n, block_size)] out
-    dequantize(codes, absmax, qmap, block_size, sqrt, out, fresh, bits) -> None
+        codes       uint8 [layout_bytes(n, row_len, bits)] out
+        absmax      fp32 [layout_blocks(n, row_len, block_size)] out
+    dequantize(codes, absmax, qmap, block_size, sqrt, out, fresh, bits, row_len) -> None
         qmap        fp32 [2**bits] codebook;  out  fp32 [n] out (``fresh``: newly allocated memory)
     adam_step(p, g, states, h, flags) -> None
         p [n] param (updated in place), g [n] grad, states: 2 or 3 ``StepState`` (exp_avg, exp_avg_sq,
         max_exp_avg_sq), each with its own code width, h fp32 [10] (``HYPER_FIELDS``), flags: ``StepFlags``
+    adam_step_group(group) -> None
+        ``StepGroup``: many parameters in one call; the same result, bit for bit, as ``adam_step`` on each
+        member in turn with its own row of ``group.hyper`` and its own seed
+    adam_dense_group(group) -> None
+        ``DenseGroup``: the Adam(W) step of parameters whose moments are plain fp32 tensors, many in one
+        call; the same result as ``backend_torch.adam_dense_step`` on each
+
+Rows (``row_len``, format version 3): the n elements are ``rows = n // row_len`` rows of ``row_len``
+elements (a parameter of shape [d0, d1, ...] has rows = d0 and row_len = d1 * d2 * ...; 1-D tensors, and
+every state of format versions 1 and 2, are one row: ``row_len = n``, the "flat" layout). Blocks never
+cross a row: row r holds ``blocks_per_row = ceil(row_len / block_size)`` blocks, block j covering the
+row's elements [j * block_size, min((j + 1) * block_size, row_len)); the last block of a row may be
+short, and its scale covers the elements it has. Each row's codes start on a byte: row r occupies code
+bytes [r * row_bytes, (r + 1) * row_bytes) with ``row_bytes = code_bytes(row_len, bits)``, laid out as
+below, the bits past its last code 0. absmax holds ``rows * blocks_per_row`` scales, row-major. So rows
+shard with dim 0 of their parameter (FSDP2), and when row_len is a multiple of the block size the layout
+is exactly the flat layout of the same n elements (every backend may take that path).
 
 Code layout (``bits``, the code width: 8, 6, 4 or 2): the codes form one little-endian bit stream,
 element i in bits [i * bits, (i + 1) * bits) of it, byte k holding stream bits 8k .. 8k + 7 (lowest
@@ -71,6 +89,55 @@ class StepFlags(NamedTuple):
     ratio: bool  # exp_avg's stored codes are ratios m / (sqrt(v) + decode_eps); else plain values
     maximize: bool
     seed: int | None = None  # uint32: the moments' new codes round stochastically with it (else nearest)
+    row_len: int | None = None  # elements per row of the layout (None: one row of all n elements)
+
+
+class StepCodebooks(NamedTuple):
+    """One moment's codebooks in a ``StepGroup``, shared by all its members (fp32, on their device)."""
+
+    qmap: torch.Tensor  # [2**bits]: the codebook the stored codes refer to
+    thresholds: torch.Tensor  # [2**bits - 1]: midpoints of ``encode``
+    encode: torch.Tensor  # [2**bits]: the codebook the new codes are written with
+
+
+class GroupMember(NamedTuple):
+    """One parameter of a ``StepGroup``: its flat param and its moments' codes and scales (each laid out in
+    rows of ``row_len``), all contiguous, on the group's device, rewritten in place."""
+
+    p: torch.Tensor  # [n]
+    codes: tuple  # 2 or 3 uint8 [layout_bytes(n, row_len, bits[k])]: exp_avg, exp_avg_sq[, max_exp_avg_sq]
+    absmax: tuple  # as many fp32 [layout_blocks(n, row_len, block_size)]
+    row_len: int
+
+
+class StepGroup(NamedTuple):
+    """Parameters stepped in one call: one device, one param dtype and one grad dtype, one code width and
+    one set of codebooks per moment, one block size and one set of flags. Per member: its row of ``hyper``
+    and its seed. ``cache`` is the caller's dict for this group (same members, same state tensors): a
+    backend may keep what it derives from them there (pointer tables...); grads, hyper and seeds change
+    from call to call."""
+
+    members: tuple  # GroupMember
+    grads: tuple  # [n] per member, the param's dtype or another KERNEL_DTYPE (one for the group)
+    hyper: torch.Tensor  # fp32 [len(members), 10] (HYPER_FIELDS), on the host or on the group's device
+    seeds: torch.Tensor | None  # int64 [len(members)] in [0, 2**32) (same place as hyper); None: nearest
+    codebooks: tuple  # StepCodebooks per moment
+    bits: tuple  # code width per moment
+    block_size: int
+    ratio: bool
+    maximize: bool
+    cache: dict
+
+
+class DenseGroup(NamedTuple):
+    """Parameters with plain fp32 moments stepped in one call (one device, dtypes, flags)."""
+
+    params: tuple  # [n] each, updated in place
+    grads: tuple
+    moments: tuple  # per member (exp_avg, exp_avg_sq[, max_exp_avg_sq]): fp32 [n], updated in place
+    hyper: torch.Tensor  # fp32 [len(params), 10]; only the first 8 fields are read
+    maximize: bool
+    cache: dict
 
 
 MIX32 = (0x7FEB352D, 0x846CA68B)  # the multipliers of mix32
@@ -105,6 +172,31 @@ def code_bytes(n: int, bits: int) -> int:
     """Bytes that hold n codes of ``bits`` bits (8: one per byte, 6: four per 3 bytes, 4: two per byte,
     2: four per byte)."""
     return (n * bits + 7) // 8
+
+
+def layout_rows(n: int, row_len: int | None) -> tuple[int, int]:
+    """(rows, row_len) of n elements laid out in rows of ``row_len`` (None: one row)."""
+    if row_len is None or n == 0:
+        return (1 if n else 0), n
+    return n // row_len, row_len
+
+
+def layout_bytes(n: int, row_len: int | None, bits: int) -> int:
+    """Code bytes of n elements in rows of ``row_len``: each row starts on a byte."""
+    rows, length = layout_rows(n, row_len)
+    return rows * code_bytes(length, bits)
+
+
+def layout_blocks(n: int, row_len: int | None, block_size: int) -> int:
+    """Scales of n elements in rows of ``row_len``: blocks never cross a row."""
+    rows, length = layout_rows(n, row_len)
+    return rows * num_blocks(length, block_size)
+
+
+def is_flat(n: int, row_len: int | None, block_size: int) -> bool:
+    """Whether rows of ``row_len`` are laid out exactly as one row of n (no short block inside)."""
+    rows, length = layout_rows(n, row_len)
+    return rows <= 1 or length % block_size == 0
 
 
 def group_shape(bits: int) -> tuple[int, int]:

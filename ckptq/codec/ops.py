@@ -36,7 +36,8 @@ import torch
 
 from ..errors import UsageError
 from ..kernels import backend_native, backend_torch, contract, cpu_runtime, memo
-from ..kernels.contract import KERNEL_DTYPES, StepFlags, StepState, code_bytes, midpoints, num_blocks
+from ..kernels.contract import (KERNEL_DTYPES, StepFlags, StepState, code_bytes, is_flat, layout_blocks, layout_bytes,
+                                midpoints, num_blocks)
 
 BACKENDS = ("auto", "torch", "native", "triton")  # the one place that knows which backends exist
 BLOCK_SIZES = tuple(2**k for k in range(6, 13))  # 64 ... 4096
@@ -94,20 +95,34 @@ def check_codebook(qmap: torch.Tensor, bits: int = 8) -> None:
         raise UsageError(f"codebook must be a float tensor of {2**bits} entries, got {got}")
 
 
-def check_quantized(codes, absmax, qmap, block_size: int, bits: int = 8, numel: int | None = None) -> int:
+def check_row_len(n: int, row_len: int | None) -> int | None:
+    """``row_len`` (None: one row) if it tiles n elements into whole rows, else UsageError."""
+    if row_len is None:
+        return None
+    if isinstance(row_len, bool) or not isinstance(row_len, int) or row_len < 1 or n % row_len:
+        raise UsageError(f"row length {row_len!r} does not divide the {n} elements into whole rows; pass the "
+                         "product of the tensor's dims after the first")
+    return row_len
+
+
+def check_quantized(codes, absmax, qmap, block_size: int, bits: int = 8, numel: int | None = None,
+                    row_len: int | None = None) -> int:
     """UsageError unless codes are uint8 and hold ``numel`` codes of ``bits`` bits (default: as many as
-    fit), absmax holds one float scale per block of ``block_size`` codes on the same device, and ``qmap``
-    is a codebook of 2**bits entries: what every dequantize path relies on. Returns the element count."""
+    fit) in rows of ``row_len`` (None: one row; ``ckptq/kernels/contract.py``), absmax holds one float scale
+    per block of each row on the same device, and ``qmap`` is a codebook of 2**bits entries: what every
+    dequantize path relies on. Returns the element count."""
     check_block_size(block_size)
     check_bits(bits)
     check_codebook(qmap, bits)
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         raise UsageError(f"codes must be a uint8 tensor, got {getattr(codes, 'dtype', type(codes).__name__)}")
     n = codes.numel() * 8 // bits if numel is None else numel
-    if code_bytes(n, bits) != codes.numel():
-        raise UsageError(f"{codes.numel()} bytes of codes cannot hold {n} {bits}-bit codes "
-                         f"({code_bytes(n, bits)} bytes); pass the element count of the quantized tensor")
-    n_blocks = num_blocks(n, block_size)
+    check_row_len(n, row_len)
+    if layout_bytes(n, row_len, bits) != codes.numel():
+        raise UsageError(f"{codes.numel()} bytes of codes cannot hold {n} {bits}-bit codes in rows of "
+                         f"{row_len or n} ({layout_bytes(n, row_len, bits)} bytes); pass the element count and "
+                         "row length of the quantized tensor")
+    n_blocks = layout_blocks(n, row_len, block_size)
     if not isinstance(absmax, torch.Tensor) or not absmax.is_floating_point() or absmax.numel() != n_blocks:
         raise UsageError(
             f"absmax must be float with {n_blocks} entries for {n} codes in blocks of {block_size}, "
@@ -144,15 +159,18 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _implementation(name: str, dtypes: Sequence[torch.dtype] = (), thresholds: Sequence[torch.Tensor] = ()):
-    """The backend module for a resolved name; the reference where the C kernels cannot take the call."""
+def _implementation(name: str, dtypes: Sequence[torch.dtype] = (), thresholds: Sequence[torch.Tensor] = (),
+                    flat: bool = True):
+    """The backend module for a resolved name; the reference where the C kernels cannot take the call, or
+    where a backend does not lay out rows that are not whole blocks yet (``ROWS``)."""
+    impl = backend_torch
     if name == "triton":
         from ..kernels import backend_triton
 
-        return backend_triton
-    if name == "native" and all(d in KERNEL_DTYPES for d in dtypes) and all(map(backend_native.usable, thresholds)):
-        return backend_native
-    return backend_torch
+        impl = backend_triton
+    elif name == "native" and all(d in KERNEL_DTYPES for d in dtypes) and all(map(backend_native.usable, thresholds)):
+        impl = backend_native
+    return impl if flat or getattr(impl, "ROWS", False) else backend_torch
 
 
 def _local(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -173,12 +191,16 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_blockwise(x: torch.Tensor, qmap: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE,
-                       transform: str = "none", backend: str = "auto", bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                       transform: str = "none", backend: str = "auto", bits: int = 8,
+                       row_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` (any float dtype and shape) blockwise on the codebook ``qmap``.
 
     Returns ``(codes, absmax)``: ``codes`` uint8 of shape ``[code_bytes(x.numel(), bits)]`` (8 bits: one
     code per byte; 6, 4, 2 bits: packed, see ``ckptq/kernels/contract.py``) and ``absmax`` fp32 of shape
-    ``[ceil(numel / block_size)]``, both on ``x.device``. ``qmap`` has 2**bits entries.
+    ``[ceil(numel / block_size)]``, both on ``x.device``. ``qmap`` has 2**bits entries. With ``row_len`` the
+    elements are laid out in rows of that length (blocks never cross a row, each row's codes start on a
+    byte; ``ckptq/kernels/contract.py``): codes ``[rows * code_bytes(row_len, bits)]``, absmax
+    ``[rows * ceil(row_len / block_size)]``.
     ``transform="sqrt"`` stores sqrt(x) (x >= 0). NaN/Inf inputs follow the rounding contract (a NaN
     block's absmax is NaN; NaN codes are 2**bits - 1).
     """
@@ -189,15 +211,16 @@ def quantize_blockwise(x: torch.Tensor, qmap: torch.Tensor, block_size: int = DE
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise UsageError(f"cannot quantize {getattr(x, 'dtype', type(x).__name__)}; pass a floating-point tensor")
     flat = _flat(_local(x, "the tensor to quantize"))
+    n = flat.numel()
+    row_len = check_row_len(n, row_len)
     name = resolve_backend(backend, flat.device)
     thresholds = midpoints(qmap.to(flat.device)).contiguous()
-    impl = _implementation(name, (flat.dtype,), (thresholds,))
+    impl = _implementation(name, (flat.dtype,), (thresholds,), is_flat(n, row_len, block_size))
     if impl is not backend_torch and flat.dtype not in KERNEL_DTYPES:
         flat = flat.to(torch.float32)  # the rounding the reference applies chunk by chunk
-    n = flat.numel()
-    codes = cpu_runtime.new_buffer(code_bytes(n, bits), torch.uint8, flat.device)
-    absmax = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=flat.device)
-    impl.quantize(flat, thresholds, block_size, sqrt, codes, absmax, bits)
+    codes = cpu_runtime.new_buffer(layout_bytes(n, row_len, bits), torch.uint8, flat.device)
+    absmax = torch.empty(layout_blocks(n, row_len, block_size), dtype=torch.float32, device=flat.device)
+    impl.quantize(flat, thresholds, block_size, sqrt, codes, absmax, bits, row_len)
     return codes, absmax
 
 
@@ -213,16 +236,17 @@ def _output(out: torch.Tensor | None, n: int, device: torch.device) -> torch.Ten
 
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor,
                          block_size: int = DEFAULT_BLOCK_SIZE, transform: str = "none", backend: str = "auto",
-                         out: torch.Tensor | None = None, bits: int = 8, numel: int | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, bits: int = 8, numel: int | None = None,
+                         row_len: int | None = None) -> torch.Tensor:
     """Inverse of :func:`quantize_blockwise`: fp32 tensor of shape ``[numel]``.
 
     Value = ``qmap[code] * absmax[block]``, squared afterwards when ``transform == "sqrt"``. ``numel``: the
     number of codes (default: as many as the bytes hold, ``codes.numel() * 8 // bits``: pass it when the
-    last byte is not full).
+    last byte is not full). ``row_len``: the row length the codes were laid out with (None: one row).
     With ``out`` (a contiguous fp32 tensor of ``numel`` elements on the codes' device) the result is written
     there: reusing a buffer saves the page faults of a fresh allocation.
     """
-    n = check_quantized(codes, absmax, qmap, block_size, bits, numel)
+    n = check_quantized(codes, absmax, qmap, block_size, bits, numel, row_len)
     sqrt = _check_transform(transform)
     flat = _flat(codes)
     name = resolve_backend(backend, flat.device)
@@ -230,12 +254,15 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.
     absmax = absmax.to(device=flat.device, dtype=torch.float32).reshape(-1).contiguous()
     fresh = out is None
     out = _output(out, n, flat.device)
-    _implementation(name).dequantize(flat, absmax, qmap, block_size, sqrt, out, fresh, bits)
+    impl = _implementation(name, flat=is_flat(n, row_len, block_size))
+    impl.dequantize(flat, absmax, qmap, block_size, sqrt, out, fresh, bits, row_len)
     return out
 
 
-def _step_states(states: Sequence[StepInput], n: int, block_size: int, device, widths) -> tuple[StepState, ...]:
-    """Check each moment against the param (n elements on ``device``) and build the kernels' view."""
+def _step_states(states: Sequence[StepInput], n: int, block_size: int, device, widths,
+                 row_len: int | None = None) -> tuple[StepState, ...]:
+    """Check each moment against the param (n elements on ``device``, rows of ``row_len``) and build the
+    kernels' view (flat codes and scales)."""
     if len(states) not in (2, 3):
         raise UsageError(f"the Adam step takes 2 or 3 moments (exp_avg, exp_avg_sq[, max_exp_avg_sq]), got {len(states)}")
     widths = (widths,) * len(states) if isinstance(widths, int) else tuple(widths)
@@ -245,17 +272,18 @@ def _step_states(states: Sequence[StepInput], n: int, block_size: int, device, w
     for i, (s, bits) in enumerate(zip(states, widths)):
         check_bits(bits)
         check_codebook(s.encode_qmap, bits)
-        if not isinstance(s.codes, torch.Tensor) or s.codes.numel() != code_bytes(n, bits) or s.codes.device != device:
+        want = layout_bytes(n, row_len, bits)
+        if not isinstance(s.codes, torch.Tensor) or s.codes.numel() != want or s.codes.device != device:
             raise UsageError(f"moment {i} holds {getattr(s.codes, 'numel', lambda: '?')()} code bytes on "
                              f"{getattr(s.codes, 'device', '?')} but the parameter has {n} elements on {device} "
-                             f"({code_bytes(n, bits)} bytes at {bits} bits); its state does not belong to this parameter")
-        check_quantized(s.codes, s.absmax, s.qmap, block_size, bits, n)
-        if s.codes.dim() != 1 or not s.codes.is_contiguous() or s.absmax.dtype != torch.float32 \
-                or not s.absmax.is_contiguous():
-            raise UsageError(f"moment {i} must hold flat contiguous uint8 codes and contiguous float32 scales")
+                             f"({want} bytes at {bits} bits); its state does not belong to this parameter")
+        check_quantized(s.codes, s.absmax, s.qmap, block_size, bits, n, row_len)
+        if not s.codes.is_contiguous() or s.absmax.dtype != torch.float32 or not s.absmax.is_contiguous():
+            raise UsageError(f"moment {i} must hold contiguous uint8 codes and contiguous float32 scales")
         qmap = s.qmap.to(device=device, dtype=torch.float32).contiguous()
         encode = s.encode_qmap.to(device=device, dtype=torch.float32).contiguous()
-        out.append(StepState(s.codes, s.absmax.view(-1), qmap, memo.by_tensor(midpoints, encode), encode, bits))
+        out.append(StepState(s.codes.view(-1), s.absmax.view(-1), qmap, memo.by_tensor(midpoints, encode), encode,
+                             bits))
     return tuple(out)
 
 
@@ -267,8 +295,9 @@ def step_seed(step: int, salt: int) -> int:
 
 def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[StepInput], hyper: torch.Tensor, *,
                   block_size: int, ratio: bool, maximize: bool = False, backend: str = "auto",
-                  bits: int | Sequence[int] = 8, seed: int | None = None) -> None:
-    """One fused low-bit Adam(W) step on one parameter, in place: the param and each moment's codes/absmax.
+                  bits: int | Sequence[int] = 8, seed: int | None = None, row_len: int | None = None) -> None:
+    """One fused low-bit Adam(W) step on one parameter, in place: the param and each moment's codes/absmax,
+    laid out in rows of ``row_len`` (None: one row; ``ckptq/kernels/contract.py``).
     ``bits``: the code width of every moment, or one per moment (8, 6, 4 or 2; codebooks of 2**bits entries). ``seed`` (an integer
     in [0, 2**32)): exp_avg's and exp_avg_sq's new codes are rounded stochastically, unbiased, with random
     numbers hashed from the seed and each element's index (``ckptq.kernels.contract``); None rounds to nearest.
@@ -286,13 +315,15 @@ def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[Step
                          f"({p.dtype}, {p.numel()} elements on {p.device})")
     if hyper.numel() != len(contract.HYPER_FIELDS):
         raise UsageError(f"hyper must hold {len(contract.HYPER_FIELDS)} values ({', '.join(contract.HYPER_FIELDS)})")
-    kernel_states = _step_states(states, p.numel(), block_size, p.device, bits)
+    row_len = check_row_len(p.numel(), row_len)
+    kernel_states = _step_states(states, p.numel(), block_size, p.device, bits, row_len)
     name = resolve_backend(backend, p.device)
-    impl = _implementation(name, (p.dtype, g.dtype), [s.thresholds for s in kernel_states])
+    impl = _implementation(name, (p.dtype, g.dtype), [s.thresholds for s in kernel_states],
+                           is_flat(p.numel(), row_len, block_size))
     data = p.detach()
     flat = data.reshape(-1) if data.is_contiguous() else data.contiguous().view(-1)  # a copy only if strided
     h = hyper.to(device="cpu", dtype=torch.float32).contiguous()  # scalars: the kernels take them from the host
-    impl.adam_step(flat, _flat(g), kernel_states, h, StepFlags(block_size, bool(ratio), bool(maximize), seed))
+    impl.adam_step(flat, _flat(g), kernel_states, h, StepFlags(block_size, bool(ratio), bool(maximize), seed, row_len))
     if not data.is_contiguous():
         data.copy_(flat.view(data.shape))
 

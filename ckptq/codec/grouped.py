@@ -1,0 +1,99 @@
+"""The grouped operations: many parameters' Adam(W) steps in one backend call (``contract.StepGroup`` and
+``contract.DenseGroup``). Everything about the members is checked once, when the group is made
+(``check_group``); a step then checks only what changes from call to call (the gradients), and hands
+the group to one backend: the C kernels split all its members' blocks over their thread pool, Triton
+runs one launch over a table of chunks. Backends without a grouped kernel step the members one by one.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..errors import UsageError
+from ..kernels import backend_torch, contract
+from ..kernels.contract import DenseGroup, StepGroup, is_flat
+from . import ops
+
+
+def check_group(group: StepGroup) -> None:
+    """UsageError unless every member fits the group: its codes and scales laid out for its elements and
+    rows at the group's widths and block size, on one device, contiguous; codebooks of 2**bits entries."""
+    ops.check_block_size(group.block_size)
+    if len(group.codebooks) != len(group.bits) or len(group.bits) not in (2, 3):
+        raise UsageError("a step group takes 2 or 3 moments, each with its codebooks and code width")
+    for cb, bits in zip(group.codebooks, group.bits):
+        ops.check_bits(bits)
+        ops.check_codebook(cb.qmap, bits)
+        ops.check_codebook(cb.encode, bits)
+        if cb.thresholds.shape != (2**bits - 1,) or cb.thresholds.dtype != torch.float32:
+            raise UsageError(f"thresholds must be fp32 midpoints of the encode codebook ({2**bits - 1} entries)")
+    devices = {m.p.device for m in group.members}
+    if len(devices) > 1 or len({m.p.dtype for m in group.members}) > 1:
+        raise UsageError("a step group's parameters must share one device and one dtype")
+    for i, m in enumerate(group.members):
+        n = m.p.numel()
+        if not m.p.is_contiguous() or m.p.dim() != 1 or len(m.codes) != len(group.bits) or len(m.absmax) != len(group.bits):
+            raise UsageError(f"member {i} of a step group: a flat contiguous param and one codes/scales pair per moment")
+        for k, (codes, absmax, bits) in enumerate(zip(m.codes, m.absmax, group.bits)):
+            ops.check_quantized(codes, absmax, group.codebooks[k].qmap, group.block_size, bits, n, m.row_len)
+            if codes.device != m.p.device or not codes.is_contiguous() or not absmax.is_contiguous() \
+                    or absmax.dtype != torch.float32:
+                raise UsageError(f"member {i}, moment {k}: contiguous codes and fp32 scales on the param's device")
+
+
+def _check_call(group: StepGroup) -> None:
+    """What may change between calls: one gradient per member, fitting it; hyper rows; seeds."""
+    if len(group.grads) != len(group.members) or group.hyper.shape != (len(group.members), len(contract.HYPER_FIELDS)):
+        raise UsageError(f"a step of {len(group.members)} parameters needs as many gradients and hyper rows "
+                         f"[{len(group.members)}, {len(contract.HYPER_FIELDS)}]")
+    dtypes = {g.dtype for g in group.grads}
+    for m, g in zip(group.members, group.grads):
+        if g.numel() != m.p.numel() or g.device != m.p.device or not g.is_contiguous():
+            raise UsageError(f"a gradient of {g.numel()} elements on {g.device} does not fit its parameter "
+                             f"({m.p.numel()} elements on {m.p.device}); pass contiguous gradients")
+    if len(dtypes) > 1:
+        raise UsageError(f"a step group's gradients must share one dtype, got {sorted(map(str, dtypes))}")
+
+
+def _backend(group_device: torch.device, dtypes: Sequence[torch.dtype], thresholds, flat: bool, backend: str):
+    return ops._implementation(ops.resolve_backend(backend, group_device), dtypes, thresholds, flat)
+
+
+def step_group(group: StepGroup, backend: str = "auto") -> None:
+    """One low-bit Adam(W) step of every member, in place; equal bit for bit to ``ops.adam8bit_step`` of each
+    member with its hyper row, seed and row length. ``check_group`` must have passed for these members."""
+    if not group.members:
+        return
+    _check_call(group)
+    first = group.members[0]
+    flat = all(is_flat(m.p.numel(), m.row_len, group.block_size) for m in group.members)
+    impl = _backend(first.p.device, (first.p.dtype, group.grads[0].dtype),
+                    [cb.thresholds for cb in group.codebooks], flat, backend)
+    if hasattr(impl, "adam_step_group"):
+        impl.adam_step_group(group)
+    else:
+        _one_by_one(impl, group)
+
+
+def _one_by_one(impl, group: StepGroup) -> None:
+    """The grouped step as per-member calls (a backend without a grouped kernel)."""
+    hyper = group.hyper.to("cpu")
+    seeds = None if group.seeds is None else group.seeds.tolist()
+    for i, (m, g) in enumerate(zip(group.members, group.grads)):
+        states = tuple(contract.StepState(c, a, cb.qmap, cb.thresholds, cb.encode, bits)
+                       for c, a, cb, bits in zip(m.codes, m.absmax, group.codebooks, group.bits))
+        flags = contract.StepFlags(group.block_size, group.ratio, group.maximize,
+                                   None if seeds is None else seeds[i], m.row_len)
+        impl.adam_step(m.p, g, states, hyper[i], flags)
+
+
+def dense_group(group: DenseGroup, backend: str = "auto") -> None:
+    """The Adam(W) step of parameters with plain fp32 moments, in place (``backend_torch.adam_dense_step``
+    of each, bit for bit)."""
+    if not group.params:
+        return
+    p = group.params[0]
+    impl = _backend(p.device, (p.dtype, group.grads[0].dtype), (), True, backend)
+    (impl if hasattr(impl, "adam_dense_group") else backend_torch).adam_dense_group(group)
