@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import click
 
 from . import __version__
-from .codec import ops
+from .codec import policy
 from .errors import CkptqError
 from .format import Compression, parse_size
 
@@ -279,7 +279,7 @@ def _format_info(r: dict) -> str:
               show_default=True, help="Mixed: 16-bit weights, gradients and activations, fp32 master weights.")
 @click.option("--attention", type=click.Choice(["sdpa", "eager"]), default="sdpa", show_default=True,
               help="sdpa: flash/memory-efficient kernels (no seq² scores kept); eager: scores kept.")
-@click.option("--block-size", default=ops.DEFAULT_BLOCK_SIZE, show_default=True, type=int, help="8-bit state: as in convert.")
+@click.option("--block-size", default=policy.DEFAULT_BLOCK_SIZE, show_default=True, type=int, help="8-bit state: as in convert.")
 @click.option("--min-size", default=4096, show_default=True, type=int, help="8-bit state: as in convert.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts (bytes).")
 def estimate(model, batch_size, seq_len, world_size, zero_stage, precision, attention, block_size, min_size, as_json):

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from . import cpu_runtime, lut, rows
-from .contract import (DenseGroup, StepFlags, StepGroup, StepState, code_bytes, group_shape, is_flat, mix32,
-                       num_blocks)
+from .reference import pack_codes, reference_codes, unpack_codes
+from .contract import DenseGroup, StepFlags, StepGroup, StepState, code_bytes, is_flat, layout_rows, mix32, num_blocks
 
 STEP_CHUNK = 1 << 18  # elements per chunk of the step (whole blocks for every block size): 1 MB temporaries
 
@@ -42,19 +42,6 @@ def ieee_sqrt_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         x = out.copy_(x)
     np.sqrt(x.numpy(), out=out.numpy())
     return out
-
-
-def reference_codes(x: torch.Tensor, thresholds: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rounding contract written out plainly. x: fp32 [n] (transform already applied).
-    Returns codes uint8 [n] and absmax fp32 [ceil(n / block_size)]."""
-    n = x.numel()
-    nb = num_blocks(n, block_size)
-    blocks = torch.nn.functional.pad(x, (0, nb * block_size - n)).view(nb, block_size)  # zeros never win absmax
-    absmax = blocks.abs().amax(dim=1)  # [nb]
-    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    y = blocks / safe[:, None]  # IEEE division, as the kernels do
-    codes = torch.searchsorted(thresholds, y, right=False, out_int32=True)  # #{t < y}
-    return codes.view(-1)[:n].to(torch.uint8), absmax
 
 
 def _as_fp32(src: torch.Tensor, buf: torch.Tensor, sqrt: bool) -> torch.Tensor:
@@ -100,34 +87,6 @@ def _quantize_span(src, codes, absmax, thresholds, table, block_size, sqrt, ws) 
         lookup_codes(y, table, codes[:full], ws)
     if full < n:  # the tensor's last, short block
         codes[full:], absmax[nb:] = reference_codes(x[full:], thresholds, block_size)
-
-
-def pack_codes(codes: torch.Tensor, out: torch.Tensor, bits: int) -> None:
-    """out uint8 [code_bytes(n, bits)] = codes uint8 [n] (each below 2**bits) packed as ``contract`` lays
-    them out: each group of whole-byte codes (``group_shape``) as one little-endian word."""
-    if bits == 8:
-        out.copy_(codes)
-        return
-    g, w = group_shape(bits)
-    c = torch.nn.functional.pad(codes, (0, -codes.numel() % g)).view(-1, g).to(torch.int32)
-    word = c[:, 0].clone()
-    for k in range(1, g):
-        word |= c[:, k] << (bits * k)
-    packed = torch.stack([(word >> (8 * j)) & 255 for j in range(w)], dim=1).view(-1)
-    out.copy_(packed[: out.numel()])  # the bytes past code_bytes(n) hold only zero padding
-
-
-def unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    """The n codes (uint8 [n]) that ``pack_codes`` packed into ``packed``."""
-    if bits == 8:
-        return packed[:n]
-    g, w = group_shape(bits)
-    b = torch.nn.functional.pad(packed, (0, -packed.numel() % w)).view(-1, w).to(torch.int32)
-    word = b[:, 0].clone()
-    for j in range(1, w):
-        word |= b[:, j] << (8 * j)
-    codes = torch.stack([(word >> (bits * k)) & (2**bits - 1) for k in range(g)], dim=1).view(-1)
-    return codes[:n].to(torch.uint8)
 
 
 def _chunk(device: torch.device) -> int:
@@ -323,13 +282,34 @@ def _step_span(p, g, h, states, flags: StepFlags, lo: int, hi: int, width: int) 
         view.absmax.copy_(absmax)
 
 
+def _adam_step_rows(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
+    """The fused step on the row layout: each row's whole blocks, then its short last block, as blocks."""
+    n_rows, length = layout_rows(p.numel(), flags.row_len)
+    p2, g2 = p.view(n_rows, length), g.view(n_rows, length)
+    codes = [rows.unpack_rows(s.codes.view(n_rows, -1), length, s.bits).clone() for s in states]
+    absmax = [s.absmax.view(n_rows, -1) for s in states]
+    index = torch.arange(p.numel(), dtype=torch.int64, device=p.device).view(n_rows, length)
+    for cols, width in rows.parts(length, flags.block_size):
+        b0, b1 = cols.start // flags.block_size, num_blocks(cols.stop, flags.block_size)
+        views = tuple(s._replace(codes=rows.blocks(c, cols, width), absmax=a[:, b0:b1].reshape(-1))
+                      for s, c, a in zip(states, codes, absmax))
+        p_new, new = step_rows(rows.blocks(p2, cols, width), rows.blocks(g2, cols, width), h, views, flags.ratio,
+                               flags.maximize, flags.seed, rows.blocks(index, cols, width))
+        p2[:, cols] = p_new.view(n_rows, -1).to(p.dtype)
+        for c, a, (new_codes, new_absmax) in zip(codes, absmax, new):
+            c[:, cols] = new_codes.view(n_rows, -1)
+            a[:, b0:b1] = new_absmax.view(n_rows, -1)
+    for s, c in zip(states, codes):
+        s.codes.view(n_rows, -1).copy_(rows.pack_rows(c, s.bits))
+
+
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
     """The fused 8-bit Adam(W) step in chunks of whole blocks (contract in ``contract``). A short last
     block is stepped on its own as [1, length]: padding would take part in the block's math."""
     block, h = flags.block_size, on_device(h, p.device)
     if not is_flat(p.numel(), flags.row_len, block):
         with torch.no_grad():
-            rows.adam_step(p, g, states, h, flags)
+            _adam_step_rows(p, g, states, h, flags)
         return
 
     def run(start: int, end: int) -> None:

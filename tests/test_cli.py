@@ -155,7 +155,7 @@ def test_write_failure_midway_leaves_nothing_and_input_untouched(failure, code, 
 
 
 def test_expand_interrupted_leaves_nothing(trained_ckpt, tmp_path, monkeypatch):
-    from ckptq.codec import qstate
+    from ckptq.codec import quant
 
     path, _, _ = trained_ckpt
     assert run("convert", path, "-q").exit_code == 0
@@ -165,7 +165,7 @@ def test_expand_interrupted_leaves_nothing(trained_ckpt, tmp_path, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(qstate, "dequantize_state", interrupted)
+    monkeypatch.setattr(quant, "dequantize_state", interrupted)
     r = run("expand", src)
     assert r.exit_code == 130 and "interrupted" in r.output
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt.q8.safetensors"] and src.read_bytes() == before

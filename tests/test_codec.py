@@ -9,7 +9,7 @@ import pytest
 import numpy as np
 import torch
 
-from ckptq.codec import codebooks, ops
+from ckptq.codec import codebooks, ops, policy
 from ckptq.errors import UsageError
 from ckptq.kernels import backend_torch, cpu_runtime, lut, native
 
@@ -113,7 +113,7 @@ def sizes(block_size):
     return (0, 1, block_size - 1, block_size, block_size + 1, 98432, (37, 129))
 
 
-@pytest.mark.parametrize("block_size", ops.BLOCK_SIZES)
+@pytest.mark.parametrize("block_size", policy.BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name,transform", [("signed", "none"), ("unsigned", "sqrt"), ("unsigned", "none")])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

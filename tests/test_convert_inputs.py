@@ -9,6 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from ckptq.codec import quant
 import ckptq
 from ckptq.cli import main
 from ckptq.errors import InputError
@@ -184,7 +185,6 @@ def test_the_optimizer_never_loads_finite_state_into_nan(recwarn):
     """AdamW8bit.load_state_dict of fp32 moments that 8 bits would damage: a negative second moment keeps
     that parameter's state fp32 (with a warning naming it); a ratio that would overflow stores the first
     moment on its own. Nothing finite comes back non-finite."""
-    from ckptq.codec import qstate
     from ckptq.optim import AdamW8bit
 
     sd = _adamw_state()
@@ -196,4 +196,4 @@ def test_the_optimizer_never_loads_finite_state_into_nan(recwarn):
         opt.load_state_dict(sd)
     assert torch.equal(opt.state[ps[0]]["exp_avg_sq"], sd["state"][0]["exp_avg_sq"])  # fp32, exact
     assert opt.state[ps[1]]["exp_avg"]["transform"] == "none"
-    assert _all_finite(qstate.dequantize_states(opt.state[ps[1]]))
+    assert _all_finite(quant.dequantize_states(opt.state[ps[1]]))

@@ -15,6 +15,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
+from ckptq.codec import quant
 from ckptq.optim import AdamW8bit  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
@@ -86,7 +87,7 @@ def _through_8bit(sd: dict) -> dict:
         if not qstate.is_qstate(st["exp_avg"]) and st["exp_avg"].numel() >= 1024:
             st = {**st, **sharded.quantize_moments({k: st[k] for k in ("exp_avg", "exp_avg_sq")}, group,
                                                    st["step"], 256)}
-        out["state"][pid] = qstate.dequantize_states(st)
+        out["state"][pid] = quant.dequantize_states(st)
     return out
 
 

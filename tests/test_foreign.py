@@ -10,6 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from ckptq.codec import quant
 import ckptq
 from ckptq.cli import main
 
@@ -97,7 +98,6 @@ def test_adamw8bit_loads_bitsandbytes_state_directly():
     """AdamW8bit.load_state_dict takes a bitsandbytes AdamW8bit state dict as it is (the user's dict is not
     modified) and continues from the moments bitsandbytes decodes to."""
     bnb = pytest.importorskip("bitsandbytes")
-    from ckptq.codec import qstate
     from ckptq.optim import AdamW8bit
 
     ps, opt = _train(bnb.optim.AdamW8bit)
@@ -106,7 +106,7 @@ def test_adamw8bit_loads_bitsandbytes_state_directly():
     ours = AdamW8bit(ps, lr=1e-2)
     ours.load_state_dict(sd)
     assert "__bnb_optimizer_quant_state__" in sd["state"][0]  # untouched
-    v = qstate.dequantize_state(ours.state[ps[0]]["exp_avg_sq"])
+    v = quant.dequantize_state(ours.state[ps[0]]["exp_avg_sq"])
     want = _bnb_dense(q, 2)
     assert float((v - want).abs().max()) <= 0.02 * float(want.abs().max())
     assert float(ours.state[ps[0]]["step"]) == 3.0

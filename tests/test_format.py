@@ -15,7 +15,7 @@ from safetensors import safe_open
 import ckptq
 from ckptq import format
 from ckptq.format import integrity
-from ckptq.codec import qstate
+from ckptq.codec import quant
 from ckptq.errors import ChecksumError, FormatError, InputError, OutputExistsError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
@@ -111,10 +111,10 @@ def _qstate_obj():
     m = torch.randn(5000, generator=g) * 1e-3
     v = torch.rand(70, 70, generator=g) ** 6 * 1e-4
     m2 = torch.randn(70, 70, generator=g) * v.sqrt()
-    return {"optimizer": {"state": {0: {"step": torch.tensor(10.0), "exp_avg": qstate.quantize_state(m, "exp_avg"),
-                                        "exp_avg_sq": qstate.quantize_state(v, "exp_avg_sq")},
-                                    1: {"step": torch.tensor(10.0), "exp_avg": qstate.quantize_ratio(m2, v, 1e-9),
-                                        "exp_avg_sq": qstate.quantize_state(v, "exp_avg_sq")}},
+    return {"optimizer": {"state": {0: {"step": torch.tensor(10.0), "exp_avg": quant.quantize_state(m, "exp_avg"),
+                                        "exp_avg_sq": quant.quantize_state(v, "exp_avg_sq")},
+                                    1: {"step": torch.tensor(10.0), "exp_avg": quant.quantize_ratio(m2, v, 1e-9),
+                                        "exp_avg_sq": quant.quantize_state(v, "exp_avg_sq")}},
                           "param_groups": [{"lr": 1e-3, "params": [0, 1]}]}}, m, v
 
 
@@ -125,13 +125,13 @@ def test_quantized_states_load_quantized_or_dequantized(tmp_path):
     q = ckptq.load(path)["optimizer"]["state"][0]
     assert_same(obj["optimizer"]["state"][0]["exp_avg"], q["exp_avg"])
     dense = ckptq.load(path, dequantize=True)["optimizer"]["state"][0]
-    assert torch.equal(dense["exp_avg_sq"], qstate.dequantize_state(q["exp_avg_sq"]))
+    assert torch.equal(dense["exp_avg_sq"], quant.dequantize_state(q["exp_avg_sq"]))
     assert dense["exp_avg_sq"].shape == (70, 70)
     # a ratio state comes back quantized with its divisor key, and decodes through its sibling
     r = ckptq.load(path)["optimizer"]["state"][1]
     assert_same(obj["optimizer"]["state"][1]["exp_avg"], r["exp_avg"])
     dense1 = ckptq.load(path, dequantize=True)["optimizer"]["state"][1]
-    assert torch.equal(dense1["exp_avg"], qstate.dequantize_states(r)["exp_avg"])
+    assert torch.equal(dense1["exp_avg"], quant.dequantize_states(r)["exp_avg"])
     for lazy_path in (str(tmp_path / "e.pt"),):  # and through the streaming expand
         ckptq.expand(path, lazy_path)
         assert torch.equal(torch.load(lazy_path, weights_only=True)["optimizer"]["state"][1]["exp_avg"], dense1["exp_avg"])
@@ -143,7 +143,7 @@ def test_stock_safe_open_reads_it_and_metadata_is_tagged(tmp_path):
     ckptq.save(obj, path)
     with safe_open(path, "pt") as f:
         meta = f.metadata()
-        assert meta["format"] == "pt" and meta["ckptq.format"] == "ckptq" and meta["ckptq.version"] == "2"
+        assert meta["format"] == "pt" and meta["ckptq.format"] == "ckptq" and meta["ckptq.version"] == "3"
         assert len(meta["ckptq.header_crc32"]) == 8
         codes = f.get_tensor("optimizer/state/0/exp_avg/codes")
     assert codes.dtype == torch.uint8 and codes.shape == (5000,)

@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptq
-from ckptq.codec import ops, qstate, sharded
+from ckptq.codec import ops, qstate, quant, sharded
 from ckptq.cli import main
 from ckptq.errors import ArgumentError
 from ckptq.optim import AdamW4bit, AdamW8bit
@@ -107,7 +107,7 @@ def test_8bit_state_loads_into_the_4bit_optimizer_and_back():
         if not qstate.is_qstate(saved["exp_avg"]):
             continue
         group = opt4.param_groups[0 if p.dim() >= 2 else 1]
-        want = sharded.quantize_moments(qstate.dequantize_states(saved), group, float(saved["step"]), 128, 4)
+        want = sharded.quantize_moments(quant.dequantize_states(saved), group, float(saved["step"]), 128, 4)
         for key in ("exp_avg", "exp_avg_sq"):
             assert opt4.state[p][key]["bits"] == 4 and torch.equal(opt4.state[p][key]["codes"], want[key]["codes"])
     opt8b = AdamW8bit(param_groups(model), lr=1e-2, min_size=1000)
@@ -130,7 +130,7 @@ def _follow(opt_cls, n=8192, steps=200):
         ref.grad = p.grad.clone()
         opt.step()
         torch_opt.step()
-    m = qstate.dequantize_states(opt.state[p])["exp_avg"]
+    m = quant.dequantize_states(opt.state[p])["exp_avg"]
     want = torch_opt.state[ref]["exp_avg"]
     return float((m - want).mean() / want.abs().mean())
 
@@ -160,7 +160,7 @@ def test_4bit_second_moment_follows_when_the_gradient_scales_change():
         ref.grad = p.grad.clone()
         opt.step()
         torch_opt.step()
-    s = qstate.dequantize_states(opt.state[p])["exp_avg_sq"].sqrt()
+    s = quant.dequantize_states(opt.state[p])["exp_avg_sq"].sqrt()
     assert float((s / torch_opt.state[ref]["exp_avg_sq"].sqrt()).log().abs().mean()) < 0.33
 
 

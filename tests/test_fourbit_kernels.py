@@ -10,15 +10,15 @@ import os
 import pytest
 import torch
 
-from ckptq.codec import codebooks, ops, qstate
+from ckptq.codec import codebooks, ops, policy, quant
 from ckptq.errors import UsageError
 from ckptq.kernels import backend_torch, native
 from ckptq.optim import Adam4bit, AdamW4bit
 from test_native import _assert_same, _special, bucket_edges, build  # noqa: F401  (build: the C builds fixture)
 
-QMAPS = {"ratio": qstate.ratio_policy(4).qmap(), "sqrt": qstate.policy_for("exp_avg_sq", 4).qmap(),
-         "signed-2.5": codebooks.power_map(True, 2.5, 4), "ratio6": qstate.ratio_policy(6).qmap(),
-         "sqrt2": qstate.policy_for("exp_avg_sq", 2).qmap()}
+QMAPS = {"ratio": policy.ratio_policy(4).qmap(), "sqrt": policy.policy_for("exp_avg_sq", 4).qmap(),
+         "signed-2.5": codebooks.power_map(True, 2.5, 4), "ratio6": policy.ratio_policy(6).qmap(),
+         "sqrt2": policy.policy_for("exp_avg_sq", 2).qmap()}
 WIDTH = {name: {16: 4, 64: 6, 4: 2}[q.numel()] for name, q in QMAPS.items()}
 CODECS = (("ratio", "none"), ("sqrt", "sqrt"), ("ratio6", "none"), ("sqrt2", "sqrt"))  # (codebook, transform)
 needs_c = pytest.mark.skipif(native.library() is None, reason=f"C kernels unavailable: {native.why_unavailable()}")
@@ -270,12 +270,12 @@ def _stepped(bits: int, backend: str, seed: int, device: str):
     n, block = 1000, 128
     p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 1e-2
-    states = [qstate.quantize_ratio(m, v, qstate.ratio_eps(1e-8, 0.999, 2), block, bits=bits),
-              qstate.quantize_state(v, "exp_avg_sq", block, bits=bits)]
+    states = [quant.quantize_ratio(m, v, policy.ratio_eps(1e-8, 0.999, 2), block, bits=bits),
+              quant.quantize_state(v, "exp_avg_sq", block, bits=bits)]
     states = [{k: t.to(device) if torch.is_tensor(t) else t for k, t in _clone(q).items()} for q in states]
     p, g = p.to(device), g.to(device)
     hyper = adam.hyper_tensor(1e-2, 0.9, 0.999, 1e-8, 0.1, 3, True, device)
-    adam.step_quantized(p, g, *states, None, hyper, ratio_eps=qstate.ratio_eps(1e-8, 0.999, 3), backend=backend,
+    adam.step_quantized(p, g, *states, None, hyper, ratio_eps=policy.ratio_eps(1e-8, 0.999, 3), backend=backend,
                         seed=seed)
     return p.cpu(), [(q["codes"].cpu(), q["absmax"].cpu()) for q in states]
 
@@ -301,8 +301,8 @@ def test_stochastic_steps_match_the_reference_at_both_widths(bits, backend):
 
 @pytest.mark.parametrize("seed", (-1, 2**32, True, 1.5))
 def test_seed_outside_uint32_is_a_usage_error(seed):
-    q = qstate.quantize_state(torch.rand(64), "exp_avg_sq", 64, bits=4)
-    m = qstate.quantize_state(torch.randn(64), "exp_avg", 64, bits=4)
+    q = quant.quantize_state(torch.rand(64), "exp_avg_sq", 64, bits=4)
+    m = quant.quantize_state(torch.randn(64), "exp_avg", 64, bits=4)
     inputs = [ops.StepInput(s["codes"], s["absmax"], s["qmap"], s["qmap"]) for s in (m, q)]
     with pytest.raises(UsageError, match="seed"):
         ops.adam8bit_step(torch.zeros(64), torch.zeros(64), inputs, torch.zeros(10), block_size=64, ratio=False,
@@ -315,9 +315,9 @@ def _mixed_step(widths, backend, n, amsgrad, seed, device="cpu"):
     gen = torch.Generator().manual_seed(n + sum(widths))
     p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     dense = [torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 1e-2, torch.rand(n, generator=gen) * 2e-2]
-    ratio_map = torch.tensor([-1.0, 0.0, 0.5, 1.0]) if widths[0] == 2 else qstate.ratio_policy(widths[0]).qmap()
+    ratio_map = torch.tensor([-1.0, 0.0, 0.5, 1.0]) if widths[0] == 2 else policy.ratio_policy(widths[0]).qmap()
     maps = [ratio_map] + [
-        codebooks.power_map(False, 3.0)[::4].contiguous() if w == 6 else qstate.policy_for("exp_avg_sq", w).qmap()
+        codebooks.power_map(False, 3.0)[::4].contiguous() if w == 6 else policy.policy_for("exp_avg_sq", w).qmap()
         for w in widths[1:]]
     states = []
     for i, (x, qmap, bits) in enumerate(list(zip(dense, maps, widths))[: 3 if amsgrad else 2]):

@@ -1,6 +1,7 @@
 """The format is a public contract: checked-in version-1 and version-2 files must keep decoding to the
-same object, writing that object must give the version-2 file's bytes, and a decoder written from
-docs/FORMAT.md alone (json, numpy, safetensors.numpy, zlib) must agree with ckptq's.
+same object, writing the version-3 object (quantized states in the row layout) must give the version-3
+file's bytes, and a decoder written from docs/FORMAT.md alone (json, numpy, safetensors.numpy, zlib) must
+agree with ckptq's on every version.
 
 Regenerate (only when the format deliberately changes, with a version bump): CKPTQ_REGEN_GOLDEN=1 pytest tests/test_golden.py
 (this rewrites the newest version's file; older ones stay as they are, forever).
@@ -26,6 +27,7 @@ GOLDEN_V1 = os.path.join(os.path.dirname(__file__), "golden", "v1.safetensors")
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v2.safetensors")
 GOLDEN_4BIT = os.path.join(os.path.dirname(__file__), "golden", "v2-4bit.safetensors")  # 4-bit states, version 2
 GOLDEN_6_2 = os.path.join(os.path.dirname(__file__), "golden", "v2-6bit-2bit.safetensors")  # 6- and 2-bit states
+GOLDEN_V3 = os.path.join(os.path.dirname(__file__), "golden", "v3-rows.safetensors")  # the row layout, every width
 INFO = {"created_by": "golden"}
 
 
@@ -89,14 +91,48 @@ def golden_object_6_2bit():
     return {"optimizer": {"state": state, "param_groups": groups}}
 
 
+def golden_object_v3():
+    """Version 3: states in the row layout, rows that are not whole blocks (15 in blocks of 64, 150 in blocks
+    of 128: 128 + 22, 201 in blocks of 64: 3 x 64 + 9), a 1-D state (one row), and every width: an 8-bit
+    ratio over 8-bit sqrt(v), 4-bit plain and sqrt states, a 6-bit ratio over a 2-bit sqrt(v) with
+    amsgrad's 4-bit max_exp_avg_sq (odd rows: the last byte of a row part full)."""
+    from ckptq.codec import quant
+
+    g = torch.Generator().manual_seed(3)
+    v8 = (torch.randn(20, 15, generator=g) * 1e-2) ** 2
+    m8 = torch.randn(20, 15, generator=g) * v8.sqrt()
+    m4, v4 = torch.randn(19, 150, generator=g) * 1e-3, (torch.randn(19, 150, generator=g) * 1e-2) ** 2
+    v62 = (torch.randn(7, 201, generator=g) * 1e-2) ** 2
+    m62 = torch.randn(7, 201, generator=g) * v62.sqrt()
+    flat = torch.randn(301, generator=g) * 1e-3
+    state = {0: {"step": torch.tensor(7.0), "exp_avg": quant.quantize_ratio(m8, v8, 1e-9, 64, "torch"),
+                 "exp_avg_sq": quant.quantize_state(v8, "exp_avg_sq", 64, "torch")},
+             1: {"step": torch.tensor(7.0), "exp_avg": quant.quantize_state(m4, "exp_avg", 128, "torch", 4),
+                 "exp_avg_sq": quant.quantize_state(v4, "exp_avg_sq", 128, "torch", 4)},
+             2: {"step": torch.tensor(7.0), "exp_avg": quant.quantize_ratio(m62, v62, 1e-9, 64, "torch", bits=6),
+                 "exp_avg_sq": quant.quantize_state(v62, "exp_avg_sq", 64, "torch", 2),
+                 "max_exp_avg_sq": quant.quantize_state(v62 * 1.5, "max_exp_avg_sq", 64, "torch", 4)},
+             3: {"step": torch.tensor(7.0), "exp_avg": quant.quantize_state(flat, "exp_avg", 64, "torch"),
+                 "exp_avg_sq": quant.quantize_state(flat * flat, "exp_avg_sq", 64, "torch")}}
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
+               "params": [0, 1, 2, 3]}]
+    return {"optimizer": {"state": state, "param_groups": groups}}
+
+
+def test_golden_file_is_pinned(tmp_path):
+    if os.environ.get("CKPTQ_REGEN_GOLDEN"):
+        ckptq.save(golden_object_v3(), GOLDEN_V3, info=INFO, force=True)
+    out = str(tmp_path / "again.safetensors")
+    ckptq.save(golden_object_v3(), out, info=INFO)
+    assert open(out, "rb").read() == open(GOLDEN_V3, "rb").read(), "the writer's bytes changed: that is a format change"
+    assert json.loads(safe_open(GOLDEN_V3, "np").metadata()["ckptq.version"]) == 3
+    assert_same(golden_object_v3(), ckptq.load(GOLDEN_V3))
+
+
 @pytest.mark.parametrize("path,build", [(GOLDEN, golden_object), (GOLDEN_4BIT, golden_object_4bit),
                                         (GOLDEN_6_2, golden_object_6_2bit)])
-def test_golden_file_is_pinned(tmp_path, path, build):
-    if os.environ.get("CKPTQ_REGEN_GOLDEN"):
-        ckptq.save(build(), path, info=INFO, force=True)
-    out = str(tmp_path / "again.safetensors")
-    ckptq.save(build(), out, info=INFO)
-    assert open(out, "rb").read() == open(path, "rb").read(), "the writer's bytes changed: that is a format change"
+def test_version_2_files_still_load_exactly(path, build):
+    assert json.loads(safe_open(path, "np").metadata()["ckptq.version"]) == 2
     assert_same(build(), ckptq.load(path))
 
 
@@ -122,13 +158,24 @@ def _numpy_values(path, q):
     assert q["codec"] == "blockwise" and bits in (8, 6, 4, 2)
     with safe_open(path, "np") as f:
         codes, absmax, qmap = (f.get_tensor(q[k]) for k in ("codes", "absmax", "qmap"))
-    n = int(np.prod(q["shape"]))
+    shape = q["shape"]
+    n = int(np.prod(shape))
+    if q.get("layout", "flat") == "rows":  # section 5: each row is a flat run of its own
+        rows, length = (shape[0], n // shape[0]) if len(shape) >= 2 else (1, n)
+        assert codes.shape == (rows, (length * bits + 7) // 8) and absmax.shape[0] == rows
+        return np.concatenate([_flat_values(codes[r], absmax[r], qmap, length, bits, q["block_size"])
+                               for r in range(rows)])
+    return _flat_values(codes, absmax, qmap, n, bits, q["block_size"])
+
+
+def _flat_values(codes, absmax, qmap, n, bits, block_size):
+    """One run of n codes in blocks of ``block_size``, each block times its scale."""
     assert qmap.shape == (2**bits,) and codes.shape == ((n * bits + 7) // 8,)
     if bits != 8:  # element i: bits [i * bits, (i + 1) * bits) of the little-endian bit stream
         stream = np.unpackbits(codes, bitorder="little")
         assert not stream[n * bits :].any()  # the bits after the last code are 0
         codes = (stream[: n * bits].reshape(n, bits).astype(np.int64) << np.arange(bits)).sum(axis=1)
-    return qmap[codes].astype(np.float32) * np.repeat(absmax, q["block_size"])[:n]
+    return qmap[codes].astype(np.float32) * np.repeat(absmax, block_size)[:n]
 
 
 def _numpy_decode(path, node, siblings):
@@ -153,7 +200,9 @@ def _find(node, key):
 @pytest.mark.parametrize("golden,pid,role", [(g, pid, role) for g in (GOLDEN_V1, GOLDEN) for pid in (0, 2)
                                               for role in ("exp_avg", "exp_avg_sq")]
                          + [(g, pid, role) for g in (GOLDEN_4BIT, GOLDEN_6_2) for pid in (0, 1)
-                            for role in ("exp_avg", "exp_avg_sq")])
+                            for role in ("exp_avg", "exp_avg_sq")]
+                         + [(GOLDEN_V3, pid, role) for pid in (0, 1, 2, 3) for role in ("exp_avg", "exp_avg_sq")]
+                         + [(GOLDEN_V3, 2, "max_exp_avg_sq")])
 def test_third_party_decoder_agrees(pid, role, golden):
     with safe_open(golden, "np") as f:
         skeleton = json.loads(f.metadata()["ckptq.skeleton"])

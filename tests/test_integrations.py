@@ -14,7 +14,8 @@ import ckptq
 from ckptq.integrations import _state
 from ckptq.integrations.accelerate import store_8bit
 from ckptq.optim import AdamW8bit, to_torch_state_dict
-from ckptq.codec.qstate import count_qstates, is_qstate
+from ckptq.codec.qstate import is_qstate
+from ckptq.codec.quant import count_qstates
 
 FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning")
 

@@ -15,7 +15,7 @@ import ckptq  # noqa: E402
 from ckptq.sources.info import info  # noqa: E402
 from ckptq.integrations.accelerate import store_8bit  # noqa: E402
 from ckptq.optim import AdamW8bit  # noqa: E402
-from ckptq.codec.qstate import count_qstates  # noqa: E402
+from ckptq.codec.quant import count_qstates  # noqa: E402
 
 STEPS, SAVE = 8, 4
 

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from ckptq.optim import adam
-from ckptq.codec import qstate  # noqa: E402
+from ckptq.codec import policy, quant  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Irregular sizes around block boundaries (small: the interpreter is slow).
@@ -30,12 +30,12 @@ def _clone(q):
 
 def _states(n, block, amsgrad, gen, m_transform="ratio"):
     m_dense, v_dense = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 1e-2
-    v = qstate.quantize_state(v_dense, "exp_avg_sq", block)
+    v = quant.quantize_state(v_dense, "exp_avg_sq", block)
     if m_transform == "ratio":  # as written by ckptq convert and by the optimizer's steps
-        m = qstate.quantize_ratio(m_dense, v_dense, qstate.ratio_eps(1e-8, 0.999, 2), block)
+        m = quant.quantize_ratio(m_dense, v_dense, policy.ratio_eps(1e-8, 0.999, 2), block)
     else:  # a pre-ratio file: exp_avg on its own
-        m = qstate.quantize_state(m_dense, "exp_avg", block)
-    x = qstate.quantize_state(torch.rand(n, generator=gen) * 2e-2, "max_exp_avg_sq", block) if amsgrad else None
+        m = quant.quantize_state(m_dense, "exp_avg", block)
+    x = quant.quantize_state(torch.rand(n, generator=gen) * 2e-2, "max_exp_avg_sq", block) if amsgrad else None
     return [None if q is None else {k: t.to(DEVICE) if torch.is_tensor(t) else t for k, t in q.items()} for q in (m, v, x)]
 
 
@@ -57,7 +57,7 @@ def test_kernel_matches_reference(n, block, dtype, amsgrad, maximize, decoupled,
     g = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
     states = _states(n, block, amsgrad, gen, m_transform)
     hyper = adam.hyper_tensor(1e-2, 0.9, 0.999, 1e-8, 0.1, 3, decoupled, DEVICE)
-    eps = qstate.ratio_eps(1e-8, 0.999, 3)
+    eps = policy.ratio_eps(1e-8, 0.999, 3)
 
     ref_p, ref_states = p.to(torch.float32, copy=True), [_clone(q) for q in states]
     adam.step_quantized(ref_p, g, *ref_states, hyper, ratio_eps=eps, maximize=maximize, backend="torch")

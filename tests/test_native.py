@@ -11,7 +11,7 @@ import platform
 import pytest
 import torch
 
-from ckptq.codec import codebooks, ops, qstate
+from ckptq.codec import codebooks, ops, policy
 from ckptq.kernels import backend_torch, lut
 from ckptq.errors import UsageError
 from ckptq.kernels import native
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(native.library() is None, reason=f"C kernels una
 CODEBOOKS = {
     "dynamic-signed": codebooks.dynamic_map(True),
     "dynamic-unsigned": codebooks.dynamic_map(False),
-    **{name: pol.qmap() for name, pol in (("exp_avg", qstate.POLICIES["exp_avg"]), ("exp_avg_sq", qstate.POLICIES["exp_avg_sq"]),
-                                          ("ratio", qstate.RATIO_POLICY))},
+    **{name: pol.qmap() for name, pol in (("exp_avg", policy.POLICIES["exp_avg"]), ("exp_avg_sq", policy.POLICIES["exp_avg_sq"]),
+                                          ("ratio", policy.RATIO_POLICY))},
 }
 # several chunks of the C path (at least 64K elements each), and a short last block
 SIZES = (1, 63, 4097, 3 * 65536 + 77)

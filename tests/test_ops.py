@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ckptq.optim import adam
-from ckptq.codec import ops, qstate
+from ckptq.codec import ops, policy, quant
 from ckptq.errors import UsageError
 from ckptq.kernels import backend_native, backend_torch
 
@@ -16,8 +16,8 @@ CPU_BACKENDS = ["torch"] + (["native"] if backend_native.available() else [])
 def _moments(n: int, block: int = 256, gen_seed: int = 0):
     gen = torch.Generator().manual_seed(gen_seed)
     v_dense = torch.rand(n, generator=gen) * 1e-4
-    v = qstate.quantize_state(v_dense, "exp_avg_sq", block)
-    m = qstate.quantize_ratio(torch.randn(n, generator=gen) * 1e-3, v_dense, 1e-8, block)
+    v = quant.quantize_state(v_dense, "exp_avg_sq", block)
+    m = quant.quantize_ratio(torch.randn(n, generator=gen) * 1e-3, v_dense, 1e-8, block)
     return m, v
 
 
@@ -32,21 +32,21 @@ def _hyper10():
 def test_backends_are_declared_in_one_place():
     assert ops.BACKENDS == ("auto", "torch", "native", "triton")
     with pytest.raises(UsageError, match="not one of auto, torch, native, triton"):
-        ops.quantize_blockwise(torch.ones(8), qstate.RATIO_POLICY.qmap(), backend="cuda")
+        ops.quantize_blockwise(torch.ones(8), policy.RATIO_POLICY.qmap(), backend="cuda")
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_float64_input_gives_the_codes_of_its_fp32_rounding(backend):
     """The C kernels read fp32/bf16/fp16; other float dtypes take the reference, which rounds to fp32."""
     x = torch.randn(5000, dtype=torch.float64) * 1e-3
-    qmap = qstate.POLICIES["exp_avg"].qmap()
+    qmap = policy.POLICIES["exp_avg"].qmap()
     got = ops.quantize_blockwise(x, qmap, 256, "none", backend)
     want = backend_torch.reference_codes(x.float(), ops.midpoints(qmap), 256)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_non_float_and_bad_bits_are_usage_errors():
-    qmap = qstate.RATIO_POLICY.qmap()
+    qmap = policy.RATIO_POLICY.qmap()
     with pytest.raises(UsageError, match="floating-point"):
         ops.quantize_blockwise(torch.ones(8, dtype=torch.int64), qmap)
     with pytest.raises(UsageError, match="3-bit codes are not supported; use bits=8 or 6 or 4 or 2"):
@@ -76,7 +76,7 @@ def test_step_refuses_states_that_do_not_fit_the_param(backend):
 
 def test_moments_that_break_the_step_contract_are_refused():
     m, v = _moments(1000)
-    v_plain = qstate.quantize_state(torch.rand(1000), "exp_avg", 256)  # not stored as sqrt
+    v_plain = quant.quantize_state(torch.rand(1000), "exp_avg", 256)  # not stored as sqrt
     with pytest.raises(UsageError, match="second moments as sqrt"):
         adam.step_quantized(torch.randn(1000), torch.randn(1000), m, v_plain, None, _hyper10()[:8], ratio_eps=1e-8)
 

@@ -15,7 +15,7 @@ import io
 import pytest
 import torch
 
-from ckptq.codec import qstate
+from ckptq.codec import policy, qstate, quant
 from ckptq.errors import StateMismatchError, UsageError
 from ckptq.optim import Adam8bit, AdamW8bit
 
@@ -35,16 +35,16 @@ def _grads(params, seed):
 
 def _dense_state(pstate: dict) -> dict:
     """torch's fp32 state for one param from ours (ratio exp_avg decoded through exp_avg_sq)."""
-    return {k: v.clone() for k, v in qstate.dequantize_states(pstate).items()}
+    return {k: v.clone() for k, v in quant.dequantize_states(pstate).items()}
 
 
 def _expected_qstate(key, ref_state, block_size, eps, beta2):
     """The qstate ckptq convert writes for torch's new fp32 state ``ref_state``."""
     if key == "exp_avg":
         step = float(ref_state["step"])
-        eps = qstate.ratio_eps(eps, beta2, step)
-        return qstate.quantize_ratio(ref_state["exp_avg"], ref_state["exp_avg_sq"], eps, block_size)
-    return qstate.quantize_state(ref_state[key], key, block_size)
+        eps = policy.ratio_eps(eps, beta2, step)
+        return quant.quantize_ratio(ref_state["exp_avg"], ref_state["exp_avg_sq"], eps, block_size)
+    return quant.quantize_state(ref_state[key], key, block_size)
 
 
 PAIRS = [
@@ -200,8 +200,8 @@ def test_state_dict_round_trip_resumes_identically():
     buf.seek(0)
     loaded = torch.load(buf, weights_only=True)
     assert loaded["state"][0]["exp_avg"]["transform"] == "ratio"
-    for key, value in qstate.dequantize_states(loaded["state"][0]).items():
-        assert torch.equal(value, qstate.dequantize_states(opt_a.state[a[0]])[key])
+    for key, value in quant.dequantize_states(loaded["state"][0]).items():
+        assert torch.equal(value, quant.dequantize_states(opt_a.state[a[0]])[key])
     for pa, pb in zip(a, b):
         pb.data.copy_(pa.data)
     opt_b = AdamW8bit(b, lr=1e-2, min_size=MIN)
@@ -222,7 +222,7 @@ def test_loads_torch_adamw_state_dict_quantizing_like_convert():
     for key in ("exp_avg", "exp_avg_sq"):
         expect = _expected_qstate(key, sd["state"][0], 256, 1e-8, 0.999)
         assert torch.equal(big[key]["codes"], expect["codes"]) and torch.equal(big[key]["absmax"], expect["absmax"])
-    assert big["exp_avg"]["transform"] == "ratio" and big["exp_avg"]["eps"] == qstate.ratio_eps(1e-8, 0.999, 2)
+    assert big["exp_avg"]["transform"] == "ratio" and big["exp_avg"]["eps"] == policy.ratio_eps(1e-8, 0.999, 2)
     assert torch.equal(opt.state[b[1]]["exp_avg"], sd["state"][1]["exp_avg"])
     assert big["step"].item() == 2 and opt.param_groups[0]["params"] == b
 
@@ -247,7 +247,7 @@ def test_plain_first_moment_loads_and_becomes_a_ratio():
     ref = torch.optim.AdamW(a, lr=1e-2, foreach=False)
     _run(ref, a, [0, 1])
     sd = ref.state_dict()
-    sd["state"][0].update({k: qstate.quantize_state(sd["state"][0][k], k) for k in ("exp_avg", "exp_avg_sq")})
+    sd["state"][0].update({k: quant.quantize_state(sd["state"][0][k], k) for k in ("exp_avg", "exp_avg_sq")})
     for pa, pb in zip(a, b):
         pb.data.copy_(pa.data)
     opt = AdamW8bit(b, lr=1e-2, min_size=MIN)
@@ -258,7 +258,7 @@ def test_plain_first_moment_loads_and_becomes_a_ratio():
         torch.testing.assert_close(pb, pa, rtol=2.4e-7, atol=1e-9)
     m = opt.state[b[0]]["exp_avg"]
     expect = _expected_qstate("exp_avg", ref.state[a[0]], 256, 1e-8, 0.999)
-    assert m["transform"] == "ratio" and torch.equal(m["qmap"], qstate.RATIO_POLICY.qmap())
+    assert m["transform"] == "ratio" and torch.equal(m["qmap"], policy.RATIO_POLICY.qmap())
     assert (m["codes"].int() - expect["codes"].int()).abs().max() <= 1
 
 

@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from ckptq.codec import qstate
+from ckptq.codec import qstate, quant
 from ckptq.errors import ArgumentError, CkptqError, StateMismatchError, UsageError
 from ckptq.optim import Adam8bit, AdamW8bit, expand_on_load, to_torch_state_dict
 
@@ -263,7 +263,7 @@ def test_complex_parameters_step_as_their_real_view(cls, min_size):
     assert torch.equal(torch.view_as_real(c.detach()), r.detach())  # the imaginary part moves too
     assert c.imag.abs().min() > 0
     state = opt_c.state[c]
-    assert (qstate.dequantize_states(state)["exp_avg"].shape if min_size == 1 else state["exp_avg"].shape) == (16, 8, 2)
+    assert (quant.dequantize_states(state)["exp_avg"].shape if min_size == 1 else state["exp_avg"].shape) == (16, 8, 2)
 
 
 def test_complex_state_round_trips_and_imports_from_torch():
@@ -274,7 +274,7 @@ def test_complex_state_round_trips_and_imports_from_torch():
     ref.step()  # torch keeps complex moments of c's shape
     opt = AdamW8bit([c], min_size=1)
     opt.load_state_dict(ref.state_dict())
-    expect = qstate.quantize_state(torch.view_as_real(ref.state[c]["exp_avg_sq"]), "exp_avg_sq", 256)
+    expect = quant.quantize_state(torch.view_as_real(ref.state[c]["exp_avg_sq"]), "exp_avg_sq", 256)
     assert torch.equal(opt.state[c]["exp_avg_sq"]["codes"], expect["codes"])  # as ckptq convert encodes it
     opt.step()
     again = AdamW8bit([c], min_size=1)
@@ -309,7 +309,7 @@ def test_a_torch_optimizer_resumes_from_8bit_state_after_expanding():
     dense = to_torch_state_dict(sd)
     assert qstate.is_qstate(sd["state"][0]["exp_avg"])  # the argument is unchanged
     for pid, state in dense["state"].items():
-        expect = qstate.dequantize_states(opt.state[params[pid]])
+        expect = quant.dequantize_states(opt.state[params[pid]])
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             assert torch.equal(state[key], expect[key])
     ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]

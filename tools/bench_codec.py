@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ckptq.codec import codebooks, ops
+from ckptq.codec import codebooks, ops, policy
 
 
 def make_tensors(numel: int, seed: int) -> dict[str, tuple[torch.Tensor, bool, str]]:
@@ -98,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=1 << 24, help="elements per tensor (default 16M)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds, interleaved (default 7)")
-    parser.add_argument("--block-size", type=int, default=ops.DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--block-size", type=int, default=policy.DEFAULT_BLOCK_SIZE)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     import bitsandbytes

@@ -14,13 +14,13 @@ import torch
 from ..errors import UsageError
 from ..kernels import backend_torch, contract
 from ..kernels.contract import DenseGroup, StepGroup, is_flat
-from . import ops
+from . import ops, policy
 
 
 def check_group(group: StepGroup) -> None:
     """UsageError unless every member fits the group: its codes and scales laid out for its elements and
     rows at the group's widths and block size, on one device, contiguous; codebooks of 2**bits entries."""
-    ops.check_block_size(group.block_size)
+    policy.check_block_size(group.block_size)
     if len(group.codebooks) != len(group.bits) or len(group.bits) not in (2, 3):
         raise UsageError("a step group takes 2 or 3 moments, each with its codebooks and code width")
     for cb, bits in zip(group.codebooks, group.bits):

@@ -35,24 +35,18 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..errors import UsageError
+from .policy import DEFAULT_BLOCK_SIZE, check_block_size
 from ..kernels import backend_native, backend_torch, contract, cpu_runtime, memo
 from ..kernels.contract import (KERNEL_DTYPES, StepFlags, StepState, code_bytes, is_flat, layout_blocks, layout_bytes,
                                 midpoints, num_blocks)
 
 BACKENDS = ("auto", "torch", "native", "triton")  # the one place that knows which backends exist
-BLOCK_SIZES = tuple(2**k for k in range(6, 13))  # 64 ... 4096
-DEFAULT_BLOCK_SIZE = 256
 TRANSFORMS = ("none", "sqrt")
 SUPPORTED_BITS = contract.WIDTHS  # code widths; a 2**bits-entry codebook
-# What users choose: bits per value on average over a param's two moments (``ckptq.qstate.convert_width``
-# gives each state of a converted file its width), and the block size by that budget, chosen by update fidelity
-# (tools/fidelity.py): 4 bits at block 128 keep the two moments at 1.0625 bytes per parameter.
-BUDGETS = (8, 4)
-DEFAULT_BLOCK_SIZES = {8: DEFAULT_BLOCK_SIZE, 4: 128}
 
 ieee_sqrt, ieee_sqrt_into = backend_torch.ieee_sqrt, backend_torch.ieee_sqrt_into
 __all__ = ["quantize_blockwise", "dequantize_blockwise", "adam8bit_step", "adam_dense_step", "StepInput",
-           "resolve_backend", "midpoints", "num_blocks", "code_bytes", "default_block_size", "ieee_sqrt", "ieee_sqrt_into"]
+           "resolve_backend", "midpoints", "num_blocks", "code_bytes", "ieee_sqrt", "ieee_sqrt_into"]
 
 
 class StepInput(NamedTuple):
@@ -64,28 +58,10 @@ class StepInput(NamedTuple):
     encode_qmap: torch.Tensor  # the codebook the new codes are written with
 
 
-def check_block_size(block_size: int) -> int:
-    if block_size not in BLOCK_SIZES:
-        raise UsageError(f"block size {block_size} is not supported; use a power of two from 64 to 4096")
-    return block_size
-
-
 def check_bits(bits: int) -> int:
     if type(bits) is not int or bits not in SUPPORTED_BITS:
         raise UsageError(f"{bits}-bit codes are not supported; use bits={' or '.join(map(str, SUPPORTED_BITS))}")
     return bits
-
-
-def check_budget(bits: int) -> int:
-    """``bits``, the bits per value a user asks for (8 or 4), or UsageError."""
-    if type(bits) is not int or bits not in BUDGETS:
-        raise UsageError(f"{bits}-bit state is not supported; use bits=8 or bits=4")
-    return bits
-
-
-def default_block_size(bits: int) -> int:
-    """The block size new states get under this budget (``BUDGETS``) unless told otherwise."""
-    return DEFAULT_BLOCK_SIZES[check_budget(bits)]
 
 
 def check_codebook(qmap: torch.Tensor, bits: int = 8) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, qstate
+from . import checkpoint, policy
 from ..errors import InputError
 
 DEFAULT_MIN_SIZE = 4096  # smaller states stay exact: their codebooks and scales would not pay for themselves
@@ -144,12 +144,12 @@ def ratio_fits(m: torch.Tensor, v: torch.Tensor, eps: float) -> bool:
 
 
 def _pair_ratio(decisions: dict, group: dict, step: Any) -> None:
-    for m_key, v_key in qstate.RATIO_PAIRS.items():
+    for m_key, v_key in policy.RATIO_PAIRS.items():
         m, v = decisions.get(m_key), decisions.get(v_key)
         if m is None or v is None or m.exact or v.exact or m.tensor.shape != v.tensor.shape:
             continue
         n = _number(step) if step is not None else 0.0
-        eps = qstate.ratio_eps_for(group, n) if n is not None and math.isfinite(n) and n >= 0 else float("nan")
+        eps = policy.ratio_eps_for(group, n) if n is not None and math.isfinite(n) and n >= 0 else float("nan")
         if math.isfinite(eps) and eps > 0 and ratio_fits(m.tensor, v.tensor, eps):
             m.divisor, v.divides = (v_key, v.tensor, eps), True
         else:
@@ -178,5 +178,5 @@ def make_plan(obj: Any, key: str | None, min_size: int) -> Plan:
 
 def convert_width(d: Decision, bits: int) -> int:
     """The code width convert gives a quantized state under a budget of ``bits`` per value
-    (``qstate.convert_width``)."""
-    return qstate.convert_width(bits, d.key, ratio=d.divisor is not None, divisor=d.divides)
+    (``policy.convert_width``)."""
+    return policy.convert_width(bits, d.key, ratio=d.divisor is not None, divisor=d.divides)

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from . import plan, qstate
+from . import plan, policy, quant
 from ..errors import UsageError
 
 
@@ -90,7 +90,7 @@ def quantize(t, key: str, block_size: int, bits: int = 8) -> dict:
     DTensors take 8-bit codes only (the layout above keeps a code per element)."""
     if bits != 8 and is_dtensor(t):
         raise UsageError(f"{bits}-bit state is not supported for DTensor (FSDP2) parameters; use bits=8")
-    q = qstate.quantize_state(local(t).float(), key, block_size, bits=bits)
+    q = quant.quantize_state(local(t).float(), key, block_size, bits=bits)
     q["dtype"] = "float32"  # the state is fp32 whatever the checkpoint stored
     return place(q, t) if is_dtensor(t) else q
 
@@ -101,10 +101,10 @@ def quantize_moments(dense: dict, group: dict, step, block_size: int, bits: int 
     eps/betas: at 8 bits the codes ``ckptq convert`` writes."""
     out = {k: quantize(v, k, block_size, bits) for k, v in dense.items() if k != "exp_avg"}
     m, v = dense["exp_avg"], dense["exp_avg_sq"]
-    eps = qstate.ratio_eps_for(group, step)
+    eps = policy.ratio_eps_for(group, step)
     if not plan.ratio_fits(local(m), local(v), eps):  # the ratio would overflow fp32: m on its own
         out["exp_avg"] = quantize(m, "exp_avg", block_size, bits)
     else:
-        q = qstate.quantize_ratio(local(m).float(), local(v).float(), eps, block_size, bits=bits)
+        q = quant.quantize_ratio(local(m).float(), local(v).float(), eps, block_size, bits=bits)
         out["exp_avg"] = place(q, m) if is_dtensor(m) else q
     return {k: out[k] for k in dense}

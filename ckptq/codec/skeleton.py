@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from . import ops, qstate
+from . import policy, qstate
 from ..errors import FormatError
 from ..format.dtypes import FROM_SAFETENSORS, SAFETENSORS_NAMES, dtype_from_name
 from ..format.reader import check_shape
@@ -25,14 +25,14 @@ MAX_DEPTH = 100
 _FIELDS = {
     "tensor": ({"data", "dtype", "shape"}, {"offset", "stride", "parameter"}),
     "quantized": ({"codec", "bits", "codes", "absmax", "qmap", "block_size", "transform", "shape", "dtype"},
-                  {"eps", "divisor"}),
+                  {"eps", "divisor", "layout"}),
 }
 _DEVICE = re.compile(r"[a-z][a-z_]{0,15}(:[0-9]{1,3})?")
 
 
-def check_skeleton(skeleton, rows: dict[str, dict], where: str) -> None:
+def check_skeleton(skeleton, rows: dict[str, dict], where: str, version: int = 3) -> None:
     """Raise FormatError unless ``skeleton`` is well-formed and fits ``rows`` (stored name -> table row)."""
-    _Checker(rows, where).node(skeleton, "/", 0)
+    _Checker(rows, where, version).node(skeleton, "/", 0)
 
 
 def _bad(where: str, at: str, what: str) -> FormatError:
@@ -40,7 +40,8 @@ def _bad(where: str, at: str, what: str) -> FormatError:
 
 
 class _Checker:
-    def __init__(self, rows: dict, where: str):
+    def __init__(self, rows: dict, where: str, version: int = 3):
+        self.version = version
         self.rows, self.where = rows, where
 
     def fail(self, at: str, what: str) -> FormatError:
@@ -154,23 +155,26 @@ class _Checker:
         self._fields(spec, "quantized", at)
         if type(spec["bits"]) is not int or not isinstance(spec["transform"], str):
             raise self.fail(at, "has a malformed 'bits' or 'transform'")
-        if spec["codec"] != qstate.CODEC or spec["bits"] not in qstate.SUPPORTED_BITS or spec["transform"] not in qstate.TRANSFORMS:
+        if spec["codec"] != qstate.CODEC or spec["bits"] not in qstate.SUPPORTED_BITS or spec["transform"] not in policy.TRANSFORMS:
             raise FormatError(f"{self.where}: quantized state {at[:80]} uses codec {str(spec['codec'])[:20]!r} with "
                               f"{spec['bits']} bits, transform {spec['transform'][:20]!r}, which this ckptq cannot "
-                              f"decode (it reads {qstate.CODEC!r}, {qstate.SUPPORTED_BITS} bits, {qstate.TRANSFORMS}); "
+                              f"decode (it reads {qstate.CODEC!r}, {qstate.SUPPORTED_BITS} bits, {policy.TRANSFORMS}); "
                               "upgrade ckptq")
-        if spec["block_size"] not in ops.BLOCK_SIZES or type(spec["block_size"]) is not int:
+        if spec["block_size"] not in policy.BLOCK_SIZES or type(spec["block_size"]) is not int:
             raise self.fail(at, f"has block size {str(spec['block_size'])[:20]}")
         if not dtype_of(spec["dtype"], self.fail, at).is_floating_point:
             raise self.fail(at, f"has dtype {spec['dtype']}, not a float dtype")
-        numel = math.prod(check_shape(spec["shape"], f"{self.where}: skeleton node {at}"))
-        nb = ops.num_blocks(numel, spec["block_size"])
-        parts = (("codes", "U8", ops.code_bytes(numel, spec["bits"])), ("absmax", "F32", nb), ("qmap", "F32", 2 ** spec["bits"]))
+        shape = check_shape(spec["shape"], f"{self.where}: skeleton node {at}")
+        layout = spec.get("layout", "flat")
+        if layout not in policy.LAYOUTS or (layout != "flat" and self.version < 3):
+            raise self.fail(at, f"has layout {str(layout)[:20]!r}")
+        codes, absmax = qstate.layout_shapes(shape, spec["bits"], spec["block_size"], layout)
+        parts = (("codes", "U8", list(codes)), ("absmax", "F32", list(absmax)), ("qmap", "F32", [2 ** spec["bits"]]))
         for part, dtype, size in parts:
             row = self._row(spec[part], at)
-            if row["dtype"] != dtype or row["shape"] != [size]:
-                raise self.fail(at, f"names {part} {row['dtype']} {row['shape'][:4]}, expected {dtype} [{size}]")
-        if spec["transform"] == qstate.RATIO_TRANSFORM:
+            if row["dtype"] != dtype or row["shape"] != size:
+                raise self.fail(at, f"names {part} {row['dtype']} {row['shape'][:4]}, expected {dtype} {size}")
+        if spec["transform"] == policy.RATIO_TRANSFORM:
             eps = spec.get("eps")
             if not (type(eps) in (int, float) and math.isfinite(eps) and isinstance(spec.get("divisor"), (str, int))):
                 raise self.fail(at, "is a ratio state without a finite eps and a divisor key")
@@ -178,11 +182,13 @@ class _Checker:
     def _ratio_siblings(self, items: dict, at: str) -> None:
         for key, v in items.items():
             q = v.get("quantized") if isinstance(v, dict) and len(v) == 1 else None
-            if not (isinstance(q, dict) and q.get("transform") == qstate.RATIO_TRANSFORM):
+            if not (isinstance(q, dict) and q.get("transform") == policy.RATIO_TRANSFORM):
                 continue
             d = items.get(q.get("divisor"))
             dq = d.get("quantized") if isinstance(d, dict) and len(d) == 1 else None
-            if not (isinstance(dq, dict) and dq.get("transform") == "sqrt" and math.prod(dq["shape"]) == math.prod(q["shape"])):
+            layout = q.get("layout", "flat")
+            if not (isinstance(dq, dict) and dq.get("transform") == "sqrt" and dq.get("layout", "flat") == layout
+                    and (dq["shape"] == q["shape"] if layout == "rows" else math.prod(dq["shape"]) == math.prod(q["shape"]))):
                 raise self.fail(f"{at}/{str(key)[:40]}", "is a ratio state whose divisor is not a sqrt state of its size")
 
     def _fields(self, spec, kind, at):

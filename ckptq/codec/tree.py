@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import ops, qstate, skeleton
+from . import policy, qstate, quant, skeleton
 from .checkpoint import storage_key
 from ..format.dtypes import SAFETENSORS_NAMES, dtype_from_name, dtype_name
 from ..format.container import Container
@@ -35,18 +35,19 @@ class PendingQuant:
     backend: str = "auto"
     divisor: tuple | None = None  # (sibling key, its exact tensor, eps'): store as a ratio state
     device: str = "cpu"  # where quantization runs ("cuda": the Triton kernels); inputs stay on the CPU
-    bits: int = 8  # code width: 8, 6, 4 or 2 (``qstate.convert_width``)
+    bits: int = 8  # code width: 8, 6, 4 or 2 (``policy.convert_width``)
+    layout: str = "rows"  # "rows" (what convert writes) or "flat" (re-creating a file of format 1 or 2)
     _result: dict | None = field(default=None, repr=False)
 
     def result(self) -> dict:
         if self._result is None:
             t = self.tensor.to(self.device)
             if self.divisor is None:
-                self._result = qstate.quantize_state(t, self.key, self.block_size, self.backend, self.bits)
+                self._result = quant.quantize_state(t, self.key, self.block_size, self.backend, self.bits, self.layout)
             else:
                 key, v, eps = self.divisor
-                self._result = qstate.quantize_ratio(t, v.to(self.device), eps, self.block_size, self.backend, key,
-                                                     self.bits)
+                self._result = quant.quantize_ratio(t, v.to(self.device), eps, self.block_size, self.backend, key,
+                                                     self.bits, self.layout)
         return self._result
 
     def take(self, part: str) -> torch.Tensor:
@@ -146,22 +147,25 @@ class _Flattener:
     def quantized(self, q, path: str) -> dict:
         lazy = isinstance(q, PendingQuant)
         if lazy:
-            pol = qstate.ratio_policy(q.bits) if q.divisor else qstate.policy_for(q.key, q.bits)
-            numel, qmap, bits = q.tensor.numel(), pol.qmap(), q.bits
+            pol = policy.ratio_policy(q.bits) if q.divisor else policy.policy_for(q.key, q.bits)
+            qmap, bits, layout = pol.qmap(), q.bits, q.layout
             meta = {"block_size": q.block_size, "transform": pol.transform,
                     "shape": list(q.tensor.shape), "dtype": dtype_name(q.tensor.dtype)}
             if q.divisor:
                 meta |= {"eps": q.divisor[2], "divisor": q.divisor[0]}
         else:
             qs = qstate.QState.from_dict(q)
-            numel, qmap, bits = qs.numel, qs.qmap, qs.bits
+            qmap, bits, layout = qs.qmap, qs.bits, qs.layout
             meta = {"block_size": qs.block_size, "transform": qs.transform, "dtype": qs.dtype}
             meta |= {"eps": qs.eps, "divisor": qs.divisor} if qs.is_ratio else {}
             meta["shape"] = list(qs.shape)
-        nb = -(-numel // meta["block_size"])
-        get = (lambda part: q.take(part)) if lazy else (lambda part: q[part].detach().contiguous().cpu())
-        codes = self.add(_join(path, "codes"), torch.uint8, (ops.code_bytes(numel, bits),), lambda: get("codes"), "codes")
-        absmax = self.add(_join(path, "absmax"), torch.float32, (nb,), lambda: get("absmax"), "absmax")
+        if layout != "flat":
+            meta["layout"] = layout
+        codes_shape, absmax_shape = qstate.layout_shapes(meta["shape"], bits, meta["block_size"], layout)
+        get = (lambda part, shape: q.take(part).view(shape)) if lazy else \
+            (lambda part, shape: q[part].detach().contiguous().cpu().view(shape))
+        codes = self.add(_join(path, "codes"), torch.uint8, codes_shape, lambda: get("codes", codes_shape), "codes")
+        absmax = self.add(_join(path, "absmax"), torch.float32, absmax_shape, lambda: get("absmax", absmax_shape), "absmax")
         return {"quantized": {"codec": qstate.CODEC, "bits": bits, "codes": codes, "absmax": absmax,
                               "qmap": self.codebook(qmap), **meta}}
 
@@ -252,18 +256,18 @@ class _QRef:
 
 def _build_quantized(n, u: _Unflattener):
     spec = n["quantized"]
-    qstate.check_qstate({"ckptq": spec.get("codec"), "bits": spec.get("bits"), "transform": spec.get("transform")})
-    if spec.get("block_size") not in ops.BLOCK_SIZES:
+    qstate.check_qstate({"ckptq": spec.get("codec"), "bits": spec.get("bits"), "transform": spec.get("transform"),
+                         "layout": spec.get("layout", "flat")})
+    if spec.get("block_size") not in policy.BLOCK_SIZES:
         raise FormatError(f"quantized state {spec.get('codes')!r} has block size {spec.get('block_size')!r}; "
                           "the file is corrupt or newer than this ckptq")
 
     def build() -> dict:
         q = qstate.QState(u.fetch(spec["codes"]), u.fetch(spec["absmax"]), u.get(spec["qmap"]), spec["block_size"],
                           spec["transform"], tuple(spec["shape"]), spec["dtype"], spec["bits"], spec.get("eps"),
-                          spec.get("divisor"))
-        n = math.prod(q.shape)
-        if q.codes.numel() != ops.code_bytes(n, q.bits) or q.absmax.numel() != ops.num_blocks(n, q.block_size) \
-                or q.qmap.numel() != 2**q.bits:
+                          spec.get("divisor"), spec.get("layout", "flat"))
+        codes, absmax = qstate.layout_shapes(q.shape, q.bits, q.block_size, q.layout)
+        if tuple(q.codes.shape) != codes or tuple(q.absmax.shape) != absmax or q.qmap.numel() != 2**q.bits:
             raise FormatError(f"quantized state {spec['codes']!r}: codes, scales and shape {list(q.shape)} "
                               "disagree; the file is corrupt")
         return q.to_dict()
@@ -275,14 +279,14 @@ def _finalize(u: _Unflattener, value: Any, siblings: dict | None) -> Any:
     """Decode a _QRef (to a tensor, or a lazy one), finding a ratio state's divisor among its siblings."""
     if not isinstance(value, _QRef):
         return value
-    ratio = value.spec["transform"] == qstate.RATIO_TRANSFORM
+    ratio = value.spec["transform"] == policy.RATIO_TRANSFORM
     divisor = (siblings or {}).get(value.spec.get("divisor")) if ratio else None  # no key: not a lookup of None
     if ratio and not isinstance(divisor, _QRef):
         raise FormatError(f"ratio state {value.spec['codes']!r} has no quantized sibling "
                           f"{value.spec.get('divisor')!r}; the file is corrupt")
 
     def produce() -> torch.Tensor:
-        return qstate.dequantize_state(value.build(), divisor=divisor.build() if divisor is not None else None)
+        return quant.dequantize_state(value.build(), divisor=divisor.build() if divisor is not None else None)
 
     if u.lazy:
         return u.lazy_tensor(value.spec["codes"], dtype_from_name(value.spec["dtype"]), tuple(value.spec["shape"]), produce)
@@ -323,7 +327,7 @@ class Converted(Container):
     def __init__(self, path: str, verify: bool = True):
         super().__init__(path, verify)
         try:
-            skeleton.check_skeleton(self.skeleton, self.tensors, path)
+            skeleton.check_skeleton(self.skeleton, self.tensors, path, self.version)
         except BaseException:
             self.close()
             raise

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ..format import files
-from ..codec import plan, qstate, sharded
+from ..codec import plan, policy, qstate, quant
 from ..errors import InputError, OutputExistsError
 
 _MOMENT = re.compile(r"^(?P<opt>.+)\.state\.(?P<fqn>.+)\.(?P<key>exp_avg|exp_avg_sq|max_exp_avg_sq)$")
@@ -104,7 +104,7 @@ def make_plan(path: str, md, min_size: int, block_size: int) -> Plan:
             step = scalars.get(f"{opt}.state.{fqn}.step", 0)
             group = {"eps": _group_value(scalars, opt, fqn, "eps", 1e-8),
                      "betas": _group_value(scalars, opt, fqn, "betas", (0.9, 0.999))}
-            eps = qstate.ratio_eps_for(group, step) if role == "exp_avg" else 0.0
+            eps = policy.ratio_eps_for(group, step) if role == "exp_avg" else 0.0
             p.moments.append(_Moment(key, opt, fqn, role, tuple(m.size), m, eps))
         else:
             p.exact[key] = m
@@ -191,8 +191,8 @@ def _quantized_parts(src: str, ms: list[_Moment], block_size: int) -> dict:
             dense = _read_dense(src, ms)
             for mo in ms:
                 t = dense[mo.key]
-                q = qstate.quantize_ratio(t, dense[f"{mo.key}_sq"], mo.eps, block_size) if mo.role == "exp_avg" \
-                    else qstate.quantize_state(t, mo.role, block_size)
+                q = quant.quantize_ratio(t, dense[f"{mo.key}_sq"], mo.eps, block_size) if mo.role == "exp_avg" \
+                    else quant.quantize_state(t, mo.role, block_size)
                 cache[mo.key] = dict(codes=q["codes"].view(mo.shape), absmax=q["absmax"].view(mo.shape[0], -1),
                                      qmap=q["qmap"])
         return cache
@@ -202,9 +202,9 @@ def _quantized_parts(src: str, ms: list[_Moment], block_size: int) -> dict:
 
     out: dict = {}
     for mo in ms:
-        policy = qstate.RATIO_POLICY if mo.role == "exp_avg" else qstate.policy_for(mo.role)
+        pol = policy.RATIO_POLICY if mo.role == "exp_avg" else policy.policy_for(mo.role)
         out |= {f"{mo.key}.ckptq": qstate.CODEC, f"{mo.key}.bits": 8, f"{mo.key}.block_size": block_size,
-                f"{mo.key}.transform": policy.transform, f"{mo.key}.shape": list(mo.shape),
+                f"{mo.key}.transform": pol.transform, f"{mo.key}.shape": list(mo.shape),
                 f"{mo.key}.dtype": str(mo.meta.properties.dtype).removeprefix("torch.")}  # expand restores it
         if mo.role == "exp_avg":
             out |= {f"{mo.key}.eps": float(mo.eps), f"{mo.key}.divisor": "exp_avg_sq"}
@@ -301,7 +301,7 @@ def leave_torchrun() -> None:
         dist.destroy_process_group()
 
 
-def convert(src: str, dst: str, *, block_size: int = 256, min_size: int = plan.DEFAULT_MIN_SIZE,
+def convert(src: str, dst: str, *, block_size: int = 256, min_size: int = policy.DEFAULT_MIN_SIZE,
             force: bool = False) -> dict:
     """Convert a DCP folder's fp32 Adam moments to 8-bit; returns a report dict."""
     join_torchrun()
@@ -347,9 +347,9 @@ def _decoder(src: str, key: str, scalars: dict, meta: dict):
     def produce(_buffer) -> torch.Tensor:
         q = _qstate_at(src, key, scalars, meta)
         divisor = None
-        if q["transform"] == qstate.RATIO_TRANSFORM:
+        if q["transform"] == policy.RATIO_TRANSFORM:
             divisor = _qstate_at(src, key[: key.rindex(".") + 1] + q["divisor"], scalars, meta)
-        return qstate.dequantize_state(q, divisor=divisor)
+        return quant.dequantize_state(q, divisor=divisor)
     return produce
 
 
@@ -377,7 +377,7 @@ def expand(src: str, dst: str, *, force: bool = False) -> dict:
             if os.path.isdir(dst) else 0}
 
 
-def info(path: str, *, min_size: int = plan.DEFAULT_MIN_SIZE, block_size: int = 256) -> dict:
+def info(path: str, *, min_size: int = policy.DEFAULT_MIN_SIZE, block_size: int = 256) -> dict:
     """What a DCP folder holds and what convert would store 8-bit (before its NaN/Inf check)."""
     md = read_metadata(path)
     meta = md.state_dict_metadata

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..codec import checkpoint, plan, qstate, sharded
+from ..codec import checkpoint, plan, policy, qstate, quant, sharded
 from ..errors import StateMismatchError
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -51,7 +51,7 @@ def _quantizable(m, v, min_size: int, block_size: int) -> bool:
     return _all_ranks_agree(plan.unsafe_moments({"exp_avg": m, "exp_avg_sq": v}) is None, m)
 
 
-def quantized_copy(state_dict: dict, min_size: int = plan.DEFAULT_MIN_SIZE, block_size: int = 256) -> dict:
+def quantized_copy(state_dict: dict, min_size: int = policy.DEFAULT_MIN_SIZE, block_size: int = 256) -> dict:
     """``state_dict`` with the Adam moments of its optimizer state dicts (nested, or flattened as torchtitan
     saves them) as 8-bit qstates; new containers along the way, nothing of ``state_dict`` is modified."""
     out = dict(state_dict)
@@ -100,7 +100,7 @@ def _quantize_param(osd: dict, fqn, pstate, min_size: int, block_size: int):
 class SavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` that stores Adam moments 8-bit (``quantized_copy``)."""
 
-    def __init__(self, *args, min_size: int = plan.DEFAULT_MIN_SIZE, block_size: int = 256, **kwargs):
+    def __init__(self, *args, min_size: int = policy.DEFAULT_MIN_SIZE, block_size: int = 256, **kwargs):
         super().__init__(*args, **kwargs)
         self.min_size, self.block_size = min_size, block_size
 
@@ -159,7 +159,7 @@ class LoadPlanner(DefaultLoadPlanner):
         owner = self._parts[name]
         if owner in self._pending and all(self._reads[n] == 0 for n, o in self._parts.items() if o == owner):
             targets, put = self._pending.pop(owner)
-            dense = qstate.dequantize_states({k: sharded.unplace(q) for k, (_, q) in targets.items()})
+            dense = quant.dequantize_states({k: sharded.unplace(q) for k, (_, q) in targets.items()})
             for key, (target, _) in targets.items():
                 sharded.local(target).copy_(dense[key].view(sharded.local(target).shape))
                 put(key, target)

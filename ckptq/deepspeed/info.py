@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from ..codec import ops
+from ..codec import policy
 from . import objects as zero_pickle, ranks as zero_ranks, universal as zero_universal
 from .plan import INFO_KEY, converted_meta, planned_bytes
 from ..errors import InputError, UsageError
@@ -44,7 +44,7 @@ def _rank_row(p: zero_ranks.Partition, block_size: int, min_size: int) -> dict:
 
 def info(path: str, *, min_size: int, block_size: int) -> dict:
     """A JSON-able description of a ZeRO save dir, ``global_stepN`` folder, rank file or universal folder."""
-    ops.check_block_size(block_size)
+    policy.check_block_size(block_size)
     if min_size < 1:
         raise UsageError(f"min size {min_size} must be at least 1")
     if zero_universal.is_universal(path):

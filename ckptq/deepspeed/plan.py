@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .. import __version__
 from .. import format
 from ..format import files
-from ..codec import plan, tree
+from ..codec import plan, policy, tree
 from ..errors import InputError
 
 Q8 = ".q8" + format.SUFFIX
@@ -38,7 +38,7 @@ def plan_tree(obj, source: str, block_size: int, min_size: int, described: dict,
         for k in d.path:
             node = node[k]
         node[d.key] = tree.PendingQuant(d.tensor, d.key, block_size, backend, divisor=d.divisor, device="cpu")
-    moments = sum(d.tensor.numel() * d.tensor.element_size() for d in p.decisions if d.key in plan.ADAM_MOMENTS)
+    moments = sum(d.tensor.numel() * d.tensor.element_size() for d in p.decisions if d.key in policy.MOMENT_KEYS)
     skeleton, stored = tree.flatten(obj)
     meta = {"created_by": f"ckptq {__version__}", "source": os.path.basename(source),
             "source_bytes": os.path.getsize(source), "block_size": block_size, "min_size": min_size,

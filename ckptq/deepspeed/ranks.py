@@ -22,7 +22,6 @@ import re
 import time
 from dataclasses import dataclass
 
-from .. import format
 from ..codec import tree
 from ..format import files, torch_stream
 from . import objects as zero_pickle

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..codec import checkpoint, ops, plan
+from ..codec import checkpoint, policy
 from ..errors import UsageError
 from .activations import activation_bytes
 from .params import Model, load_model
@@ -62,8 +62,8 @@ class Setup:
     zero_stage: int = 0  # 0: nothing sharded (DDP); 1: optimizer state; 2: + gradients; 3: + weights (FSDP)
     precision: str = "bf16-mixed"
     attention: str = "sdpa"
-    block_size: int = ops.DEFAULT_BLOCK_SIZE
-    min_size: int = plan.DEFAULT_MIN_SIZE
+    block_size: int = policy.DEFAULT_BLOCK_SIZE
+    min_size: int = policy.DEFAULT_MIN_SIZE
 
     def check(self) -> None:
         for name in ("batch_size", "world_size"):
@@ -77,7 +77,7 @@ class Setup:
             raise UsageError(f"precision {self.precision!r} must be one of {', '.join(PRECISIONS)}")
         if self.attention not in ATTENTIONS:
             raise UsageError(f"attention {self.attention!r} must be one of {', '.join(ATTENTIONS)}")
-        ops.check_block_size(self.block_size)
+        policy.check_block_size(self.block_size)
         if self.min_size < 1:
             raise UsageError(f"min size {self.min_size} must be at least 1")
 

@@ -1,9 +1,10 @@
-"""The ckptq file format, version 2 (spec: docs/FORMAT.md): a skeleton + stored tensors in one
-safetensors file, or in Hugging Face-style shards with an index. Version 1 files are read too.
+"""The ckptq file format, version 3 (spec: docs/FORMAT.md): a skeleton + stored tensors in one
+safetensors file, or in Hugging Face-style shards with an index. Versions 1 and 2 are read too (3 adds
+the row layout of quantized states; the bytes around them are version 2's).
 
 Metadata keys (all str, in ``__metadata__``): ``format`` = ``"pt"``; ``ckptq.format`` = ``"ckptq"``;
-``ckptq.version`` = ``"2"``; ``ckptq.skeleton`` (JSON); ``ckptq.info`` (JSON: options, sizes);
-``ckptq.tensors`` (JSON: per tensor dtype, shape, codec, crc32); ``ckptq.header_crc32`` (version 2: the
+``ckptq.version`` = ``"3"``; ``ckptq.skeleton`` (JSON); ``ckptq.info`` (JSON: options, sizes);
+``ckptq.tensors`` (JSON: per tensor dtype, shape, codec, crc32); ``ckptq.header_crc32`` (from version 2: the
 header's own checksum, see ``ckptq.integrity``). A sharded set keeps skeleton and info in the index's
 ``metadata``, with ``ckptq.shards`` (each shard's header checksum); each shard carries its own
 ``ckptq.tensors`` and header checksum.
@@ -28,8 +29,8 @@ from .index import INDEX_SUFFIX, SUFFIX
 from .reader import parse_json
 
 FORMAT_NAME = "ckptq"
-FORMAT_VERSION = 2
-READS_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READS_VERSIONS = (1, 2, 3)
 
 
 @dataclass

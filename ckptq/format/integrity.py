@@ -16,7 +16,7 @@ import zlib
 from ..errors import ChecksumError, FormatError
 
 KEY = "ckptq.header_crc32"
-SEALED_VERSIONS = ("2",)  # format versions whose headers carry the checksum (it is mandatory in them)
+SEALED_VERSIONS = ("2", "3")  # format versions whose headers carry the checksum (it is mandatory in them)
 PLACEHOLDER = "0" * 8
 _PATTERN = re.compile(rb'"ckptq\.header_crc32":"([0-9a-f]{8})"')
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..codec import checkpoint
+from ..codec import checkpoint, policy
 from ..sources import pipeline
 from ..optim import Adam8bit, AdamW8bit, to_torch_state_dict
 
@@ -32,7 +32,7 @@ def _state_device(obj: Any) -> str:
     return "cuda" if any(t.is_cuda for t in checkpoint.iter_tensors(obj)) else "cpu"
 
 
-def stored_8bit(state_dict: Any, *, block_size: int = 256, min_size: int = pipeline.DEFAULT_MIN_SIZE) -> tuple[Any, int]:
+def stored_8bit(state_dict: Any, *, block_size: int = 256, min_size: int = policy.DEFAULT_MIN_SIZE) -> tuple[Any, int]:
     """``(copy, count)``: a copy of ``state_dict`` (an optimizer state dict, or any object holding some)
     whose fp32 Adam moments are ckptq's 8-bit state dicts, as ``ckptq convert`` stores them, and how
     many states were quantized (0: nothing to store 8-bit, e.g. AdamW8bit's own state or SGD's)."""

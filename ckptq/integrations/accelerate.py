@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from ..sources import pipeline
+from ..codec import policy
 from ..optim import expand_on_load
 from . import _state
 
 
 def store_8bit(optimizer: torch.optim.Optimizer, *, block_size: int = 256,
-               min_size: int = pipeline.DEFAULT_MIN_SIZE) -> torch.optim.Optimizer:
+               min_size: int = policy.DEFAULT_MIN_SIZE) -> torch.optim.Optimizer:
     """From now on ``optimizer.state_dict()`` holds its Adam moments 8-bit (states with at least
     ``min_size`` elements, blocks of ``block_size``) and ``optimizer.load_state_dict`` takes such state
     back, decoded to fp32. Call it on the prepared optimizer (or the one it wraps); returns ``optimizer``.

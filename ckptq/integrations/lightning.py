@@ -24,8 +24,7 @@ try:
 except ImportError as e:
     raise ImportError(f"ckptq.integrations.lightning needs Lightning ({e}); pip install lightning") from e
 
-from ..sources import pipeline
-from ..codec import qstate
+from ..codec import policy, quant
 from . import _state
 
 FP32_KEY = "ckptq_fp32_optimizer_states"  # indices into optimizer_states: stored 8-bit from fp32, decoded on load
@@ -35,7 +34,7 @@ class CkptqCheckpointIO(TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO`` with the optimizer states' Adam moments stored 8-bit (states of at
     least ``min_size`` elements, blocks of ``block_size``)."""
 
-    def __init__(self, block_size: int = 256, min_size: int = pipeline.DEFAULT_MIN_SIZE):
+    def __init__(self, block_size: int = 256, min_size: int = policy.DEFAULT_MIN_SIZE):
         super().__init__()
         self.block_size, self.min_size = block_size, min_size
 
@@ -53,5 +52,5 @@ class CkptqCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path, *args, **kwargs) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(path, *args, **kwargs)
         for i in checkpoint.pop(FP32_KEY, ()):
-            qstate.decode_qstates(checkpoint["optimizer_states"][i])
+            quant.decode_qstates(checkpoint["optimizer_states"][i])
         return checkpoint

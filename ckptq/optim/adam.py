@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codec import ops, qstate, sharded
+from ..codec import ops, policy, qstate, sharded
 from ..errors import UsageError
 from ..codec.qstate import QState
 
@@ -49,18 +49,18 @@ def step_quantized(param, grad, exp_avg: dict, exp_avg_sq: dict, max_exp_avg_sq:
     moment keeping its code width.
 
     ``hyper``: ``hyper_tensor``'s fp32 [8]. Afterwards exp_avg holds ratio codes with eps' = ``ratio_eps``
-    (``qstate.ratio_eps`` of this step) on ``qstate.ratio_policy``'s codebook, whatever it held before,
+    (``policy.ratio_eps`` of this step) on ``policy.ratio_policy``'s codebook, whatever it held before,
     rounded stochastically with ``seed`` (``ops.adam8bit_step``) or, without one, to nearest.
     """
     moments = _moments(exp_avg, exp_avg_sq, max_exp_avg_sq)
     m = moments[0]
-    encode = m.qmap if m.is_ratio else qstate.ratio_policy(m.bits).qmap().to(m.qmap.device)
+    encode = m.qmap if m.is_ratio else policy.ratio_policy(m.bits).qmap().to(m.qmap.device)
     eps = torch.tensor((m.eps if m.is_ratio else 0.0, ratio_eps), dtype=torch.float32)
     h = torch.cat((hyper.to("cpu", torch.float32)[:8], eps))  # + decode eps', encode eps' (on the host)
     inputs = [ops.StepInput(q.codes, q.absmax, q.qmap, encode if i == 0 else q.qmap) for i, q in enumerate(moments)]
     ops.adam8bit_step(param, grad, inputs, h, block_size=m.block_size, ratio=m.is_ratio, maximize=maximize,
                       backend=backend, bits=[q.bits for q in moments], seed=seed)
-    exp_avg.update(qmap=encode, transform=qstate.RATIO_TRANSFORM, eps=float(ratio_eps), divisor="exp_avg_sq")
+    exp_avg.update(qmap=encode, transform=policy.RATIO_TRANSFORM, eps=float(ratio_eps), divisor="exp_avg_sq")
 
 
 def step_param(p: torch.Tensor, state: dict, group: dict, decoupled: bool, backend: str, salt: int = 0) -> None:
@@ -83,5 +83,5 @@ def step_param(p: torch.Tensor, state: dict, group: dict, decoupled: bool, backe
         ops.adam_dense_step(p, p.grad, *moments, hyper, maximize=group["maximize"])
         return
     seed = ops.step_seed(state["step"], salt) if moments[0].get("bits", 8) < 8 else None
-    step_quantized(p, p.grad, *moments, hyper, ratio_eps=qstate.ratio_eps_for(group, state["step"]),
+    step_quantized(p, p.grad, *moments, hyper, ratio_eps=policy.ratio_eps_for(group, state["step"]),
                    maximize=group["maximize"], backend=backend, seed=seed)

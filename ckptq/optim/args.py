@@ -18,7 +18,7 @@ import numbers
 
 import torch
 
-from ..codec import ops
+from ..codec import ops, policy
 from ..errors import ArgumentError
 
 IMPL_FLAGS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
@@ -85,10 +85,10 @@ def check_flags(group: dict) -> None:
 
 def check_options(block_size, min_size, backend, bits=8) -> int:
     """Check ckptq's own options; returns the block size (``None``: the default for ``bits``)."""
-    if type(bits) is not int or bits not in ops.BUDGETS:
+    if type(bits) is not int or bits not in policy.BUDGETS:
         raise ArgumentError(f"bits {bits!r} is not supported; use 8 or 4")
-    block_size = ops.DEFAULT_BLOCK_SIZES[bits] if block_size is None else block_size
-    if block_size not in ops.BLOCK_SIZES:
+    block_size = policy.DEFAULT_BLOCK_SIZES[bits] if block_size is None else block_size
+    if block_size not in policy.BLOCK_SIZES:
         raise ArgumentError(f"block_size {block_size!r} is not supported; use a power of two from 64 to 4096")
     if not _is_number(min_size) or int(min_size) != min_size or min_size < 0:
         raise ArgumentError(f"min_size must be a whole number >= 0, got {min_size!r}")

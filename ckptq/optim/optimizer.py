@@ -6,10 +6,10 @@ block + codebook) for parameters with at least ``min_size`` elements, a plain fp
 ``bits=4`` (or the ``AdamW4bit``/``Adam4bit`` classes, which only set it) stores two 4-bit codes per
 byte on 16-entry codebooks, block 128 by default: about half the memory of 8-bit state. Both moments'
 new codes are rounded stochastically at every step (``ckptq.adam.step_param`` says why). A
-``ckptq convert --bits 4`` file stores the ratio in 6 bits and sqrt(v) in 2 (``qstate.convert_width``);
+``ckptq convert --bits 4`` file stores the ratio in 6 bits and sqrt(v) in 2 (``policy.convert_width``);
 loading one requantizes it to 4 + 4.
 ``exp_avg`` is stored as the ratio m / (sqrt(v) + eps') to ``exp_avg_sq`` (``qstate``'s ratio
-transform, eps' = ``qstate.ratio_eps`` of the step), exactly as ``ckptq convert`` writes it.
+transform, eps' = ``policy.ratio_eps`` of the step), exactly as ``ckptq convert`` writes it.
 A step goes ``step`` -> ``ckptq.adam.step_param`` -> ``ckptq.ops.adam8bit_step`` (one fused kernel per
 parameter: C on the CPU, Triton on CUDA, the PyTorch reference elsewhere). Design after torchao's
 low-bit optimizers (``torchao/optim``).
@@ -170,7 +170,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load this optimizer's own state dict, a torch Adam/AdamW one (fp32 moments, quantized here
-        as ``ckptq convert`` does: ``qstate.quantize_state``, exp_avg by ``qstate.quantize_ratio``), or
+        as ``ckptq convert`` does: ``quant.quantize_state``, exp_avg by ``quant.quantize_ratio``), or
         ``ckptq.load(path)["optimizer"]`` (qstates used as stored; a plain, pre-ratio exp_avg is
         re-encoded as a ratio by the next step), or a bitsandbytes / torchao 8-bit optimizer's state dict
         (decoded, then quantized as ckptq's).

@@ -1,6 +1,6 @@
 """Import an optimizer state dict into ``ckptq.optim``'s 8-bit Adam: validate everything first, then
 build the new state (qstates copied as stored, fp32 moments quantized as ``ckptq convert`` does:
-``qstate.quantize_state``, exp_avg as a ratio by ``qstate.quantize_ratio``).
+``quant.quantize_state``, exp_avg as a ratio by ``quant.quantize_ratio``).
 
 ``torch.optim.Optimizer.load_state_dict`` cannot be reused: it casts every floating tensor to the
 parameter's dtype (uint8 codes would become floats) and turns strings nested in state dicts into
@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from ..codec import ops, plan, qstate, sharded
+from ..codec import ops, plan, qstate, quant, sharded
 from . import args as optim_args
 from .adam import MOMENT_KEYS
 from ..errors import ArgumentError, FormatError, StateMismatchError, UsageError
@@ -118,7 +118,7 @@ def _steppable(moments: dict, bits: int) -> bool:
     """Whether qstates can be stepped as stored: the optimizer's code width, one block size (one fused
     step), sqrt second moments, a plain or ratio first moment whose divisor is exp_avg_sq. Anything else
     is requantized (so an 8-bit state loads into a 4-bit optimizer and the other way round, and a
-    ``convert --bits 4`` file's 6 + 2 layout into the 4-bit optimizer's 4 + 4: ``qstate.convert_width``)."""
+    ``convert --bits 4`` file's 6 + 2 layout into the 4-bit optimizer's 4 + 4: ``policy.convert_width``)."""
     if not all(qstate.is_qstate(v) for v in moments.values()):
         return False
     m = moments["exp_avg"]
@@ -132,7 +132,7 @@ def _steppable(moments: dict, bits: int) -> bool:
 
 def _decoded(moments: dict, pid) -> dict:
     try:
-        return qstate.dequantize_states(moments)
+        return quant.dequantize_states(moments)
     except (FormatError, KeyError) as exc:
         raise StateMismatchError(f"state of parameter {pid}: {exc}") from exc
 

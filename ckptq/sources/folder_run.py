@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 from ..codec import checkpoint, tree
 from . import folders, readback
-from .. import format
 from ..errors import UsageError
 
 

@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ..codec import checkpoint, qstate, tree
+from ..codec import checkpoint, quant, tree
 from .. import format
 from ..errors import CkptqError, InputError, UsageError
 
@@ -186,7 +186,7 @@ def _holds_8bit(path: str) -> bool:
     from ..codec import foreign
 
     obj = checkpoint.load_torch(path)
-    return bool(qstate.count_qstates(obj) or foreign.to_torch(obj))
+    return bool(quant.count_qstates(obj) or foreign.to_torch(obj))
 
 
 def _restored_name(folder: str, path: str) -> str:

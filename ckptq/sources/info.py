@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..codec import checkpoint, foreign, ops, plan, qstate, tree
+from ..codec import checkpoint, foreign, ops, plan, policy, quant, tree
 from . import folder_run, pipeline
 from .. import format
 from ..deepspeed import zero, info as zero_info
@@ -20,12 +20,12 @@ def _role_row() -> dict:
     return {"tensors": 0, "elements": 0, "fp32_bytes": 0, "stored_bytes": 0}
 
 
-def info(path: str, *, key: str | None = None, min_size: int = pipeline.DEFAULT_MIN_SIZE,
+def info(path: str, *, key: str | None = None, min_size: int = policy.DEFAULT_MIN_SIZE,
          block_size: int | None = None, trust: bool = False, bits: int = 8) -> dict:
     """A JSON-able report. For a converted file: roles, sizes, savings, options used. For a torch
     checkpoint: its optimizers and what ``convert`` with these options (``bits``, ``block_size``: default
     256 for 8 bits, 128 for 4) would store."""
-    block_size = ops.default_block_size(bits) if block_size is None else block_size
+    block_size = policy.default_block_size(bits) if block_size is None else block_size
     if zero.is_zero_checkpoint(path):
         pipeline.not_yet_for("DeepSpeed checkpoints", bits=bits)
         return zero_info.info(path, min_size=min_size, block_size=block_size)
@@ -39,7 +39,7 @@ def info(path: str, *, key: str | None = None, min_size: int = pipeline.DEFAULT_
                                                        trust=trust, bits=bits))
     if os.path.isdir(path) or path.endswith((format.SUFFIX, ".json")) or format.is_safetensors(path):
         return _info_converted(path)
-    ops.check_block_size(block_size)
+    policy.check_block_size(block_size)
     if min_size < 1:
         raise UsageError(f"min size {min_size} must be at least 1")
     return _info_torch(path, key, min_size, block_size, trust, bits)
@@ -102,7 +102,7 @@ def _info_torch(path: str, key: str | None, min_size: int, block_size: int, trus
     """What ``convert`` with these options would store: the same plan (``pipeline.mark_states``), and the
     sizes of exactly the tensors its writer would write (quantized states are not computed)."""
     obj = checkpoint.load_torch(path, trust=trust)
-    already = qstate.count_qstates(obj)
+    already = quant.count_qstates(obj)
     report = pipeline.ConvertReport(path, [], os.path.getsize(path), 0)
     report.foreign_states = foreign.to_torch(obj)
     marked = pipeline.mark_states(obj, key, block_size, min_size, "auto", "cpu", report, bits)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from .. import __version__
-from ..codec import checkpoint, foreign, ops, plan, qstate, tree
+from ..codec import checkpoint, foreign, plan, policy, quant, tree
 from . import folder_run, readback
 from .. import format
 from ..format import torch_stream
@@ -20,7 +20,7 @@ from ..deepspeed import zero
 from ..errors import InputError, UsageError
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
-DEFAULT_MIN_SIZE = plan.DEFAULT_MIN_SIZE
+DEFAULT_MIN_SIZE = policy.DEFAULT_MIN_SIZE
 # Like transformers' save_pretrained: files stay easy to move, upload (hubs cap single files) and
 # re-read in parallel; a checkpoint under this size is one file.
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
@@ -136,7 +136,7 @@ def convert(
     progress: Progress | None = None,
 ) -> ConvertReport:
     """Convert a torch.save checkpoint's fp32 optimizer states to blockwise 8-bit codes (``bits=4``: 4 bits per
-    value, a 6-bit ratio over a 2-bit second moment, ``qstate.convert_width``);
+    value, a 6-bit ratio over a 2-bit second moment, ``policy.convert_width``);
     write safetensors. A converted ckptq file as ``src`` is decoded and re-encoded at ``bits`` (8 <-> 4). A
     Trainer / accelerate / Lightning checkpoint folder: its optimizer files, each beside its original.
     ``block_size``: values per scale (default 256 for 8 bits, 128 for 4).
@@ -144,8 +144,8 @@ def convert(
     Returns a :class:`ConvertReport`. The output appears only complete. The input is never modified, and
     kept unless ``replace``: then it is deleted once the output was written, synced, read back and checked."""
     t0 = time.perf_counter()
-    block_size = ops.default_block_size(bits) if block_size is None else block_size
-    ops.check_block_size(block_size)
+    block_size = policy.default_block_size(bits) if block_size is None else block_size
+    policy.check_block_size(block_size)
     if min_size < 1:
         raise UsageError(f"min size {min_size} must be at least 1")
     if zero.is_zero_checkpoint(src):
@@ -178,7 +178,7 @@ def _convert_file(src, dst, bits, block_size, min_size, key, device, backend, co
         obj = checkpoint.load_torch(src, trust=trust)
     report = ConvertReport(src, [], os.path.getsize(src), 0)
     report.foreign_states = foreign.to_torch(obj)  # bitsandbytes / torchao 8-bit state, decoded first
-    marked = mark_states(obj, key, block_size, min_size, backend, device, report, ops.check_budget(bits))
+    marked = mark_states(obj, key, block_size, min_size, backend, device, report, policy.check_budget(bits))
     if report.optimizers == 0:
         raise InputError(f"{src}: no optimizer state dict (a dict with 'state' and 'param_groups') found; "
                          "name it with --key if it is stored differently")
@@ -218,7 +218,7 @@ def _read_converted(src: str, bits: int) -> Any:
     """A converted file's contents with its states decoded, to be re-encoded at ``bits``; InputError if
     they already have that width (quantizing them again would only add rounding)."""
     conv = tree.Converted(src)
-    if qstate.budget_of(_widths(conv.skeleton)) == bits:
+    if policy.budget_of(_widths(conv.skeleton)) == bits:
         other = 4 if bits == 8 else 8
         raise InputError(f"{src} already holds {bits}-bit states; `ckptq convert --bits {other}` re-encodes them "
                          f"at {other} bits, `ckptq expand` turns them back into fp32")
@@ -291,7 +291,7 @@ def load(path: str, *, dequantize: bool = False, verify: bool = True) -> Any:
     if checkpoint.is_torch_file(path):
         obj = checkpoint.load_torch(path)
         if dequantize:
-            qstate.decode_qstates(obj)
+            quant.decode_qstates(obj)
         return obj
     return tree.Converted(path, verify).read(dequantize)
 
@@ -355,10 +355,10 @@ def _expand_torch(src: str, dst: str, force: bool, trust: bool, progress: Progre
     bitsandbytes or torchao optimizer's): the same file with every state decoded to torch's fp32 form."""
     _not_the_input(src, dst)
     obj = checkpoint.load_torch(src, trust=trust)
-    if not qstate.count_qstates(obj) + foreign.to_torch(obj):
+    if not quant.count_qstates(obj) + foreign.to_torch(obj):
         raise InputError(f"{src} is a torch.save checkpoint without 8-bit states (ckptq, bitsandbytes or torchao): "
                          "it is already expanded (torch.load reads it; `ckptq convert` shrinks it)")
-    qstate.decode_qstates(obj)
+    quant.decode_qstates(obj)
     with format.atomic_outputs([dst], force) as (tmp,):
         torch_stream.save(obj, tmp, progress)
     return ExpandReport(src, dst, os.path.getsize(dst), time.perf_counter() - t0)

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..codec import checkpoint, foreign, qstate, tree
+from ..codec import checkpoint, foreign, policy, qstate, quant, tree
 from .. import format
 from ..format import files
 from ..errors import FormatError, InputError
@@ -72,7 +72,7 @@ def _check_expanded(src: str, dst: str, trust: bool) -> None:
     if checkpoint.is_torch_file(src):
         want = checkpoint.load_torch(src, trust=trust)
         foreign.to_torch(want)
-        qstate.decode_qstates(want)
+        quant.decode_qstates(want)
         _compare(want, got, "", dst)
         return
     conv = tree.Converted(src, verify=True)
@@ -112,12 +112,13 @@ def _compare(want: Any, got: Any, path: str, where: str, siblings: dict | None =
 def _requantize(t: torch.Tensor, q: dict, path: str, where: str, siblings: dict | None) -> dict:
     """What convert meant to store for source tensor ``t``, with the parameters the file records."""
     key = path.rsplit("/", 1)[-1]
-    if q.get("transform") != qstate.RATIO_TRANSFORM:
-        return qstate.quantize_state(t, key, q["block_size"], bits=q.get("bits", 8))
+    if q.get("transform") != policy.RATIO_TRANSFORM:
+        return quant.quantize_state(t, key, q["block_size"], bits=q.get("bits", 8), layout=q.get("layout", "flat"))
     v = (siblings or {}).get(q.get("divisor"))
     if not isinstance(v, torch.Tensor):
         raise _mismatch(where, path, "ratio state without its second moment in the source")
-    return qstate.quantize_ratio(t, v, q["eps"], q["block_size"], divisor_key=q["divisor"], bits=q.get("bits", 8))
+    return quant.quantize_ratio(t, v, q["eps"], q["block_size"], divisor_key=q["divisor"], bits=q.get("bits", 8),
+                                layout=q.get("layout", "flat"))
 
 
 def _materialize(x: Any) -> Any:
