@@ -34,10 +34,15 @@ def test_convert_bits_4_writes_half_the_state_and_the_optimizer_resumes_from_it(
     widths = {(k, q["bits"]) for st in _quantized(loaded["optimizer"]["state"]).values() for k, q in st.items()}
     assert widths == {("exp_avg", 6), ("exp_avg_sq", 2)}
     assert all(q["block_size"] == 128 and q["qmap"].numel() == 2 ** q["bits"] for q in moments)
-    assert all(q["codes"].numel() == ops.code_bytes(torch.Size(q["shape"]).numel(), q["bits"]) for q in moments)
-    bytes_per_value = sum(q["codes"].numel() + 4 * q["absmax"].numel() for q in moments) / sum(
-        torch.Size(q["shape"]).numel() for q in moments)
-    assert bytes_per_value <= 0.5 + 4 / 128 + 1e-3  # 8 bits for the pair and a scale per 128 values each
+    # the row layout (format 3): each row's codes start on a byte, a scale per block of a row
+    for q in moments:
+        rows, row = (q["shape"][0], torch.Size(q["shape"][1:]).numel()) if len(q["shape"]) > 1 else (1, q["shape"][0])
+        assert q["layout"] == "rows" and tuple(q["codes"].shape) == (rows, ops.code_bytes(row, q["bits"]))
+        assert tuple(q["absmax"].shape) == (rows, -(-row // 128))
+    # 8 bits for the pair and a scale per 128 values each, where rows are whole blocks (a shorter row has one)
+    pairs = [q for q in moments if torch.Size(q["shape"][1:]).numel() % 128 == 0]
+    assert pairs and sum(q["codes"].numel() + 4 * q["absmax"].numel() for q in pairs) / sum(
+        torch.Size(q["shape"]).numel() for q in pairs) <= 0.5 + 4 / 128 + 1e-3
     # The optimizer requantizes the file to its 4 + 4 working layout; its first step moves the weights as
     # torch's AdamW does from the fp32 state, up to the ratio's 4-bit rounding (~10% of the update).
     ref_model, ours_model = copy.deepcopy(model), copy.deepcopy(model)

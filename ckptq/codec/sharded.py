@@ -1,13 +1,17 @@
-"""8-bit optimizer state for DTensor parameters (FSDP2, HSDP): placed like the parameter.
+"""Low-bit optimizer state for DTensor parameters (FSDP2, HSDP, DDP through ``replicate``): placed like the
+parameter.
 
 Layout (docs/FORMAT.md, "Sharded state"): a quantized moment of a DTensor parameter of shape
-``[d0, d1, ...]`` holds ``codes`` as a uint8 DTensor of the parameter's shape and placements, and
-``absmax`` as an fp32 DTensor of shape ``[d0, row / block_size]`` (``row = d1 * d2 * ...``) with the same
-placements; ``qmap`` and the scalars are plain values. Blocks run along rows, so with ``row`` a multiple of
-``block_size`` they are exactly the blocks of the unsharded flat layout, and no block ever straddles a
-dim-0 shard boundary: every rank quantizes its own rows, and ``torch.distributed.checkpoint`` reshards
-codes and scales to any world size without changing a bit. Parameters whose rows are not a multiple of
-the block size, or that are sharded on another dim, keep fp32 (DTensor) state.
+``[d0, d1, ...]`` is in the row layout (``ckptq.codec.qstate``): ``codes`` a uint8 DTensor
+``[d0, code_bytes(row, bits)]`` and ``absmax`` an fp32 DTensor ``[d0, ceil(row / block_size)]``
+(``row = d1 * d2 * ...``), both with the parameter's placements; ``qmap`` and the scalars are plain values.
+Blocks never cross a row, so under ``Shard(0)`` and ``Replicate`` (with the uneven shards FSDP2 makes)
+every rank quantizes its own rows, at any width and any row length, and ``torch.distributed.checkpoint``
+reshards codes and scales to any world size, and to one process, without changing a bit: the layout is
+the one a single process keeps. Parameters that cannot be cut this way keep fp32 (DTensor) state, and the
+optimizer says which, once: 1-D parameters (their one row is split across ranks) and parameters sharded
+along another dim (tensor parallelism, ``Shard(1)``: a block would straddle ranks, and resharding to
+another TP degree could not keep the blocks).
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import sys
 import torch
 
 from . import plan, policy, quant
-from ..errors import UsageError
 
 
 def is_dtensor(t) -> bool:
@@ -27,13 +30,11 @@ def is_dtensor(t) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
-def row_aligned(p, block_size: int) -> bool:
-    """Whether a DTensor parameter can hold 8-bit state: sharded on dim 0 only, rows of whole blocks."""
+def shardable(p) -> bool:
+    """Whether a DTensor parameter can hold low-bit state: 2 or more dims, sharded on dim 0 only."""
     from torch.distributed.tensor import Replicate, Shard
 
-    if p.dim() == 0 or any(not (isinstance(pl, Replicate) or pl == Shard(0)) for pl in p.placements):
-        return False
-    return (p.numel() // p.shape[0]) % block_size == 0
+    return p.dim() >= 2 and all(isinstance(pl, Replicate) or pl == Shard(0) for pl in p.placements)
 
 
 def local(t):
@@ -42,15 +43,14 @@ def local(t):
 
 
 def place(q: dict, like) -> dict:
-    """A qstate dict quantized from ``like.to_local()`` (flat codes and scales) with its codes and scales
-    turned into DTensors placed like the DTensor ``like``."""
+    """A qstate dict quantized from ``like.to_local()`` (row layout: codes [local rows, row_bytes], scales
+    [local rows, blocks per row]) with codes and scales turned into DTensors placed like ``like``."""
     from torch.distributed.tensor import DTensor
 
-    per_row = (like.numel() // like.shape[0]) // q["block_size"]
-    codes = DTensor.from_local(q["codes"].view(like.to_local().shape), like.device_mesh, like.placements,
-                               shape=like.shape, stride=like.stride(), run_check=False)
-    absmax = scales_like(like, per_row)
-    absmax.to_local().copy_(q["absmax"].view(absmax.to_local().shape))
+    codes = DTensor.from_local(q["codes"], like.device_mesh, like.placements, shape=(like.shape[0], q["codes"].shape[1]),
+                               stride=(q["codes"].shape[1], 1), run_check=False)
+    absmax = scales_like(like, q["absmax"].shape[1])
+    absmax.to_local().copy_(q["absmax"])
     return {**q, "codes": codes, "absmax": absmax, "shape": tuple(like.shape)}
 
 
@@ -64,32 +64,17 @@ def scales_like(like, per_row: int):
 
 
 def unplace(q: dict) -> dict:
-    """A qstate dict with local, flat codes and scales (what the step kernels and decoders take)."""
+    """A qstate dict with its local codes and scales and the local shape (what the kernels and decoders take)."""
     if not is_dtensor(q.get("codes")):
         return q
-    return {**q, "codes": q["codes"].to_local().view(-1), "absmax": q["absmax"].to_local().view(-1),
-            "shape": tuple(q["codes"].to_local().shape)}
-
-
-def row_layout(q: dict) -> dict:
-    """A plain qstate (flat codes and scales, as one process keeps them) in the row layout a DTensor's
-    qstate has: codes of the tensor's shape, scales ``[rows, row / block_size]`` (views, no copy). Saved
-    this way, a DCP folder loads at any world size. Unchanged when the rows are not whole blocks, and for
-    4-bit codes (two per byte: no code per element to lay out)."""
-    shape = tuple(q["shape"])
-    if is_dtensor(q["codes"]) or not shape or 0 in shape or q.get("bits", 8) != 8:
-        return q
-    row = q["codes"].numel() // shape[0]
-    if row % q["block_size"] or q["absmax"].numel() != shape[0] * (row // q["block_size"]):
-        return q
-    return {**q, "codes": q["codes"].view(shape), "absmax": q["absmax"].view(shape[0], row // q["block_size"])}
+    codes = q["codes"].to_local()
+    rows = codes.shape[0]
+    return {**q, "codes": codes, "absmax": q["absmax"].to_local(), "shape": (rows, *tuple(q["shape"])[1:])}
 
 
 def quantize(t, key: str, block_size: int, bits: int = 8) -> dict:
-    """fp32 state ``t`` (a tensor, or a DTensor: quantized shard by shard and placed like it) -> qstate.
-    DTensors take 8-bit codes only (the layout above keeps a code per element)."""
-    if bits != 8 and is_dtensor(t):
-        raise UsageError(f"{bits}-bit state is not supported for DTensor (FSDP2) parameters; use bits=8")
+    """fp32 state ``t`` (a tensor, or a ``shardable`` DTensor: quantized shard by shard and placed like it)
+    -> qstate in the row layout."""
     q = quant.quantize_state(local(t).float(), key, block_size, bits=bits)
     q["dtype"] = "float32"  # the state is fp32 whatever the checkpoint stored
     return place(q, t) if is_dtensor(t) else q
@@ -106,5 +91,35 @@ def quantize_moments(dense: dict, group: dict, step, block_size: int, bits: int 
         out["exp_avg"] = quantize(m, "exp_avg", block_size, bits)
     else:
         q = quant.quantize_ratio(local(m).float(), local(v).float(), eps, block_size, bits=bits)
+        q["dtype"] = "float32"
         out["exp_avg"] = place(q, m) if is_dtensor(m) else q
     return {k: out[k] for k in dense}
+
+
+def _local_box(like) -> tuple[tuple, tuple]:
+    """(local shape, global offset) of this rank's shard of the DTensor ``like``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return tuple(shape), tuple(offset)
+
+
+def distribute_like(t, like):
+    """A plain tensor holding the whole of a DTensor ``like``'s values (as every rank loaded it) as a DTensor
+    placed like ``like``, from this rank's part (no communication); anything else as it is."""
+    if not is_dtensor(like) or is_dtensor(t):
+        return t
+    from torch.distributed.tensor import DTensor
+
+    shape, offset = _local_box(like)
+    part = t[tuple(slice(o, o + n) for o, n in zip(offset, shape))].contiguous()
+    return DTensor.from_local(part, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),
+                              run_check=False)
+
+
+def place_rows(q: dict, like) -> dict:
+    """A plain qstate of the whole tensor in the row layout (as one process saves it) as the qstate of the
+    ``shardable`` DTensor ``like``: this rank's rows of codes and scales, placed like it, bit for bit."""
+    shape, offset = _local_box(like)
+    rows = slice(offset[0], offset[0] + shape[0])
+    return place({**q, "codes": q["codes"][rows].contiguous(), "absmax": q["absmax"][rows].contiguous()}, like)

@@ -15,18 +15,23 @@ from ..codec import ops, policy, qstate, sharded
 from ..errors import UsageError
 from ..codec.qstate import QState
 
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+MOMENT_KEYS = policy.MOMENT_KEYS
 
 
-def hyper_tensor(lr, beta1, beta2, eps, weight_decay, step, decoupled: bool, device=None) -> torch.Tensor:
-    """The fp32 [8] scalars of one step (``step`` counts from 1), computed in float64 and rounded once:
-    the first 8 of ``ckptq.kernels.contract.HYPER_FIELDS``."""
+def hyper_values(lr, beta1, beta2, eps, weight_decay, step, decoupled: bool) -> tuple:
+    """The scalars of one step (``step`` counts from 1) in float64: the first 8 of
+    ``ckptq.kernels.contract.HYPER_FIELDS``, which the kernels take rounded once to fp32."""
     lr, step = float(lr), float(step)
     decay = 1.0 - lr * weight_decay if decoupled else 1.0
     l2 = 0.0 if decoupled else float(weight_decay)
     bc1 = 1.0 - beta1**step
     bc2_sqrt = (1.0 - beta2**step) ** 0.5
-    values = (decay, l2, 1.0 - beta1, beta2, 1.0 - beta2, eps, -lr / bc1, bc2_sqrt)
+    return (decay, l2, 1.0 - beta1, beta2, 1.0 - beta2, eps, -lr / bc1, bc2_sqrt)
+
+
+def hyper_tensor(lr, beta1, beta2, eps, weight_decay, step, decoupled: bool, device=None) -> torch.Tensor:
+    """``hyper_values`` as fp32 [8]."""
+    values = hyper_values(lr, beta1, beta2, eps, weight_decay, step, decoupled)
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
@@ -58,8 +63,10 @@ def step_quantized(param, grad, exp_avg: dict, exp_avg_sq: dict, max_exp_avg_sq:
     eps = torch.tensor((m.eps if m.is_ratio else 0.0, ratio_eps), dtype=torch.float32)
     h = torch.cat((hyper.to("cpu", torch.float32)[:8], eps))  # + decode eps', encode eps' (on the host)
     inputs = [ops.StepInput(q.codes, q.absmax, q.qmap, encode if i == 0 else q.qmap) for i, q in enumerate(moments)]
+    if any(q.row_len != m.row_len for q in moments):
+        raise UsageError("the quantized moments of a parameter must share one layout; reload the state dict")
     ops.adam8bit_step(param, grad, inputs, h, block_size=m.block_size, ratio=m.is_ratio, maximize=maximize,
-                      backend=backend, bits=[q.bits for q in moments], seed=seed)
+                      backend=backend, bits=[q.bits for q in moments], seed=seed, row_len=m.row_len)
     exp_avg.update(qmap=encode, transform=policy.RATIO_TRANSFORM, eps=float(ratio_eps), divisor="exp_avg_sq")
 
 

@@ -22,9 +22,11 @@ complex parameters (stepped through ``view_as_real``, as torch does), hooks, dee
 from __future__ import annotations
 
 
+import warnings
+
 import torch
 
-from . import adam, args as optim_args
+from . import args as optim_args, grouping
 from ..codec import foreign, ops, qstate, sharded
 from ..errors import StateMismatchError, UsageError
 from .args import GROUP_FLAGS
@@ -74,6 +76,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
             where = f"param group {len(self.param_groups)}"
             optim_args.check_group({**self.defaults, **param_group}, where)
         super().add_param_group(param_group)
+        self._state_changed()
 
     def __getstate__(self) -> dict:
         """torch keeps defaults, state and param_groups; the 8-bit options travel too (deepcopy, pickle)."""
@@ -96,9 +99,14 @@ class _Adam8bitBase(torch.optim.Optimizer):
         return state
 
     def _quantized(self, p: torch.Tensor) -> bool:
-        """8-bit state from ``min_size`` elements of the (global) parameter; a DTensor's only where its
-        blocks can follow its shards (``ckptq.sharded``)."""
-        return p.numel() >= self.min_size and (not sharded.is_dtensor(p) or sharded.row_aligned(p, self.block_size))
+        """Low-bit state from ``min_size`` elements of the (global) parameter; a DTensor's where its rows
+        can follow its shards (``ckptq.codec.sharded``), else fp32 state, said once per parameter."""
+        if p.numel() < self.min_size:
+            return False
+        if sharded.is_dtensor(p) and not sharded.shardable(p):
+            _warn_fp32(self, p)
+            return False
+        return True
 
     @staticmethod
     def _zeros(p: torch.Tensor) -> torch.Tensor:
@@ -121,15 +129,47 @@ class _Adam8bitBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_not_meta()
-        params = ((p, group) for group in self.param_groups for p in group["params"])
-        for index, (p, group) in enumerate(params):
-            if p.grad is None:
-                continue
-            if p.is_complex() and not p.grad.is_sparse:
-                self._step_complex(p, group, index)
-            else:
-                self._step_param(p, group, index)
+        self._step_plan_now().step(self)
         return loss
+
+    def _step_plan_now(self) -> grouping.StepPlan:
+        """The grouped plan for the parameters that have gradients now (``ckptq.optim.grouping``): the kept
+        one while nothing it depends on changed, else a new one (new state is created first)."""
+        active = [(i, p, gi) for i, (p, gi) in enumerate(
+            (p, gi) for gi, group in enumerate(self.param_groups) for p in group["params"]) if p.grad is not None]
+        plan = getattr(self, "_step_plan", None)
+        signature = self._signature(active)
+        if plan is not None and plan.signature == signature:
+            return plan
+        for _, p, gi in active:
+            self._prepare_state(p, self.param_groups[gi])
+        members = [grouping.Member(i, p, grouping._data(p), self.state[p], gi) for i, p, gi in active]
+        self._step_plan = grouping.StepPlan(self, members, self._signature(active))
+        return self._step_plan
+
+    def _signature(self, active: list) -> tuple:
+        """What a kept plan depends on beyond the state it was built on (``_state_version`` counts that)."""
+        flags = tuple((bool(g["amsgrad"]), bool(g["maximize"])) for g in self.param_groups)
+        return (getattr(self, "_state_version", 0), flags, tuple(id(p) for _, p, _ in active),
+                tuple(p.grad.dtype for _, p, _ in active))
+
+    def _prepare_state(self, p: torch.Tensor, group: dict) -> None:
+        """State for a parameter that steps for the first time, and amsgrad's max_exp_avg_sq when turned on."""
+        if p.grad.is_sparse:
+            raise UsageError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
+        real = torch.view_as_real(p) if p.is_complex() else p
+        state = self.state[p]
+        if not state:
+            state.update(self._init_state(real, group))
+            self._state_changed()
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = self._like(state["exp_avg_sq"], real)
+            self._state_changed()
+
+    def _state_changed(self) -> None:
+        """The state or the param groups changed: the next step regroups."""
+        self._state_version = getattr(self, "_state_version", 0) + 1
+        self._step_plan = None
 
     def _check_not_meta(self) -> None:
         """Before any parameter steps: meta parameters have no values to update (a step would build
@@ -141,27 +181,6 @@ class _Adam8bitBase(torch.optim.Optimizer):
                         f"parameter {j} of param group {i} (shape {tuple(p.shape)}) or its gradient is on the meta "
                         "device; materialize the model (module.to_empty(device=...)) before stepping"
                     )
-
-    def _step_complex(self, p: torch.Tensor, group: dict, index: int) -> None:
-        """A complex parameter steps as torch's Adam(W) steps it: its real view (real and imaginary parts
-        as independent reals), so its state has shape ``(*p.shape, 2)``; the state stays keyed by ``p``."""
-        real = torch.view_as_real(p)
-        real.grad = torch.view_as_real(p.grad)
-        self.state[real] = self.state[p]  # the same dict: the step updates p's state in place
-        try:
-            self._step_param(real, group, index)
-        finally:
-            del self.state[real]
-
-    def _step_param(self, p: torch.Tensor, group: dict, index: int) -> None:
-        if p.grad.is_sparse:
-            raise UsageError(f"{type(self).__name__} does not support sparse gradients; use torch.optim.SparseAdam")
-        state = self.state[p]
-        if not state:
-            state.update(self._init_state(p, group))
-        if group["amsgrad"] and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = self._like(state["exp_avg_sq"], p)
-        adam.step_param(p, state, group, self.decoupled, self.backend, salt=index)
 
     def _like(self, template, p: torch.Tensor):
         """A zero max_exp_avg_sq in the same representation as ``template`` (amsgrad turned on later)."""
@@ -192,6 +211,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
         self.state.clear()
         self.state.update(state)
         self.param_groups = groups
+        self._state_changed()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -238,3 +258,15 @@ class Adam4bit(Adam8bit):
 
 __all__ = ["AdamW8bit", "Adam8bit", "AdamW4bit", "Adam4bit", "StateMismatchError", "expand_on_load",
            "to_torch_state_dict"]
+
+
+def _warn_fp32(opt, p) -> None:
+    """Say once per parameter that a DTensor parameter keeps fp32 state, and why."""
+    said = opt.__dict__.setdefault("_fp32_said", set())
+    if id(p) in said:
+        return
+    said.add(id(p))
+    why = ("a 1-D parameter: its one row is split across ranks" if p.dim() < 2 else
+           f"sharded along another dim than 0 ({p.placements}): blocks would straddle ranks")
+    warnings.warn(f"ckptq: a DTensor parameter of shape {tuple(p.shape)} keeps fp32 optimizer state ({why}); "
+                  "state of parameters sharded on dim 0 (FSDP2) is low-bit", RuntimeWarning, stacklevel=4)

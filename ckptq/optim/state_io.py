@@ -12,6 +12,7 @@ The way back: ``to_torch_state_dict`` decodes an 8-bit state dict for ``torch.op
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -87,11 +88,12 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
         _check_shape(p, pid, key, value)
     step = _step_value(pid, saved.get("step", 0))
     out = {"step": torch.tensor(step, dtype=torch.float32)}
-    if _steppable(moments, getattr(opt, "bits", 8)):
-        out.update({k: _copy_qstate(v, p.device) for k, v in moments.items()})
+    if _steppable(moments, getattr(opt, "bits", 8), sharded.is_dtensor(p)):
+        out.update({k: _copy_qstate(v, p) for k, v in moments.items()})
         return out
     quantized = opt._quantized(p) or any(qstate.is_qstate(v) for v in moments.values())
-    dense = {k: v.to(device=p.device, dtype=torch.float32) for k, v in _decoded(moments, pid).items()}
+    dense = {k: sharded.distribute_like(v.to(device=p.device, dtype=torch.float32), p)
+             for k, v in _decoded(moments, pid).items()}
     unsafe = plan.unsafe_moments(dense) if quantized else None
     if unsafe:  # 8 bits would turn finite values into NaN/Inf: keep this parameter's state fp32, and say so
         warnings.warn(f"ckptq: state of parameter {pid}: {unsafe}; kept in fp32", RuntimeWarning, stacklevel=4)
@@ -114,16 +116,19 @@ def _step_value(pid, step) -> float:
     raise StateMismatchError(f"state 'step' of parameter {pid} is {shown}; expected a number or 1-element tensor")
 
 
-def _steppable(moments: dict, bits: int) -> bool:
-    """Whether qstates can be stepped as stored: the optimizer's code width, one block size (one fused
-    step), sqrt second moments, a plain or ratio first moment whose divisor is exp_avg_sq. Anything else
-    is requantized (so an 8-bit state loads into a 4-bit optimizer and the other way round, and a
-    ``convert --bits 4`` file's 6 + 2 layout into the 4-bit optimizer's 4 + 4: ``policy.convert_width``)."""
+def _steppable(moments: dict, bits: int, dtensor: bool = False) -> bool:
+    """Whether qstates can be stepped as stored: the optimizer's code width, one block size and one layout
+    (one fused step; a DTensor parameter's in rows, which follow its shards), sqrt second moments, a plain
+    or ratio first moment whose divisor is exp_avg_sq. Anything else is requantized (so an 8-bit state
+    loads into a 4-bit optimizer and the other way round, and a ``convert --bits 4`` file's 6 + 2 layout
+    into the 4-bit optimizer's 4 + 4: ``policy.convert_width``)."""
     if not all(qstate.is_qstate(v) for v in moments.values()):
         return False
     m = moments["exp_avg"]
+    layouts = {v.get("layout", "flat") for v in moments.values()}
     return (
-        all(v["bits"] == bits for v in moments.values())
+        len(layouts) == 1 and (not dtensor or layouts == {"rows"})
+        and all(v["bits"] == bits for v in moments.values())
         and len({v["block_size"] for v in moments.values()}) == 1
         and all(v["transform"] == "sqrt" for k, v in moments.items() if k != "exp_avg")
         and (m["transform"] == "none" or (m.get("divisor") == "exp_avg_sq" and isinstance(m.get("eps"), float)))
@@ -137,14 +142,19 @@ def _decoded(moments: dict, pid) -> dict:
         raise StateMismatchError(f"state of parameter {pid}: {exc}") from exc
 
 
-def _copy_qstate(value: dict, device) -> dict:
+def _copy_qstate(value: dict, p: torch.Tensor) -> dict:
+    """A copy of a steppable qstate on ``p``'s device (our steps write codes in place: never share them),
+    its codes and scales in their layout's shapes; for a DTensor ``p`` placed like it: a qstate saved by one
+    process (or by another world size) gives each rank its rows, bit for bit."""
     q = dict(value)
-    for name in ("codes", "absmax", "qmap"):
-        q[name] = value[name].to(device).clone()  # our steps write codes in place: never share them
-    if not sharded.is_dtensor(q["codes"]):  # a DTensor keeps the row layout (ckptq.sharded); one process, flat
-        q["codes"], q["absmax"] = q["codes"].reshape(-1), q["absmax"].reshape(-1)
     q["shape"] = tuple(value["shape"])
-    return q
+    for name in ("codes", "absmax", "qmap"):
+        q[name] = value[name].to(p.device).clone()
+    if sharded.is_dtensor(q["codes"]):
+        return q
+    codes, absmax = qstate.layout_shapes(q["shape"], q["bits"], q["block_size"], q.get("layout", "flat"))
+    q["codes"], q["absmax"] = q["codes"].reshape(codes), q["absmax"].reshape(absmax)
+    return sharded.place_rows(q, p) if sharded.is_dtensor(p) else q
 
 
 def _check_shape(p: torch.Tensor, pid, key: str, value) -> None:
@@ -153,8 +163,10 @@ def _check_shape(p: torch.Tensor, pid, key: str, value) -> None:
         qstate.check_qstate(value)
         try:
             shape = tuple(value["shape"])
+            numel = math.prod(int(d) for d in shape)
+            row_len = qstate.row_len_of(shape, value.get("layout", "flat"))
             n_codes = ops.check_quantized(value["codes"], value["absmax"], value["qmap"], value["block_size"],
-                                          value["bits"], p.numel() if shape == tuple(p.shape) else None)
+                                          value["bits"], numel, row_len)
         except (UsageError, KeyError, TypeError) as e:
             raise StateMismatchError(f"state {key!r} of parameter {pid} is malformed: {e}") from None
     elif isinstance(value, torch.Tensor):
