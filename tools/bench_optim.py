@@ -1,19 +1,27 @@
-"""Step time and state memory of ckptq's AdamW8bit against torch, bitsandbytes and torchao, side by side.
+"""Step time and state memory of ckptq's AdamW8bit / AdamW4bit against torch, bitsandbytes and torchao, side
+by side, on the tensor shapes of real models.
 
-One run, interleaved rounds: every optimizer owns a copy of the same parameters (``--tensors`` fp32
-tensors of ``--numel-per-tensor`` elements) and fixed random gradients; after ``--warmup`` steps each
-(the first one, which includes torch.compile for torchao and building ckptq's C kernel, is reported
-separately), each round runs one step of every optimizer in turn, so load from other processes hits
-all alike. Prints medians and ratios as a markdown table.
+One run, interleaved rounds: every optimizer owns a copy of the same parameters (the shapes of
+``--layout``) and fixed random gradients; after ``--warmup`` steps each (the first one, which includes
+torch.compile for torchao and building ckptq's C kernel, is reported separately), each round runs one
+step of every optimizer in turn, starting with a different one, so load from other processes hits all
+alike. Prints medians and ratios as a markdown table.
 
-    python tools/bench_optim.py --numel-per-tensor 4194304 --tensors 4 --rounds 7 --threads 2
-    python tools/bench_optim.py --gpu --numel-per-tensor 67108864 --tensors 4 --rounds 20   # CUDA machine
+Layouts (no weights needed, only shapes):
+  many-small   256 tensors of 4,096 (the per-tensor cost)
+  d256x48      48 transformer layers of width 256: 384 tensors, 37.9 M parameters
+  gpt2-124m    GPT-2 small: 148 tensors, 124 M parameters
+  llama-1b     Llama-3.2-1B: 146 tensors, 1.24 G parameters (needs ~10 GB per optimizer: GPU)
+  flat4        16.8 M parameters in 4 tensors (the old default)
 
-State bytes per parameter count every distinct tensor storage reachable from ``opt.state`` (codes,
-absmax, codebooks, steps; torchao's tensor subclasses are opened to their ``codes``/``scale``/``qmap``),
-so a codebook shared by all parameters is counted once. ``--gpu`` also reports achieved memory bandwidth:
-the minimum traffic of a step, read p, g, state + write p, state = (12 + 2 * state B/param) bytes per
-parameter, divided by the median step time (CUDA events). Without ``--gpu`` nothing touches CUDA.
+    python tools/bench_optim.py --layout d256x48 --rounds 9 --threads 2
+    python tools/bench_optim.py --layout gpt2-124m --gpu --rounds 20       # a CUDA machine
+
+Columns: ms/step (median), µs per tensor, and GB/s of the bytes the update must move at least: read the
+gradient (its dtype), read and write the parameter and the state; for fp32 Adam 4 + 8 + 16 = 28 B/param,
+for 8-bit state about 16.1 (the state's bytes per parameter, measured, twice). State bytes per parameter
+count every distinct storage reachable from ``opt.state`` (codebooks shared by all parameters once;
+torchao's tensor subclasses opened to their codes/scale/qmap).
 """
 
 from __future__ import annotations
@@ -27,11 +35,41 @@ from typing import Callable
 
 import torch
 
-OPTIMIZERS = ("torch-foreach", "torch-fused", "bnb", "torchao", "ckptq", "ckptq-torch", "torchao4", "ckptq4")
+OPTIMIZERS = ("torch-fused", "torch-foreach", "bnb", "torchao", "ckptq", "ckptq4", "torchao4", "ckptq-torch")
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 
 
-def make_optimizer(name: str, params: list[torch.Tensor], gpu: bool) -> torch.optim.Optimizer:
+def _transformer(layers: int, d: int, ff: int, vocab: int = 0, ctx: int = 0, biases: bool = True) -> list[tuple]:
+    """GPT-2-style shapes: embeddings, per layer ln, qkv, proj, ln, fc, fc2 (with biases), final ln."""
+    shapes = [(vocab, d)] * bool(vocab) + [(ctx, d)] * bool(ctx)
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d)] + [(3 * d,)] * biases + [(d, d)] + [(d,)] * biases
+        shapes += [(d,), (d,), (ff, d)] + [(ff,)] * biases + [(d, ff)] + [(d,)] * biases
+    return shapes + [(d,), (d,)] * bool(vocab)
+
+
+def _llama(layers=16, d=2048, ff=8192, kv=512, vocab=128256) -> list[tuple]:
+    shapes = [(vocab, d)]
+    for _ in range(layers):
+        shapes += [(d, d), (kv, d), (kv, d), (d, d), (ff, d), (ff, d), (d, ff), (d,), (d,)]
+    return shapes + [(d,)]
+
+
+def layout_shapes(name: str) -> list[tuple]:
+    if name == "many-small":
+        return [(4, 1024)] * 256
+    if name == "d256x48":
+        return _transformer(48, 256, 1024, biases=False)
+    if name == "gpt2-124m":
+        return _transformer(12, 768, 3072, vocab=50257, ctx=1024)
+    if name == "llama-1b":
+        return _llama()
+    if name == "flat4":
+        return [(4096, 1024)] * 4
+    raise SystemExit(f"unknown layout {name!r}")
+
+
+def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
     """One optimizer under the same hyperparameters; imports each library only when asked for."""
     if name == "torch-foreach":
         return torch.optim.AdamW(params, foreach=True, **HYPER)
@@ -47,26 +85,17 @@ def make_optimizer(name: str, params: list[torch.Tensor], gpu: bool) -> torch.op
         return (torchao.optim.AdamW8bit if name == "torchao" else torchao.optim.AdamW4bit)(params, **HYPER)
     from ckptq.optim import AdamW4bit, AdamW8bit
 
-    # "ckptq": the default (C kernel on the CPU, Triton on CUDA); the others are the PyTorch fallbacks.
-    if name == "ckptq":
-        return AdamW8bit(params, **HYPER)
     if name == "ckptq4":
         return AdamW4bit(params, **HYPER)
-    return AdamW8bit(params, **HYPER, backend="torch")
+    return AdamW8bit(params, **HYPER, backend="torch" if name == "ckptq-torch" else "auto")
 
 
 def label(name: str, gpu: bool) -> str:
-    ckptq_label = "ckptq AdamW8bit (Triton)" if gpu else "ckptq AdamW8bit (C kernel)"
-    return {
-        "torch-foreach": "torch AdamW foreach",
-        "torch-fused": "torch AdamW fused",
-        "bnb": "bitsandbytes AdamW8bit",
-        "torchao": "torchao AdamW8bit",
-        "ckptq": ckptq_label,
-        "ckptq-torch": "ckptq AdamW8bit (PyTorch fallback)",
-        "torchao4": "torchao AdamW4bit",
-        "ckptq4": ckptq_label.replace("8bit", "4bit"),
-    }[name]
+    kernel = "Triton" if gpu else "C"
+    return {"torch-foreach": "torch AdamW foreach", "torch-fused": "torch AdamW fused",
+            "bnb": "bitsandbytes AdamW8bit", "torchao": "torchao AdamW8bit", "torchao4": "torchao AdamW4bit",
+            "ckptq": f"ckptq AdamW8bit ({kernel})", "ckptq4": f"ckptq AdamW4bit ({kernel})",
+            "ckptq-torch": "ckptq AdamW8bit (PyTorch reference)"}[name]
 
 
 def _storages(obj, seen: dict[int, int]) -> None:
@@ -88,20 +117,18 @@ def _storages(obj, seen: dict[int, int]) -> None:
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes held by the optimizer's state, each storage once."""
+    """Bytes held by the optimizer's state, each storage once (0-dim step tensors included)."""
     seen: dict[int, int] = {}
     for state in opt.state.values():
         _storages(state, seen)
     return sum(seen.values())
 
 
-def make_params(numel: int, count: int, device: str, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``count`` fp32 [numel // 1024, 1024] weights and their gradients (gradients ~ 1e-3 * N(0, 1))."""
+def make_params(shapes: list[tuple], device: str, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """fp32 weights ~ 0.02 N(0, 1) and gradients ~ 1e-3 N(0, 1) of the given shapes."""
     g = torch.Generator().manual_seed(seed)
-    rows = max(1, numel // 1024)
-    shape = (rows, numel // rows)
-    weights = [(torch.randn(shape, generator=g) * 0.02).to(device) for _ in range(count)]
-    grads = [(torch.randn(shape, generator=g) * 1e-3).to(device) for _ in range(count)]
+    weights = [(torch.randn(s, generator=g) * 0.02).to(device) for s in shapes]
+    grads = [(torch.randn(s, generator=g) * 1e-3).to(device) for s in shapes]
     return weights, grads
 
 
@@ -128,14 +155,14 @@ def step_timer(gpu: bool) -> Callable[[torch.optim.Optimizer], float]:
     return gpu_step
 
 
-def build(names, weights, grads, device: str, gpu: bool) -> dict[str, torch.optim.Optimizer]:
+def build(names, weights, grads) -> dict[str, torch.optim.Optimizer]:
     """Each optimizer gets its own copy of the weights and gradients."""
     opts = {}
     for name in names:
         params = [w.clone().requires_grad_(True) for w in weights]
         for p, g in zip(params, grads):
             p.grad = g.clone()
-        opts[name] = make_optimizer(name, params, gpu)
+        opts[name] = make_optimizer(name, params)
     return opts
 
 
@@ -154,38 +181,33 @@ def run(opts: dict, warmup: int, rounds: int, gpu: bool) -> tuple[dict[str, floa
     return first, times
 
 
-def table(opts, first, times, numel: int, gpu: bool) -> str:
+def table(opts, first, times, numel: int, tensors: int, gpu: bool) -> str:
     median = {name: statistics.median(ts) for name, ts in times.items()}
-    head = "| optimizer | ms/step median | M params/s | vs torch foreach | vs bnb | state B/param | first step s |"
-    if gpu:
-        head += " GB/s (min traffic) |"
-    rows = [head, "|" + "|".join(["---"] + ["---:"] * (head.count("|") - 2)) + "|"]
+    base = "torch-fused" if "torch-fused" in median else next(iter(median))
+    head = (f"| optimizer | ms/step | µs/tensor | vs {label(base, gpu)} | vs bitsandbytes | state B/param "
+            "| GB/s moved | first step s |")
+    rows = [head, "|---|" + "---:|" * (head.count("|") - 2)]
     for name, opt in opts.items():
-        b_per_param = state_bytes(opt) / numel
-        cells = [
-            label(name, gpu),
-            f"{median[name] * 1e3:.1f}",
-            f"{numel / median[name] / 1e6:,.0f}",
-            f"{median['torch-foreach'] / median[name]:.2f}x" if "torch-foreach" in median else "-",
-            f"{median['bnb'] / median[name]:.2f}x" if "bnb" in median else "-",
-            f"{b_per_param:.3f}",
-            f"{first[name]:.2f}",
-        ]
-        if gpu:
-            cells.append(f"{numel * (12 + 2 * b_per_param) / median[name] / 1e9:,.0f}")
+        state = state_bytes(opt) / numel
+        moved = numel * (4 + 8 + 2 * state)  # read g; read + write p; read + write the state
+        cells = [label(name, gpu), f"{median[name] * 1e3:.2f}", f"{median[name] * 1e6 / tensors:.1f}",
+                 f"{median[name] / median[base]:.2f}x",
+                 f"{median[name] / median['bnb']:.2f}x" if "bnb" in median else "-",
+                 f"{state:.3f}", f"{moved / median[name] / 1e9:.1f}", f"{first[name]:.2f}"]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel-per-tensor", type=int, default=4096 * 1024)
-    parser.add_argument("--tensors", type=int, default=4)
+    parser.add_argument("--layout", default="d256x48",
+                        choices=["many-small", "d256x48", "gpt2-124m", "llama-1b", "flat4"])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=3, help="steps per optimizer before timing (>= 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--only", default=",".join(OPTIMIZERS), help=f"comma list of {', '.join(OPTIMIZERS)}")
-    parser.add_argument("--gpu", action="store_true", help="run on CUDA (ckptq uses its Triton kernel)")
+    parser.add_argument("--only", default="torch-fused,torch-foreach,bnb,torchao,ckptq,ckptq4",
+                        help=f"comma list of {', '.join(OPTIMIZERS)}")
+    parser.add_argument("--gpu", action="store_true", help="run on CUDA (ckptq uses its Triton kernels)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.threads:
@@ -194,20 +216,16 @@ def main() -> None:
     unknown = sorted(set(names) - set(OPTIMIZERS))
     if unknown:
         parser.error(f"unknown optimizers {unknown}; choose from {', '.join(OPTIMIZERS)}")
-    if args.gpu:
-        names = [n for n in names if n != "ckptq-torch"]  # the CPU fallback only
-    device = "cuda" if args.gpu else "cpu"
-    weights, grads = make_params(args.numel_per_tensor, args.tensors, device, args.seed)
+    shapes = layout_shapes(args.layout)
+    weights, grads = make_params(shapes, "cuda" if args.gpu else "cpu", args.seed)
     numel = sum(w.numel() for w in weights)
-    opts = build(names, weights, grads, device, args.gpu)
+    opts = build(names, weights, grads)
     first, times = run(opts, max(1, args.warmup), args.rounds, args.gpu)
     where = torch.cuda.get_device_name() if args.gpu else f"{platform.processor() or platform.machine()}"
-    print(
-        f"{numel / 1e6:.1f} M params in {args.tensors} tensors, {args.rounds} interleaved rounds after "
-        f"{max(1, args.warmup)} warm-up steps; {where}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs\n"
-    )
-    print(table(opts, first, times, numel, args.gpu))
+    print(f"layout {args.layout}: {numel / 1e6:.1f} M params in {len(shapes)} tensors, {args.rounds} interleaved "
+          f"rounds after {max(1, args.warmup)} warm-up steps; {where}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs\n")
+    print(table(opts, first, times, numel, len(shapes), args.gpu))
 
 
 if __name__ == "__main__":

@@ -49,18 +49,19 @@ def place(q: dict, like) -> dict:
 
     codes = DTensor.from_local(q["codes"], like.device_mesh, like.placements, shape=(like.shape[0], q["codes"].shape[1]),
                                stride=(q["codes"].shape[1], 1), run_check=False)
-    absmax = scales_like(like, q["absmax"].shape[1])
+    absmax = rows_like(like, q["absmax"].shape[1])
     absmax.to_local().copy_(q["absmax"])
     return {**q, "codes": codes, "absmax": absmax, "shape": tuple(like.shape)}
 
 
-def scales_like(like, per_row: int):
-    """fp32 zeros for the scales of a qstate of the DTensor ``like``: [rows, per_row], placed like it."""
+def rows_like(like, width: int, dtype: torch.dtype = torch.float32):
+    """Zeros of ``[rows, width]`` placed like the DTensor ``like`` (its rows on the ranks that hold them): the
+    codes or scales of a qstate of ``like``."""
     from torch.distributed.tensor import DTensor
 
     rows = like.to_local().shape[0] if like.dim() else 1
-    return DTensor.from_local(torch.zeros(rows, per_row), like.device_mesh, like.placements,
-                              shape=(like.shape[0], per_row), stride=(per_row, 1), run_check=False)
+    return DTensor.from_local(torch.zeros(rows, width, dtype=dtype, device=like.device), like.device_mesh,
+                              like.placements, shape=(like.shape[0], width), stride=(width, 1), run_check=False)
 
 
 def unplace(q: dict) -> dict:

@@ -41,25 +41,28 @@ def _all_ranks_agree(ok: bool, t) -> bool:
 
 
 def _quantizable(m, v, min_size: int, block_size: int) -> bool:
-    """The rules of ``ckptq.plan`` for one parameter's moments: large enough, rows of whole blocks for a
-    DTensor, finite, within fp32, a second moment >= 0 (checked on every shard)."""
+    """The rules of ``ckptq.plan`` for one parameter's moments: large enough, a DTensor's rows following its
+    shards (``sharded.shardable``), finite, within fp32, a second moment >= 0 (checked on every shard)."""
     if not (isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor) and m.is_floating_point()
             and m.shape == v.shape and m.numel() >= min_size):
         return False
-    if sharded.is_dtensor(m) and not (sharded.row_aligned(m, block_size) and sharded.is_dtensor(v)):
+    if sharded.is_dtensor(m) and not (sharded.shardable(m) and sharded.is_dtensor(v)):
         return False
     return _all_ranks_agree(plan.unsafe_moments({"exp_avg": m, "exp_avg_sq": v}) is None, m)
 
 
-def quantized_copy(state_dict: dict, min_size: int = policy.DEFAULT_MIN_SIZE, block_size: int = 256) -> dict:
+def quantized_copy(state_dict: dict, min_size: int = policy.DEFAULT_MIN_SIZE, block_size: int | None = None,
+                   bits: int = 8) -> dict:
     """``state_dict`` with the Adam moments of its optimizer state dicts (nested, or flattened as torchtitan
-    saves them) as 8-bit qstates; new containers along the way, nothing of ``state_dict`` is modified."""
+    saves them) as low-bit qstates in the row layout (``bits`` 8 or 4 per value, blocks of ``block_size``,
+    default by ``bits``); new containers along the way, nothing of ``state_dict`` is modified."""
+    block_size = policy.default_block_size(bits) if block_size is None else policy.check_block_size(block_size)
     out = dict(state_dict)
     for found in checkpoint.find_optimizers(state_dict):
         if not found.path:
             raise ValueError("pass the optimizer state dict inside a dict, e.g. {'optimizer': osd}")
         osd = dict(found.state_dict)
-        osd["state"] = {fqn: _quantize_param(osd, fqn, pstate, min_size, block_size)
+        osd["state"] = {fqn: _quantize_param(osd, fqn, pstate, min_size, block_size, bits)
                         for fqn, pstate in found.state_dict["state"].items()}
         _set_at(out, found.path, osd)
     for path, flat in list(_flat_optimizers(state_dict, ())):
@@ -71,7 +74,7 @@ def quantized_copy(state_dict: dict, min_size: int = policy.DEFAULT_MIN_SIZE, bl
                       and k.startswith(f"state.{fqn}.") and "." not in k[len(f"state.{fqn}."):]}
             group = {name: flat[f"param_groups.{fqn}.{name}"] for name in ("eps", "betas")
                      if f"param_groups.{fqn}.{name}" in flat}
-            q = _quantize_param({"param_groups": [{"params": [fqn], **group}]}, fqn, pstate, min_size, block_size)
+            q = _quantize_param({"param_groups": [{"params": [fqn], **group}]}, fqn, pstate, min_size, block_size, bits)
             new.update((f"state.{fqn}.{k}", v) for k, v in q.items())
         _set_at(out, path, new)
     return out
@@ -86,26 +89,30 @@ def _set_at(out: dict, path: tuple, value) -> None:
     node[path[-1]] = value
 
 
-def _quantize_param(osd: dict, fqn, pstate, min_size: int, block_size: int):
+def _quantize_param(osd: dict, fqn, pstate, min_size: int, block_size: int, bits: int):
     if isinstance(pstate, dict) and any(qstate.is_qstate(v) for v in pstate.values()):  # AdamW8bit's state
-        return {k: sharded.row_layout(v) if qstate.is_qstate(v) else v for k, v in pstate.items()}
+        return pstate
     if not isinstance(pstate, dict) or not _quantizable(pstate.get("exp_avg"), pstate.get("exp_avg_sq"),
                                                        min_size, block_size):
         return pstate
     dense = {k: pstate[k] for k in MOMENTS if isinstance(pstate.get(k), torch.Tensor)}
     step = pstate.get("step", 0)
-    return {**pstate, **sharded.quantize_moments(dense, _group_of(osd, fqn), step, block_size)}
+    return {**pstate, **sharded.quantize_moments(dense, _group_of(osd, fqn), step, block_size, bits)}
 
 
 class SavePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` that stores Adam moments 8-bit (``quantized_copy``)."""
+    """``DefaultSavePlanner`` that stores Adam moments low-bit (``quantized_copy``: 8 bits per value, or
+    ``bits=4``, as ``AdamW4bit`` keeps them)."""
 
-    def __init__(self, *args, min_size: int = policy.DEFAULT_MIN_SIZE, block_size: int = 256, **kwargs):
+    def __init__(self, *args, min_size: int = policy.DEFAULT_MIN_SIZE, block_size: int | None = None, bits: int = 8,
+                 **kwargs):
         super().__init__(*args, **kwargs)
-        self.min_size, self.block_size = min_size, block_size
+        self.bits = policy.check_budget(bits)
+        self.min_size = policy.check_min_size(min_size)
+        self.block_size = policy.default_block_size(bits) if block_size is None else policy.check_block_size(block_size)
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        quantized = quantized_copy(state_dict, self.min_size, self.block_size)
+        quantized = quantized_copy(state_dict, self.min_size, self.block_size, self.bits)
         super().set_up_planner(quantized, storage_meta, is_coordinator)
 
 
@@ -231,10 +238,10 @@ def _qstate_template(like: torch.Tensor, name: str, saved: dict) -> dict:
         if not part_name.startswith(f"{name}."):
             continue
         part = part_name[len(name) + 1:]
-        if part == "codes":
+        if part == "codes" and tuple(meta.size) == tuple(like.shape):  # an 8-bit folder from before the row layout
             out[part] = torch.zeros_like(like, dtype=torch.uint8)
-        elif part == "absmax" and sharded.is_dtensor(like):
-            out[part] = sharded.scales_like(like, tuple(meta.size)[-1])
+        elif part in ("codes", "absmax") and sharded.is_dtensor(like):  # [rows, width], placed like the moment
+            out[part] = sharded.rows_like(like, tuple(meta.size)[-1], meta.properties.dtype)
         elif isinstance(meta, TensorStorageMetadata):
             out[part] = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
         else:
