@@ -61,7 +61,7 @@ def write_all(finals: list[str], planned: list[Planned], force: bool, progress=N
         if progress:
             progress(done, total)
 
-    with files.atomic_outputs(finals, force) as tmps:
+    with files.atomic_outputs(finals, force, "ckptq") as tmps:
         for pl, tmp in zip(planned, tmps):
             format.write(tmp, pl.skeleton, pl.stored, pl.meta, force=True, on_tensor=on_tensor)
 

@@ -183,7 +183,7 @@ def expand(src: str, *, force: bool = False, verify: bool = True, progress=None)
     metas = [converted_meta(p.q8) for p in parts]
     if os.path.isdir(src):
         check_world(every, {p.q8: m[INFO_KEY].get("world_size") for p, m in zip(parts, metas)})
-    with files.atomic_outputs([p.pt for p in parts], force) as tmps:
+    with files.atomic_outputs([p.pt for p in parts], force, "torch") as tmps:
         for p, tmp in zip(parts, tmps):
             conv = tree.Converted(p.q8, verify)
             obj = zero_pickle.from_plain(conv.read(dequantize=True, lazy=True))

@@ -103,7 +103,7 @@ def expand(src: str, *, force: bool = False, verify: bool = True, progress=None)
     for f in folders:
         converted_meta(os.path.join(f, CONVERTED))
     finals = [os.path.join(f, n + ".pt") for f in folders for n in MOMENT_FILES]
-    with files.atomic_outputs(finals, force) as tmps:
+    with files.atomic_outputs(finals, force, "torch") as tmps:
         for i, f in enumerate(folders):
             conv = tree.Converted(os.path.join(f, CONVERTED), verify)
             obj = conv.read(dequantize=True)

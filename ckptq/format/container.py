@@ -96,12 +96,12 @@ def write(
     shards = shard_plan(stored, max_shard_size)
     encode = _encoder(compression)
     if len(shards) == 1:
-        with atomic_outputs([path], force) as (tmp,):
+        with atomic_outputs([path], force, "ckptq") as (tmp,):
             safetensors_io.write_file(tmp, stored, {**base, **top}, encode, on_tensor)
         return [path]
     names = shard_paths(path, len(shards))
     index_path = path + ".index.json" if path.endswith(SUFFIX) else path + INDEX_SUFFIX
-    with atomic_outputs([*names, index_path], force) as tmps:
+    with atomic_outputs([*names, index_path], force, "ckptq") as tmps:
         weight_map, crcs = {}, {}
         for i, (group, tmp) in enumerate(zip(shards, tmps)):
             meta = {**base, "ckptq.shard": f"{i + 1}/{len(shards)}"}

@@ -104,13 +104,47 @@ def _umask() -> int:
     return mask
 
 
+KINDS = ("ckptq", "torch")  # what an output is: a ckptq file (or shard index), a torch.save file
+
+
+def kind_of(path: str) -> str | None:
+    """What the regular file at ``path`` is, by its first bytes: "ckptq" (a safetensors file or shard index
+    that ckptq wrote), "torch" (a torch.save zip or pickle), or None (anything else, or not a regular file)."""
+    try:
+        with open_regular(path, "output") as f:
+            head = f.read(1 << 16)
+    except InputError:
+        return None
+    if head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02":
+        return "torch"
+    return "ckptq" if b'"ckptq.format"' in head else None
+
+
+def check_replaceable(path: str, force: bool, kind: str) -> None:
+    """OutputExistsError unless nothing is at ``path``, or ``force`` is given and it is a regular file of
+    ``kind`` (an output ckptq could have written there) or empty: ckptq never replaces a folder, a link to
+    one, a special file, or a file of another kind, whatever the flags."""
+    if not os.path.lexists(path):
+        return
+    if not force:
+        raise OutputExistsError(f"{path} exists; pass --force (Python: force=True) to overwrite it")
+    found = kind_of(path) if os.path.isfile(path) else None
+    if found != kind and not (os.path.isfile(path) and os.path.getsize(path) == 0):  # an empty file holds nothing
+        what = ("a folder" if os.path.isdir(path) else "not a regular file" if not os.path.isfile(path)
+                else "a torch.save checkpoint" if found == "torch" else "a ckptq file" if found == "ckptq"
+                else "not a checkpoint file")
+        want = "ckptq file" if kind == "ckptq" else "torch.save file"
+        raise OutputExistsError(f"{path} exists and is {what}; --force replaces only a {want} (what this command "
+                                "writes), so nothing was written: choose another output path or remove it yourself")
+
+
 @contextmanager
-def atomic_outputs(finals: list[str], force: bool) -> Iterator[list[str]]:
+def atomic_outputs(finals: list[str], force: bool, kind: str) -> Iterator[list[str]]:
     """Temp paths beside each final path; all renamed into place on success, all removed on failure
-    (including Ctrl-C)."""
+    (including Ctrl-C). An existing final path is replaced only with ``force`` and only if it is a file of
+    ``kind`` ("ckptq" or "torch", ``check_replaceable``)."""
     for p in finals:
-        if os.path.exists(p) and not force:
-            raise OutputExistsError(f"{p} exists; pass --force (Python: force=True) to overwrite it")
+        check_replaceable(p, force, kind)
     tmps: list[str] = []
     try:
         for folder in {os.path.dirname(os.path.abspath(p)) for p in finals}:

@@ -333,7 +333,7 @@ def expand(src: str, dst: str | None = None, *, force: bool = False, verify: boo
     for f in conv.files:
         _not_the_input(f, dst)
     obj = conv.read(dequantize=True, lazy=True)  # tensors are produced one at a time while writing
-    with format.atomic_outputs([dst], force) as (tmp,):
+    with format.atomic_outputs([dst], force, "torch") as (tmp,):
         torch_stream.save(obj, tmp, progress)
     conv.close()
     return ExpandReport(src, dst, os.path.getsize(dst), time.perf_counter() - t0)
@@ -359,6 +359,6 @@ def _expand_torch(src: str, dst: str, force: bool, trust: bool, progress: Progre
         raise InputError(f"{src} is a torch.save checkpoint without 8-bit states (ckptq, bitsandbytes or torchao): "
                          "it is already expanded (torch.load reads it; `ckptq convert` shrinks it)")
     quant.decode_qstates(obj)
-    with format.atomic_outputs([dst], force) as (tmp,):
+    with format.atomic_outputs([dst], force, "torch") as (tmp,):
         torch_stream.save(obj, tmp, progress)
     return ExpandReport(src, dst, os.path.getsize(dst), time.perf_counter() - t0)
