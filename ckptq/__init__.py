@@ -15,8 +15,8 @@ import importlib
 
 __version__ = "0.1.0"
 
-_FUNCTIONS = {"convert": "ckptq.sources.pipeline", "expand": "ckptq.sources.pipeline", "info": "ckptq.sources.info",
-              "load": "ckptq.sources.pipeline", "save": "ckptq.sources.pipeline", "CkptqError": "ckptq.errors"}
+_FUNCTIONS = {"convert": "ckptq.sources.api", "expand": "ckptq.sources.api", "info": "ckptq.sources.api",
+              "load": "ckptq.sources.api", "save": "ckptq.sources.api", "CkptqError": "ckptq.errors"}
 _SUBPACKAGES = ("optim", "dcp", "integrations", "codec", "format", "sources", "deepspeed", "estimate", "kernels")
 __all__ = ["convert", "expand", "info", "load", "save", "CkptqError", "__version__", "optim", "dcp", "integrations"]
 

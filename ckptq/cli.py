@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import sys
 import warnings
 from contextlib import contextmanager
@@ -11,9 +12,8 @@ from contextlib import contextmanager
 import click
 
 from . import __version__
-from .codec import policy
-from .errors import CkptqError
-from .format import Compression, parse_size
+from .codec.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MIN_SIZE
+from .errors import CkptqError, UsageError
 
 
 @contextmanager
@@ -40,7 +40,14 @@ def _progress(quiet: bool, desc: str):
 
 
 def _fail(message: str, code: int):
-    click.echo(f"ckptq: error: {message}", err=True)
+    """One line on stderr (under torchrun: from rank 0 only) and exit ``code``; ranks leave their process
+    group first, so none aborts (gloo's SIGABRT when a process exits with the group alive)."""
+    dist = sys.modules.get("torch.distributed")
+    joined = dist is not None and dist.is_available() and dist.is_initialized()
+    if not joined or dist.get_rank() == 0:
+        click.echo(f"ckptq: error: {message}", err=True)
+    if joined:
+        dist.destroy_process_group()
     sys.exit(code)
 
 
@@ -62,10 +69,6 @@ def _run(fn, *args, **kwargs):
         _fail(f"internal error ({type(e).__name__}: {e}); no output was written; please report it", 70)
 
 
-def _mb(n: int | None) -> str:
-    return "-" if n is None else f"{n / 1e6:,.1f} MB"
-
-
 def _return_freed_memory() -> None:
     """Large buffers (>= 1 MB) come from mmap and go back to the OS when freed. glibc otherwise raises
     its mmap threshold after the first big free, and the worker threads' 16 MB temporaries then pile
@@ -85,12 +88,15 @@ _REPLACE_HELP = ("Delete the {what} once the output is written, synced, read bac
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptq")
 def main():
-    """Shrink the Adam state in PyTorch checkpoints to blockwise 8-bit safetensors, and back.
+    """Shrink the Adam state in PyTorch checkpoints to blockwise 8-bit (or 4-bit) safetensors, and back.
 
     \b
       ckptq convert ckpt.pt                      # -> ckpt.q8.safetensors
       ckptq info ckpt.q8.safetensors             # what is inside, sizes, savings
       ckptq expand ckpt.q8.safetensors -o ckpt_fp32.pt
+      ckptq convert out/ --all --keep-last 1 --replace   # a whole run, newest kept
+
+    Shell completion: eval "$(_CKPTQ_COMPLETE=bash_source ckptq)" (zsh_source, fish_source).
     """
     _return_freed_memory()
     warnings.formatwarning = _one_line_warning
@@ -102,7 +108,30 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"{text if text.startswith('ckptq: ') else 'ckptq: ' + text}\n".replace("ckptq: ckptq:", "ckptq:")
 
 
-@main.command()
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """'300MB', '5GB', '1.5GiB', '123' -> bytes."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).upper() if m else None
+    if not m or unit not in _UNITS:
+        raise UsageError(f"size {text!r} is not understood; write it like 300MB, 5GB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _report(r, quiet: bool, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(r.as_dict(), indent=1))
+    elif not quiet:
+        click.echo(r.text())
+    for line in getattr(r, "warnings", []) if not as_json else []:
+        click.echo(f"warning: {line}", err=True)
+
+
+@main.command(short_help="Store Adam moments at 8 or 4 bits per value.")
 @click.argument("src", type=click.Path())
 @click.option("-o", "--output", help="Output path (default: SRC with .q8.safetensors, or .q4, beside it).")
 @click.option("--bits", default=8, show_default=True, type=int,
@@ -110,7 +139,7 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
                    "the second moment in 2; SRC may also be a converted file).")
 @click.option("--block-size", default=None, type=int,
               help="Values per absmax scale: a power of two, 64..4096 (default: 256 for 8 bits, 128 for 4).")
-@click.option("--min-size", default=4096, show_default=True, type=int,
+@click.option("--min-size", default=DEFAULT_MIN_SIZE, show_default=True, type=int,
               help="States with fewer elements stay exact fp32.")
 @click.option("--key", help="'/'-separated key path of the optimizer state dict (default: found by shape).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
@@ -122,147 +151,70 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 @click.option("--threads", default=0, show_default=True, type=int, help="zstd threads (0: all cores).")
 @click.option("--max-shard-size", default="5GB", show_default=True,
               help="Split larger outputs into HF-style shards + index (e.g. 300MB, 20GB; 0 = never).")
+@click.option("--all", "all_", is_flag=True,
+              help="SRC is a run's output folder: convert every checkpoint folder in it (checkpoint-N/, ...).")
+@click.option("--keep-last", default=0, show_default=True, type=int,
+              help="With --all: leave the newest N checkpoint folders as they are (to resume from).")
 @click.option("--trust", is_flag=True, help="Allow full unpickling (only for files you trust).")
-@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output.")
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output (only a file convert could have written).")
 @click.option("--replace", is_flag=True, help=_REPLACE_HELP.format(what="fp32 original"))
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, no summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def convert(src, output, bits, block_size, min_size, key, device, compress, level, threads, max_shard_size, trust,
-            force, replace, quiet, as_json):
-    """Convert the fp32 Adam moments in SRC to 8-bit (--bits 4: 4 bits per value): a torch.save file or a converted
+def convert(src, output, bits, block_size, min_size, key, device, compress, level, threads, max_shard_size, all_,
+            keep_last, trust, force, replace, quiet, as_json):
+    """Store the fp32 Adam moments in SRC at 8 bits per value (--bits 4: 4): a torch.save file or a converted
     file -> safetensors; a Trainer, accelerate or Lightning checkpoint folder -> each optimizer file beside
     it (optimizer.pt -> optimizer.q8.safetensors); a torch.distributed.checkpoint folder -> a DCP folder
     (SRC.q8; under torchrun the ranks share the work); a DeepSpeed ZeRO checkpoint -> its optimizer
-    partitions beside them."""
-    from .sources.pipeline import convert as run
+    partitions beside them; with --all, every checkpoint folder of a run."""
+    from .sources.api import convert as run
 
     shard = _run(parse_size, max_shard_size) or None
-    comp = Compression(level, threads) if compress else None
     with _progress(quiet or as_json, "convert") as progress:
         r = _run(run, src, output, bits=bits, block_size=block_size, min_size=min_size, key=key, device=device,
-                 compression=comp, max_shard_size=shard, force=force, trust=trust, replace=replace,
-                 progress=progress)
-    if as_json:
-        click.echo(json.dumps(r.as_dict(), indent=1))
-    elif not quiet:
-        click.echo(f"wrote {', '.join(r.outputs)}: {_mb(r.output_bytes)} from {_mb(r.source_bytes)} "
-                   f"({_ratio_words(r.ratio)}) in {r.seconds:.1f} s; {r.quantized} states {bits}-bit, "
-                   f"{r.kept_small} small kept exact"
-                   + (f"; read {r.foreign_states} params of bitsandbytes/torchao 8-bit state" if r.foreign_states else ""))
-        _echo_removed(r.removed)
-        for line in r.warnings:
-            click.echo(f"warning: {line}", err=True)
+                 compress_level=level if compress else None, compress_threads=threads, max_shard_size=shard,
+                 force=force, trust=trust, replace=replace, all=all_, keep_last=keep_last, progress=progress)
+    _report(r, quiet, as_json)
 
 
-def _ratio_words(ratio: float) -> str:
-    """'2.19x smaller', or for a 4 -> 8-bit re-encode '1.18x larger' (not '0.85x smaller')."""
-    return f"{ratio:.2f}x smaller" if ratio >= 1 else f"{1 / ratio:.2f}x larger"
-
-
-def _echo_removed(paths: list[str]) -> None:
-    if paths:
-        click.echo(f"removed {', '.join(paths)} (outputs read back and checked)")
-
-
-@main.command()
+@main.command(short_help="Turn low-bit state back into fp32 (what the framework resumes from).")
 @click.argument("src", type=click.Path())
 @click.option("-o", "--output", help="Output .pt path (default: SRC with .fp32.pt).")
 @click.option("--no-verify", is_flag=True, help="Skip checksum verification (faster, unsafe).")
-@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output.")
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output (only a torch.save file).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, no summary.")
 @click.option("--trust", is_flag=True, help="For a .pt input: allow full unpickling (torchao state needs it).")
 @click.option("--replace", is_flag=True, help=_REPLACE_HELP.format(what="converted file"))
-def expand(src, output, no_verify, force, quiet, trust, replace):
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def expand(src, output, no_verify, force, quiet, trust, replace, as_json):
     """Turn a converted file (or shard index/folder), or a torch.save file holding 8-bit state (ckptq's,
     bitsandbytes', torchao's), back into an ordinary fp32 torch.save checkpoint. A Trainer, accelerate or
-    Lightning checkpoint folder: back into the files its resume reads (optimizer.pt, optimizer.bin, *.ckpt)."""
-    from .sources.pipeline import expand as run
+    Lightning checkpoint folder: back into the files its resume reads (optimizer.pt, optimizer.bin, *.ckpt);
+    a DCP folder or a DeepSpeed checkpoint: back to fp32 folders."""
+    from .sources.api import expand as run
 
-    with _progress(quiet, "expand") as progress:
+    with _progress(quiet or as_json, "expand") as progress:
         r = _run(run, src, output, force=force, verify=not no_verify, trust=trust, replace=replace, progress=progress)
-    if not quiet:
-        click.echo(f"wrote {r.output}: {_mb(r.output_bytes)} in {r.seconds:.1f} s")
-        _echo_removed(r.removed)
+    _report(r, quiet, as_json)
 
 
-@main.command()
+@main.command(short_help="Show what a checkpoint holds and what convert would save.")
 @click.argument("path", type=click.Path())
 @click.option("--bits", default=8, show_default=True, type=int,
-              help="For .pt input: the code width convert would write (8 or 4), for the predicted size.")
-@click.option("--min-size", default=4096, show_default=True, type=int, help="For .pt input: as in convert.")
-@click.option("--block-size", default=None, type=int,
-              help="For .pt input: as in convert (default: 256 for 8 bits, 128 for 4).")
-@click.option("--key", help="For .pt input: as in convert.")
+              help="For fp32 state: the budget convert would use (8 or 4), for the predicted size.")
+@click.option("--min-size", default=DEFAULT_MIN_SIZE, show_default=True, type=int, help="As in convert.")
+@click.option("--block-size", default=None, type=int, help="As in convert (default: 256 for 8 bits, 128 for 4).")
+@click.option("--key", help="As in convert.")
 @click.option("--trust", is_flag=True, help="Allow full unpickling of a .pt (only for files you trust).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def info(path, bits, min_size, block_size, key, trust, as_json):
-    """Show what is inside a torch checkpoint or a converted file: roles, sizes, savings, options."""
-    from .sources.info import info as run
+    """Show what is inside a checkpoint (a file, a framework's checkpoint folder, a run's folder, a DCP
+    folder, a DeepSpeed checkpoint): states by role and code width, exact tensors, sizes, the options a
+    converted file records, and what convert would write."""
+    from .sources.api import info as run
 
     r = _run(run, path, key=key, min_size=min_size, block_size=block_size, trust=trust, bits=bits)
-    click.echo(json.dumps(r, indent=1) if as_json else _format_info(r))
-
-
-def _format_dcp_info(r: dict) -> str:
-    return "\n".join([f"{r['path']}  (torch.distributed.checkpoint folder, {r['keys']} keys)",
-                      f"  size: {_mb(r['bytes'])}",
-                      f"  Adam moments: {r['moments_8bit']} 8-bit, {r['moments_fp32']} fp32 ({_mb(r['fp32_moment_bytes'])})",
-                      f"  convert would store {r['convert_would_quantize']} of them 8-bit"])
-
-
-def _format_universal_info(r: dict) -> str:
-    lines = [f"{r['path']}  (DeepSpeed universal checkpoint, {r['parameters']} parameter tensors, {r['params']:,} parameters)",
-             f"  Adam moments: {_mb(r['moment_bytes'])} fp32; moment files: {_mb(r['fp32_bytes'])} fp32, "
-             f"{_mb(r['q8_bytes'])} 8-bit"]
-    if r["convert_would_write"] is not None:
-        lines.append(f"  convert would write {_mb(r['convert_would_write'])} (saving {_mb(r['convert_would_save'])})")
-    return "\n".join(lines + [f"  warning: {w}" for w in r["warnings"]])
-
-
-def _format_zero_info(r: dict) -> str:
-    if r["kind"] == "zero_universal":
-        return _format_universal_info(r)
-    lines = [f"{r['path']}  (DeepSpeed ZeRO stage {r['stage']} checkpoint, {r['folder']})",
-             f"  world size {r['world_size']}" + (f" x {r['mp_world_size']} model-parallel" if r["mp_world_size"] > 1 else "")
-             + f", {r['params']:,} parameters" * (r["params"] is not None) + (", bf16" if r["bf16"] else ""),
-             f"  Adam moments: {_mb(r['moment_bytes'])} fp32; optimizer files: {_mb(r['fp32_bytes'])} fp32, "
-             f"{_mb(r['q8_bytes'])} 8-bit"]
-    if r["convert_would_write"] is not None:
-        lines.append(f"  convert would write {_mb(r['convert_would_write'])} (saving {_mb(r['convert_would_save'])})")
-    for row in r["ranks"]:
-        files = ", ".join(f"{row[k]} {_mb(row[b])}" for k, b in (("fp32_file", "fp32_bytes"), ("q8_file", "q8_bytes")) if row[k])
-        lines.append(f"  rank {row['rank']}: {files}")
-    return "\n".join(lines + [f"  warning: {w}" for w in r["warnings"]])
-
-
-def _format_info(r: dict) -> str:
-    if r["kind"] == "folder":
-        n = len(r["files"])
-        return "\n".join([f"{r['path']}  ({r['framework']} checkpoint folder, {n} optimizer file{'s' * (n != 1)})"]
-                         + [_format_info(f) for f in r["files"]])
-    if r["kind"] == "dcp":
-        return _format_dcp_info(r)
-    if r["kind"].startswith("zero"):
-        return _format_zero_info(r)
-    lines = [f"{r['path']}  ({'converted by ' + r['options'].get('created_by', 'ckptq') if r['kind'] == 'converted' else 'torch checkpoint'})",
-             f"  size: {_mb(r['bytes'])}"]
-    if r["kind"] == "torch":
-        lines.append(f"  optimizers: {r['optimizers']}")
-        lines.append(f"  convert --bits {r['options']['bits']} would write ~{_mb(r['estimated_bytes'])} "
-                     f"({r['estimated_ratio']:.2f}x smaller)")
-        lines += [f"  warning: {w}" for w in r["warnings"]]
-    else:
-        opts = r["options"]
-        lines.append(f"  format version {r['format_version']}, {opts.get('bits', 8)}-bit, block size {opts.get('block_size')}, "
-                     f"min size {opts.get('min_size')}, codecs: {', '.join(r['codecs'])}")
-        if r.get("ratio"):
-            lines.append(f"  source: {opts.get('source')} {_mb(r['source_bytes'])} -> {r['ratio']:.2f}x smaller")
-    lines.append(f"  {'role':<18}{'tensors':>8}{'elements':>14}{'fp32':>14}{'stored':>14}")
-    for role, row in r["quantized"].items():
-        lines.append(f"  {role:<18}{row['tensors']:>8}{row['elements']:>14,}{_mb(row['fp32_bytes']):>14}{_mb(row['stored_bytes']):>14}")
-    ex = r["exact"]
-    lines.append(f"  {'exact (kept)':<18}{ex['tensors']:>8}{'':>14}{'':>14}{_mb(ex['stored_bytes']):>14}")
-    return "\n".join(lines)
+    click.echo(json.dumps(r.as_dict(), indent=1) if as_json else r.text())
 
 
 # --- ckptq estimate ---------------------------------------------------------------------------------
@@ -279,8 +231,8 @@ def _format_info(r: dict) -> str:
               show_default=True, help="Mixed: 16-bit weights, gradients and activations, fp32 master weights.")
 @click.option("--attention", type=click.Choice(["sdpa", "eager"]), default="sdpa", show_default=True,
               help="sdpa: flash/memory-efficient kernels (no seq² scores kept); eager: scores kept.")
-@click.option("--block-size", default=policy.DEFAULT_BLOCK_SIZE, show_default=True, type=int, help="8-bit state: as in convert.")
-@click.option("--min-size", default=4096, show_default=True, type=int, help="8-bit state: as in convert.")
+@click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True, type=int, help="8-bit state: as in convert.")
+@click.option("--min-size", default=DEFAULT_MIN_SIZE, show_default=True, type=int, help="8-bit state: as in convert.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts (bytes).")
 def estimate(model, batch_size, seq_len, world_size, zero_stage, precision, attention, block_size, min_size, as_json):
     """What full fine-tuning with AdamW needs per device, and its checkpoint on disk. MODEL: a Hugging Face

@@ -21,9 +21,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import cpu_runtime, lut, rows
-from .reference import pack_codes, reference_codes, unpack_codes
-from .contract import DenseGroup, StepFlags, StepGroup, StepState, code_bytes, is_flat, layout_rows, mix32, num_blocks
+from . import cpu_runtime, lut
+from .contract import (DenseGroup, StepFlags, StepGroup, StepState, code_bytes, is_flat, layout_rows, mix32, num_blocks,
+                       pack_codes, pack_rows, reference_codes, unpack_codes, unpack_rows)
 
 STEP_CHUNK = 1 << 18  # elements per chunk of the step (whole blocks for every block size): 1 MB temporaries
 
@@ -89,6 +89,47 @@ def _quantize_span(src, codes, absmax, thresholds, table, block_size, sqrt, ws) 
         codes[full:], absmax[nb:] = reference_codes(x[full:], thresholds, block_size)
 
 
+# The row layout where rows are not whole blocks (``contract``, "Rows"): the codec and the step on a
+# [rows, row_len] view, each row's whole blocks and its short last block as blocks of their own. Slow and
+# plain on purpose; where rows are whole blocks the layout is the flat one and the flat paths run.
+
+def _row_parts(row_len: int, block_size: int):
+    """(columns, width) of a row's whole blocks and of its short last block, as they exist."""
+    full = row_len - row_len % block_size
+    parts = [(slice(0, full), block_size)] if full else []
+    return parts + ([(slice(full, row_len), row_len - full)] if full < row_len else [])
+
+
+def _row_blocks(t: torch.Tensor, cols: slice, width: int) -> torch.Tensor:
+    """[rows, row_len] -> the columns ``cols`` as blocks [rows * (cols / width), width] (a copy)."""
+    return t[:, cols].reshape(-1, width)
+
+
+def _quantize_rows(x: torch.Tensor, thresholds, block_size: int, codes, absmax, bits: int, row_len: int) -> None:
+    """x fp32 [n] (transform applied) -> codes [rows * row_bytes], absmax [rows * blocks_per_row]."""
+    rows, length = layout_rows(x.numel(), row_len)
+    x2 = x.view(rows, length)
+    c = torch.empty(rows, length, dtype=torch.uint8, device=x.device)
+    a = absmax.view(rows, num_blocks(length, block_size))
+    for cols, width in _row_parts(length, block_size):
+        part_codes, part_absmax = reference_codes(_row_blocks(x2, cols, width).reshape(-1), thresholds, width)
+        c[:, cols] = part_codes.view(rows, -1)
+        a[:, cols.start // block_size : num_blocks(cols.stop, block_size)] = part_absmax.view(rows, -1)
+    codes.view(rows, -1).copy_(pack_rows(c, bits))
+
+
+def _dequantize_rows(codes, absmax, qmap, block_size: int, out, bits: int, row_len: int) -> None:
+    """out fp32 [n] = qmap[code] * absmax[row, column // block_size] (no transform)."""
+    rows, length = layout_rows(out.numel(), row_len)
+    c = unpack_rows(codes.view(rows, -1), length, bits).to(torch.int64)
+    scale_index = torch.arange(length, device=codes.device) // block_size
+    scales = absmax.view(rows, -1)[:, scale_index]  # [rows, row_len]
+    out.view(rows, length).copy_(qmap[c] * scales)
+
+
+#END
+
+
 def _chunk(device: torch.device) -> int:
     return cpu_runtime.CPU_CHUNK if device.type == "cpu" else cpu_runtime.DEVICE_CHUNK
 
@@ -98,7 +139,7 @@ def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: 
     not whole blocks through ``rows``."""
     if not is_flat(src.numel(), row_len, block_size):
         x = ieee_sqrt(src) if sqrt else src.to(torch.float32)
-        rows.quantize(x, thresholds, block_size, codes, absmax, bits, row_len)
+        _quantize_rows(x, thresholds, block_size, codes, absmax, bits, row_len)
         return
     table = lut.code_table(thresholds)
     n, chunk = src.numel(), _chunk(src.device)
@@ -159,7 +200,7 @@ def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: boo
     """out = qmap[codes] * absmax[block], squared for ``sqrt`` (contract in ``contract``)."""
     n, chunk = out.numel(), _chunk(codes.device)
     if not is_flat(n, row_len, block_size):
-        rows.dequantize(codes, absmax, qmap, block_size, out, bits, row_len)
+        _dequantize_rows(codes, absmax, qmap, block_size, out, bits, row_len)
         if sqrt:
             out.mul_(out)
         return
@@ -286,21 +327,21 @@ def _adam_step_rows(p, g, states: tuple[StepState, ...], h, flags: StepFlags) ->
     """The fused step on the row layout: each row's whole blocks, then its short last block, as blocks."""
     n_rows, length = layout_rows(p.numel(), flags.row_len)
     p2, g2 = p.view(n_rows, length), g.view(n_rows, length)
-    codes = [rows.unpack_rows(s.codes.view(n_rows, -1), length, s.bits).clone() for s in states]
+    codes = [unpack_rows(s.codes.view(n_rows, -1), length, s.bits).clone() for s in states]
     absmax = [s.absmax.view(n_rows, -1) for s in states]
     index = torch.arange(p.numel(), dtype=torch.int64, device=p.device).view(n_rows, length)
-    for cols, width in rows.parts(length, flags.block_size):
+    for cols, width in _row_parts(length, flags.block_size):
         b0, b1 = cols.start // flags.block_size, num_blocks(cols.stop, flags.block_size)
-        views = tuple(s._replace(codes=rows.blocks(c, cols, width), absmax=a[:, b0:b1].reshape(-1))
+        views = tuple(s._replace(codes=_row_blocks(c, cols, width), absmax=a[:, b0:b1].reshape(-1))
                       for s, c, a in zip(states, codes, absmax))
-        p_new, new = step_rows(rows.blocks(p2, cols, width), rows.blocks(g2, cols, width), h, views, flags.ratio,
-                               flags.maximize, flags.seed, rows.blocks(index, cols, width))
+        p_new, new = step_rows(_row_blocks(p2, cols, width), _row_blocks(g2, cols, width), h, views, flags.ratio,
+                               flags.maximize, flags.seed, _row_blocks(index, cols, width))
         p2[:, cols] = p_new.view(n_rows, -1).to(p.dtype)
         for c, a, (new_codes, new_absmax) in zip(codes, absmax, new):
             c[:, cols] = new_codes.view(n_rows, -1)
             a[:, b0:b1] = new_absmax.view(n_rows, -1)
     for s, c in zip(states, codes):
-        s.codes.view(n_rows, -1).copy_(rows.pack_rows(c, s.bits))
+        s.codes.view(n_rows, -1).copy_(pack_rows(c, s.bits))
 
 
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:

@@ -15,6 +15,7 @@ it is quantized on its own. Param groups that cannot be Adam's (``betas`` outsid
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,23 @@ class Plan:
 
     def kept(self, *reasons: str) -> list[Decision]:
         return [d for d in self.decisions if d.exact in reasons]
+
+    def counts(self) -> dict:
+        """What a convert report counts: optimizers, states stored low-bit, and those kept exact by reason."""
+        return {"optimizers": len(self.optimizers), "quantized": len(self.quantized),
+                "kept_small": len(self.kept("below min_size")), "kept_shared": len(self.kept("shares storage")),
+                "kept_nonfinite": len(self.kept("holds NaN/Inf"))}
+
+    def nothing_to_quantize(self, min_size: int) -> str:
+        """Why the plan stores nothing low-bit, and what to do."""
+        reasons = Counter(d.exact for d in self.decisions)
+        if set(reasons) <= {"not an Adam moment"}:
+            keys = sorted({d.key for d in self.decisions})
+            return (f"the optimizer state holds no Adam moments to store low-bit (found: {', '.join(keys) or 'no tensors'}); "
+                    "ckptq converts Adam/AdamW state (exp_avg, exp_avg_sq), nothing else")
+        why = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()) if r != "not an Adam moment")
+        hint = f"; lower --min-size (now {min_size})" if reasons.get("below min_size") else ""
+        return f"none of the Adam moments can be stored low-bit ({why}){hint}"
 
     def warnings(self) -> list[str]:
         """One line per state kept exact because quantizing it would have damaged it, and per first moment
@@ -174,6 +192,23 @@ def make_plan(obj: Any, key: str | None, min_size: int) -> Plan:
             _pair_ratio(decisions, groups.get(pid, {}), pstate.get("step", 0))
             plan.decisions += decisions.values()
     return plan
+
+
+def mark(obj: Any, key: str | None, block_size: int, min_size: int, bits: int = 8, backend: str = "auto",
+         device: str = "cpu") -> Plan:
+    """The plan for ``obj``, applied: each state it stores low-bit replaced, in place, by a lazy
+    ``tree.PendingQuant`` (quantized when a writer reaches it, on ``device``), in the row layout at the width
+    ``convert_width`` gives it under the budget ``bits``. ``convert`` writes the result; ``info`` sizes it."""
+    from .tree import PendingQuant
+
+    p = make_plan(obj, key, min_size)
+    for d in p.quantized:
+        node = obj
+        for k in d.path:
+            node = node[k]
+        node[d.key] = PendingQuant(d.tensor, d.key, block_size, backend, divisor=d.divisor, device=device,
+                                   bits=convert_width(d, bits))
+    return p
 
 
 def convert_width(d: Decision, bits: int) -> int:

@@ -1,9 +1,8 @@
-"""Which optimizer states go low-bit and how: the facts every part of ckptq shares, in one place.
-
-The Adam state keys, the default min size, the block sizes users choose from, the budgets (bits per value)
-and their default block sizes; then, per state key and code width, the codebook and transform a state
-gets (``Policy``), the widths a ``convert --bits 4`` file gives each state (``convert_width``), and eps' of
-the first moment's ratio transform (``ckptq.codec.qstate`` explains it).
+"""Which optimizer states go low-bit and how, decided in one place: the checks of the user's choices
+(budget, block size, min size; the facts themselves are in ``ckptq.codec.defaults``), then, per state key
+and code width, the codebook and transform a state gets (``Policy``), the widths a ``convert --bits 4``
+file gives each state (``convert_width``), and eps' of the first moment's ratio transform
+(``ckptq.codec.qstate`` explains it).
 """
 
 from __future__ import annotations
@@ -15,21 +14,11 @@ import torch
 
 from ..errors import UsageError
 from . import codebooks
+from .defaults import (BLOCK_SIZES, BUDGETS, DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZES, DEFAULT_MIN_SIZE,  # noqa: F401
+                       LAYOUTS, MOMENT_KEYS, RATIO_PAIRS, SECOND_MOMENTS)
 
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # torch.optim.Adam(W)'s state keys, in step order
-SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
-RATIO_PAIRS = {"exp_avg": "exp_avg_sq"}  # state key -> the key of the second moment it is stored relative to
-DEFAULT_MIN_SIZE = 4096  # smaller states stay exact fp32: their codebooks and scales would not pay for themselves
-BLOCK_SIZES = tuple(2**k for k in range(6, 13))  # 64 ... 4096: values per absmax scale
-# What users choose: bits per value on average over a param's two moments (``convert_width`` gives each
-# state of a converted file its width), and the block size by that budget, chosen by update fidelity
-# (tools/fidelity.py): 4 bits at block 128 keep the two moments at 1.0625 bytes per parameter.
-BUDGETS = (8, 4)
-DEFAULT_BLOCK_SIZES = {8: 256, 4: 128}
-DEFAULT_BLOCK_SIZE = DEFAULT_BLOCK_SIZES[8]
 RATIO_TRANSFORM = "ratio"
 TRANSFORMS = ("none", "sqrt", RATIO_TRANSFORM)  # "none" and "sqrt" are the kernels' (ops.TRANSFORMS)
-LAYOUTS = ("flat", "rows")  # blocks over all elements (format 1, 2) or along rows (format 3)
 
 
 def check_budget(bits: int) -> int:

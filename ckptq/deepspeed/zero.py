@@ -1,42 +1,44 @@
-"""DeepSpeed checkpoints: which ones ckptq reads, and where ``convert`` / ``expand`` send them.
+"""DeepSpeed checkpoints: which ones ckptq reads, and the verbs on them.
 
-ZeRO stage 1, 2 and 3 checkpoints as DeepSpeed saves them (``ckptq.zero_ranks``: a save dir, a
+ZeRO stage 1, 2 and 3 checkpoints as DeepSpeed saves them (``ckptq.deepspeed.ranks``: a save dir, a
 ``global_stepN`` folder, one rank's optimizer file) and universal checkpoint folders
-(``ckptq.zero_universal``). Both convert beside the originals, where expand writes the files back and
-DeepSpeed reads them, so an output path is refused.
+(``ckptq.deepspeed.universal``). Both convert beside the originals, where expand writes the files back and
+DeepSpeed reads them (``ckptq.sources.distributed`` refuses an output path).
 """
 
 from __future__ import annotations
 
-import os
-
-from . import ranks as zero_ranks, universal as zero_universal
-from ..errors import UsageError
+from ..sources.options import ConvertOptions, ExpandOptions, InfoOptions
+from ..sources.reports import ConvertReport, ExpandReport, InfoReport
+from . import info as zero_info, ranks, universal
 
 
 def is_zero_checkpoint(path: str) -> bool:
     """A DeepSpeed ZeRO checkpoint (save dir, tag folder, rank file) or universal checkpoint folder."""
-    return zero_universal.is_universal(path) or zero_ranks.is_rank_checkpoint(path)
+    return universal.is_universal(path) or ranks.is_rank_checkpoint(path)
 
 
-def _in_place(src: str, dst: str | None, verb: str) -> None:
-    if dst is not None and os.path.realpath(dst) != os.path.realpath(src):
-        raise UsageError(f"-o {dst}: a DeepSpeed checkpoint is {verb} beside its partition files, where DeepSpeed "
-                         "reads them; leave -o out")
+def _module(path: str):
+    return universal if universal.is_universal(path) else ranks
 
 
-def convert(src: str, dst: str | None = None, *, block_size: int, min_size: int, force: bool = False,
-            progress=None) -> dict:
-    """Each optimizer file's Adam moments 8-bit, in ``.q8.safetensors`` files beside the originals (all or
-    none); the originals stay. Returns the fields of ``pipeline.ConvertReport``."""
-    _in_place(src, dst, "converted")
-    module = zero_universal if zero_universal.is_universal(src) else zero_ranks
-    return module.convert(src, block_size=block_size, min_size=min_size, force=force, progress=progress)
+def _kind(path: str) -> str:
+    return "DeepSpeed universal checkpoint" if universal.is_universal(path) else "DeepSpeed ZeRO checkpoint"
 
 
-def expand(src: str, dst: str | None = None, *, force: bool = False, verify: bool = True, progress=None) -> dict:
-    """The fp32 files DeepSpeed resumes from, written back from the converted ones (all or none). Returns
-    the fields of ``pipeline.ExpandReport``."""
-    _in_place(src, dst, "expanded")
-    module = zero_universal if zero_universal.is_universal(src) else zero_ranks
-    return module.expand(src, force=force, verify=verify, progress=progress)
+def convert(src: str, opts: ConvertOptions) -> ConvertReport:
+    """Each optimizer file's Adam moments low-bit, in ``.q8.safetensors`` (or ``.q4``) files beside the
+    originals (all or none); the originals stay."""
+    fields = _module(src).convert(src, block_size=opts.block_size, min_size=opts.min_size, force=opts.force,
+                                  progress=opts.progress, bits=opts.bits)
+    return ConvertReport(kind=_kind(src), bits=opts.bits, **fields)
+
+
+def expand(src: str, opts: ExpandOptions) -> ExpandReport:
+    """The fp32 files DeepSpeed resumes from, written back from the converted ones (all or none)."""
+    fields = _module(src).expand(src, force=opts.force, verify=opts.verify, progress=opts.progress)
+    return ExpandReport(src, _kind(src), [fields["output"]], fields["output_bytes"], fields["seconds"])
+
+
+def info(path: str, opts: InfoOptions) -> InfoReport:
+    return zero_info.info(path, min_size=opts.min_size, block_size=opts.block_size, bits=opts.bits)

@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from ..codec import checkpoint, policy
-from ..sources import pipeline
+from ..codec import checkpoint, plan, policy
 from ..optim import Adam8bit, AdamW8bit, to_torch_state_dict
 
 
@@ -37,14 +36,13 @@ def stored_8bit(state_dict: Any, *, block_size: int = 256, min_size: int = polic
     whose fp32 Adam moments are ckptq's 8-bit state dicts, as ``ckptq convert`` stores them, and how
     many states were quantized (0: nothing to store 8-bit, e.g. AdamW8bit's own state or SGD's)."""
     obj = _copy_containers(state_dict)
-    report = pipeline.ConvertReport("<memory>", [], 0, 0)
-    marked = pipeline.mark_states(obj, None, block_size, min_size, "auto", _state_device(obj), report)
+    marked = plan.mark(obj, None, block_size, min_size, device=_state_device(obj))
     for d in marked.quantized:
         node = obj
         for k in d.path:
             node = node[k]
         node[d.key] = node[d.key].result()  # the PendingQuant holds the exact divisor: order does not matter
-    return obj, report.quantized
+    return obj, len(marked.quantized)
 
 
 def is_ckptq_optimizer(optimizer: torch.optim.Optimizer) -> bool:

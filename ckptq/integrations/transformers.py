@@ -30,7 +30,7 @@ try:
 except ImportError as e:
     raise ImportError(f"ckptq.integrations.transformers needs transformers ({e}); pip install transformers") from e
 
-from ..sources import pipeline
+from ..sources import api
 from . import _state
 
 OPTIMIZER_8BIT_NAME = "optimizer.q8.safetensors"
@@ -50,7 +50,7 @@ class CkptqTrainerMixin:
         if not self.args.should_save:  # DDP: the main process writes, as Trainer does
             return
         state, _ = _state.stored_8bit(self.optimizer.state_dict())
-        pipeline.save(state, os.path.join(output_dir, OPTIMIZER_8BIT_NAME), force=True)
+        api.save(state, os.path.join(output_dir, OPTIMIZER_8BIT_NAME), force=True)
         stale = os.path.join(output_dir, OPTIMIZER_NAME)  # a folder saved over keeps no fp32 copy beside it
         if os.path.isfile(stale):
             os.remove(stale)
@@ -60,7 +60,7 @@ class CkptqTrainerMixin:
         path = os.path.join(checkpoint, OPTIMIZER_8BIT_NAME) if checkpoint else None
         if not (path and os.path.isfile(path) and self._ckptq_applies()):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        state = pipeline.load(path)
+        state = api.load(path)
         self.optimizer.load_state_dict(_state.for_optimizer(self.optimizer, state))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 

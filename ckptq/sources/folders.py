@@ -8,7 +8,6 @@ each one's converted file is called, in both directions.
   ``optimizer_0/`` torch.distributed.checkpoint folder instead (converted by ``ckptq.dcp_folder``).
 - Lightning: ``*.ckpt`` files (``epoch=0-step=100.ckpt``, ``last.ckpt``), torch.save files whose
   ``optimizer_states`` list holds the optimizer state dicts.
-- DeepSpeed ``global_stepN/``: recognised only, see :func:`_deepspeed`.
 
 Converted files go beside the originals: ``optimizer.pt`` -> ``optimizer.q8.safetensors``,
 ``optimizer_0/`` -> ``optimizer_0.q8/``; every other file is left alone. Expand writes back the name the
@@ -116,22 +115,6 @@ def _sources(folder: str) -> list[str]:
     return out
 
 
-def is_deepspeed(folder: str) -> bool:
-    """A DeepSpeed checkpoint: ``global_stepN/`` (ZeRO partitions ``*_optim_states.pt`` beside
-    ``mp_rank_*_model_states.pt``), or the folder above it, holding ``latest`` and ``global_stepN/``."""
-    names = os.listdir(folder)
-    return any(_DEEPSPEED.fullmatch(n) for n in names) or ("latest" in names and any(
-        n.startswith("global_step") for n in names))
-
-
-def _deepspeed(folder: str, verb: str) -> None:
-    """Where DeepSpeed checkpoints plug in: every folder command passes here first. A module that reads
-    ZeRO partitions is dispatched on :func:`is_deepspeed` before the checkpoint-folder branch of
-    ``pipeline.convert`` / ``pipeline.expand`` / ``info.info`` (as DCP folders are); until then, say so."""
-    if is_deepspeed(folder):
-        raise InputError(f"{folder} is a DeepSpeed checkpoint; ckptq cannot {verb} DeepSpeed ZeRO checkpoints yet")
-
-
 def _one_checkpoint(folder: str, found: list[str], verb: str) -> None:
     """Several files that are not the optimizers of one checkpoint (accelerate's optimizer, optimizer_1, ...)."""
     stems = [os.path.basename(p).split(".")[0] for p in found]
@@ -144,7 +127,8 @@ def _subcheckpoints(folder: str, verb: str) -> None:
     subs = sorted((n for n in os.listdir(folder) if _CHECKPOINT_DIR.fullmatch(n)), key=lambda n: int(n.split("-")[-1].removeprefix("global_step")))
     if subs:
         raise UsageError(f"{folder} holds {len(subs)} checkpoint folders ({', '.join(subs[:6])}"
-                         f"{', ...' if len(subs) > 6 else ''}); pass one: ckptq {verb} {os.path.join(folder, subs[-1])}")
+                         f"{', ...' if len(subs) > 6 else ''}); pass one: ckptq {verb} {os.path.join(folder, subs[-1])}"
+                         + (f", or all of them: ckptq convert {folder} --all" if verb == "convert" else ""))
 
 
 def _nothing(folder: str, what: str) -> InputError:
@@ -156,7 +140,6 @@ def _nothing(folder: str, what: str) -> InputError:
 
 def for_convert(folder: str) -> Layout:
     """The optimizer files of a checkpoint folder and where their converted files go."""
-    _deepspeed(folder, "convert")
     found = _sources(folder)
     if not found:
         _subcheckpoints(folder, "convert")
@@ -210,7 +193,6 @@ def _restored_name(folder: str, path: str) -> str:
 def for_expand(folder: str, replace: bool) -> Layout:
     """The converted optimizer files of a checkpoint folder and the names their expansions take; or the
     framework's own files when they hold 8-bit state (saved from AdamW8bit), rewritten in place."""
-    _deepspeed(folder, "expand")
     found = _converted(folder)
     if found:
         _one_checkpoint(folder, found, "expand")
@@ -229,9 +211,22 @@ def for_expand(folder: str, replace: bool) -> Layout:
 
 def for_info(folder: str) -> Layout:
     """Every optimizer file of a checkpoint folder, original or converted (jobs without outputs)."""
-    _deepspeed(folder, "describe")
     found = sorted(_sources(folder) + _converted(folder))
     if not found:
         _subcheckpoints(folder, "info")
         raise _nothing(folder, "optimizer file")
     return Layout(folder, _framework(folder), [Job(p, "") for p in found])
+
+
+def parts_of(src: str) -> list[str]:
+    """A converted file, or an index and its shards: every file that goes when it is replaced."""
+    if os.path.isdir(src):
+        return [src]
+    conv = tree.Converted(src, verify=False)
+    conv.close()
+    return conv.files
+
+
+def holds_optimizer_files(folder: str) -> bool:
+    """Whether the folder itself holds a framework's optimizer files (original or converted)."""
+    return bool(_sources(folder) or _converted(folder))

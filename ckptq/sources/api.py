@@ -1,0 +1,67 @@
+"""ckptq's verbs as Python functions: each checks its options once, finds what the input is
+(``detect``) and asks that source, which returns a typed report (``ckptq.sources.reports``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..codec import checkpoint, policy, quant, tree
+from .detect import detect
+from .options import DEFAULT_MAX_SHARD_SIZE, ConvertOptions, ExpandOptions, InfoOptions, Progress
+from .reports import ConvertReport, ExpandReport, InfoReport
+from .single import save  # noqa: F401  (ckptq.save)
+
+
+def convert(src: str, dst: str | None = None, *, bits: int = 8, block_size: int | None = None,
+            min_size: int = policy.DEFAULT_MIN_SIZE, key: str | None = None, device: str = "auto",
+            backend: str = "auto", compress_level: int | None = None, compress_threads: int = 0,
+            max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE, force: bool = False, trust: bool = False,
+            replace: bool = False, all: bool = False, keep_last: int = 0,
+            progress: Progress | None = None) -> ConvertReport:
+    """Store the fp32 Adam moments in ``src`` at ``bits`` bits per value (8, or 4: a 6-bit ratio over a 2-bit
+    second moment): a torch.save file or a converted file (re-encoded 8 <-> 4) -> safetensors; a Trainer /
+    accelerate / Lightning checkpoint folder: its optimizer files, each beside its original; a DCP folder ->
+    a DCP folder; a DeepSpeed ZeRO checkpoint: its rank files beside them; with ``all``, every checkpoint
+    folder of a run's output folder but the newest ``keep_last``. ``block_size``: values per scale (default
+    256 for 8 bits, 128 for 4).
+
+    Returns a ``ConvertReport``. Outputs appear only complete; the input is never modified, and kept unless
+    ``replace``: then it is deleted once the output was written, synced, read back and checked, and only
+    if it is still the file that was converted."""
+    opts = ConvertOptions(dst, bits, block_size, min_size, key, device, backend, compress_level, compress_threads,
+                          max_shard_size, force, trust, replace, keep_last, progress).checked()
+    return detect(src, run=all).convert(opts)
+
+
+def expand(src: str, dst: str | None = None, *, force: bool = False, verify: bool = True, trust: bool = False,
+           replace: bool = False, progress: Progress | None = None) -> ExpandReport:
+    """A converted file (or shard set) -> an ordinary torch.save checkpoint with fp32 (original dtype) states;
+    a torch.save file holding 8-bit state (ckptq's, bitsandbytes', torchao's) likewise; a Trainer /
+    accelerate / Lightning checkpoint folder: its converted files -> the files the framework's resume reads;
+    a DCP folder or a DeepSpeed checkpoint: back to what they were. ``replace``: the source is deleted once
+    the output was written, synced, read back and checked."""
+    opts = ExpandOptions(dst, force, verify, trust, replace, progress).checked()
+    return detect(src).expand(opts)
+
+
+def info(path: str, *, bits: int = 8, block_size: int | None = None, min_size: int = policy.DEFAULT_MIN_SIZE,
+         key: str | None = None, trust: bool = False) -> InfoReport:
+    """What ``path`` holds (states by role and code width, exact tensors, sizes, the options a converted
+    file records) and, for fp32 state, what ``convert`` with these options would write."""
+    return detect(path).info(InfoOptions(bits, block_size, min_size, key, trust).checked())
+
+
+def load(path: str, *, dequantize: bool = False, verify: bool = True) -> Any:
+    """Read a converted checkpoint (file, index, or folder). Quantized states stay qstate dicts (what
+    ``ckptq.optim.AdamW8bit.load_state_dict`` takes) unless ``dequantize=True``. A torch.save file (e.g. an
+    ``optimizer.pt`` that Trainer wrote from AdamW8bit's state) is read with ``torch.load(weights_only=True)``."""
+    if checkpoint.is_torch_file(path):
+        obj = checkpoint.load_torch(path)
+        if dequantize:
+            quant.decode_qstates(obj)
+        return obj
+    conv = tree.Converted(path, verify)
+    try:
+        return conv.read(dequantize)
+    finally:
+        conv.close()

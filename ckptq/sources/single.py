@@ -1,0 +1,323 @@
+"""Single files: a torch.save checkpoint (``TorchFile``: fp32 Adam state, or 8-bit state that ckptq,
+bitsandbytes or torchao saved), a ckptq file or shard set (``ConvertedFile``), and a safetensors file that
+ckptq did not write (``ForeignSafetensors``: a model's weights, say)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from .. import __version__, format
+from ..codec import checkpoint, foreign, plan, policy, qstate, quant, tree
+from ..errors import InputError
+from ..format import torch_stream
+from . import outputs, readback
+from .base import Source
+from .options import ConvertOptions, ExpandOptions, InfoOptions
+from .reports import ConvertReport, ExpandReport, InfoReport
+
+
+def default_output(src: str, bits: int = 8) -> str:
+    """``ckpt.pt`` -> ``ckpt.q8.safetensors`` (``ckpt.q4.safetensors`` for 4 bits; ``ckpt.q8.safetensors``
+    -> ``ckpt.q4.safetensors``), beside the input."""
+    base = os.path.basename(src.rstrip("/")).removesuffix(format.INDEX_SUFFIX)
+    stem = base.rsplit(".", 1)[0] if "." in base else base
+    stem = stem.removesuffix(".q8").removesuffix(".q4")
+    return os.path.join(os.path.dirname(src), f"{stem}.q{bits}{format.SUFFIX}")
+
+
+def default_expanded(src: str) -> str:
+    """``ckpt.q8.safetensors`` -> ``ckpt.fp32.pt``; ``optimizer.pt`` (a torch.save file) -> ``optimizer.fp32.pt``."""
+    base = os.path.basename(src.rstrip("/"))
+    for suffix in (format.INDEX_SUFFIX, format.SUFFIX, ".pt", ".pth", ".bin"):
+        base = base.removesuffix(suffix)
+    return os.path.join(os.path.dirname(src), base.removesuffix(".q8").removesuffix(".q4") + ".fp32.pt")
+
+
+def convert_info(src: str, source_bytes: int, counts: dict, block_size: int, min_size: int, bits: int) -> dict:
+    """The ``ckptq.info`` metadata of a converted file (``save`` adds ``stored_bytes``)."""
+    return {"created_by": f"ckptq {__version__}", "source": os.path.basename(src), "source_bytes": source_bytes,
+            "block_size": block_size, "min_size": min_size, "quantized": counts["quantized"]} | \
+        ({"bits": bits} if bits != 8 else {})
+
+
+def quant_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("--device cuda was asked for but no CUDA device is available; use --device cpu")
+    return device
+
+
+def save(obj: Any, path: str, *, info: dict | None = None, force: bool = False, compression=None,
+         max_shard_size: int | None = None, progress=None) -> list[str]:
+    """Write any checkpoint structure (tensors, qstate dicts, containers, scalars) in ckptq format.
+
+    Quantized states (e.g. from ``AdamW8bit.state_dict()``) are stored as they are; returns the paths written.
+    """
+    skeleton, stored = tree.flatten(obj)
+    total, done = sum(s.nbytes for s in stored), 0
+
+    def on_tensor(s) -> None:
+        nonlocal done
+        done += s.nbytes
+        if progress:
+            progress(done, total)
+
+    info = dict(info or {"created_by": f"ckptq {__version__}"})
+    info["stored_bytes"] = total
+    return format.write(path, skeleton, stored, info, force=force, compression=compression,
+                        max_shard_size=max_shard_size, on_tensor=on_tensor)
+
+
+def _write_converted(src: str, obj: Any, opts: ConvertOptions, kind: str, t0: float) -> ConvertReport:
+    """Plan and write ``obj`` (loaded from ``src``) as a converted file at ``opts.output``."""
+    report = ConvertReport(src, kind, source_bytes=os.path.getsize(src), bits=opts.bits)
+    report.foreign_states = foreign.to_torch(obj)  # bitsandbytes / torchao 8-bit state, decoded first
+    marked = plan.mark(obj, opts.key, opts.block_size, opts.min_size, opts.bits, opts.backend,
+                       quant_device(opts.device))
+    counts = marked.counts()
+    report.__dict__.update(counts)
+    report.warnings = marked.warnings()
+    if not counts["optimizers"]:
+        raise InputError(f"{src}: no optimizer state dict (a dict with 'state' and 'param_groups') found; "
+                         "name it with --key if it is stored differently")
+    if not counts["quantized"]:
+        raise InputError(f"{src}: {marked.nothing_to_quantize(opts.min_size)}")
+    compression = None if opts.compress_level is None else format.Compression(opts.compress_level, opts.compress_threads)
+    info = convert_info(src, report.source_bytes, counts, opts.block_size, opts.min_size, opts.bits)
+    report.outputs = save(obj, opts.output, info=info, force=opts.force, compression=compression,
+                          max_shard_size=opts.max_shard_size, progress=opts.progress)
+    report.output_bytes = sum(os.path.getsize(p) for p in report.outputs)
+    return report
+
+
+class TorchFile(Source):
+    kind = "torch.save checkpoint"
+
+    def convert(self, opts: ConvertOptions) -> ConvertReport:
+        t0 = time.perf_counter()
+        opts = opts.with_output(opts.output or default_output(self.path, opts.bits))
+        outputs.check_separate([self.path], opts.output)
+        original = readback.Original(self.path) if opts.replace else None
+        report = _write_converted(self.path, checkpoint.load_torch(self.path, trust=opts.trust), opts, self.kind, t0)
+        if original:  # the original goes only once the output reads back as what was meant
+            readback.check_converted(self.path, report.outputs, opts.trust)
+            report.removed = original.remove(report.outputs)
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def expand(self, opts: ExpandOptions) -> ExpandReport:
+        """A torch.save file holding 8-bit states (saved from AdamW8bit, or a bitsandbytes or torchao
+        optimizer's): the same file with every state decoded to torch's fp32 form."""
+        t0 = time.perf_counter()
+        dst = opts.output or default_expanded(self.path)
+        outputs.check_separate([self.path], dst)
+        original = readback.Original(self.path) if opts.replace else None
+        obj = checkpoint.load_torch(self.path, trust=opts.trust)
+        if not quant.count_qstates(obj) + foreign.to_torch(obj):
+            raise InputError(f"{self.path} is a torch.save checkpoint without 8-bit states (ckptq, bitsandbytes or "
+                             "torchao): it is already expanded (torch.load reads it; `ckptq convert` shrinks it)")
+        quant.decode_qstates(obj)
+        with format.atomic_outputs([dst], opts.force, "torch") as (tmp,):
+            torch_stream.save(obj, tmp, opts.progress)
+        report = ExpandReport(self.path, self.kind, [dst], os.path.getsize(dst))
+        if original:
+            readback.check_expanded(self.path, dst, opts.trust)
+            report.removed = original.remove([dst])
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def info(self, opts: InfoOptions) -> InfoReport:
+        """What the file holds, and what ``convert`` with these options would store (the same plan, sized
+        tensor by tensor as its writer would write them; nothing is quantized)."""
+        obj = checkpoint.load_torch(self.path, trust=opts.trust)
+        r = InfoReport(self.path, self.kind, os.path.getsize(self.path))
+        held = _count_qstates(obj, r)
+        for s in tree.flatten(obj)[1]:  # the tensors as stored (shared storage once), by their state key
+            if s.role in ("exact", "codebook"):
+                role = s.name.rsplit("/", 1)[-1] if s.role == "exact" else "codebooks"
+                r.count(role if role in policy.MOMENT_KEYS or role == "codebooks" else "other", None,
+                        int(s.nbytes // s.dtype.itemsize), s.nbytes)
+        foreign_params = foreign.to_torch(obj)
+        marked = plan.mark(obj, opts.key, opts.block_size, opts.min_size, opts.bits)
+        r.details["optimizers"] = ", ".join("/".join(map(str, f.path)) or "<root>" for f in marked.optimizers) or \
+            "no optimizer state dict found"
+        _describe_plan(r, obj, held, foreign_params, marked, opts)
+        return r
+
+
+def _count_qstates(obj: Any, r: InfoReport) -> int:
+    """Count the quantized states ``obj`` holds into ``r``, by role and width; returns how many."""
+    found = 0
+
+    def walk(node, key) -> None:
+        nonlocal found
+        if qstate.is_qstate(node):
+            q = qstate.QState.from_dict(node)
+            r.count(str(key), q.bits, q.numel, q.nbytes)
+            found += 1
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, k)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v, key)
+
+    walk(obj, None)
+    return found
+
+
+def _describe_plan(r: InfoReport, obj: Any, held: int, foreign_params: int, marked, opts: InfoOptions) -> None:
+    """What convert would write (``obj`` marked by ``plan.mark``), and the notes of a torch.save file's info."""
+    skeleton, stored = tree.flatten(obj)
+    counts = marked.counts()
+    r.options = {"bits": opts.bits, "block_size": opts.block_size, "min_size": opts.min_size}
+    if counts["quantized"]:
+        meta = convert_info(r.path, r.bytes, counts, opts.block_size, opts.min_size, opts.bits)
+        r.would_write = format.planned_bytes(skeleton, stored, meta | {"stored_bytes": sum(s.nbytes for s in stored)})
+    elif marked.optimizers and not held and not foreign_params:
+        r.notes.append(marked.nothing_to_quantize(opts.min_size))
+    r.warnings += marked.warnings()
+    if foreign_params:
+        r.notes.append(f"{foreign_params} parameters hold bitsandbytes/torchao 8-bit state: convert re-encodes it as "
+                       "ckptq's, expand turns it into torch AdamW's fp32 state")
+    if held:
+        r.notes.append(f"holds {held} ckptq low-bit states (saved from AdamW8bit/AdamW4bit or a ckptq integration): "
+                       "`ckptq expand` turns them into fp32 state; AdamW8bit.load_state_dict and ckptq.load read "
+                       "them as they are")
+
+
+class ConvertedFile(Source):
+    kind = "ckptq file"
+
+    def __init__(self, path: str):
+        super().__init__(path)
+
+    def convert(self, opts: ConvertOptions) -> ConvertReport:
+        """A converted file re-encoded at the other budget (8 <-> 4): its states decoded, then quantized."""
+        t0 = time.perf_counter()
+        opts = opts.with_output(opts.output or default_output(self.path, opts.bits))
+        conv = tree.Converted(self.path)
+        try:
+            outputs.check_separate(conv.files, opts.output)
+            if policy.budget_of(_widths(conv.skeleton)) == opts.bits:
+                other = 4 if opts.bits == 8 else 8
+                raise InputError(f"{self.path} already holds {opts.bits}-bit states; `ckptq convert --bits {other}` "
+                                 f"re-encodes them at {other} bits, `ckptq expand` turns them back into fp32")
+            original = readback.Original(self.path) if opts.replace else None
+            obj = conv.read(dequantize=True)
+            files = list(conv.files)
+        finally:
+            conv.close()
+        report = _write_converted(self.path, obj, opts, self.kind, t0)
+        report.source_bytes = sum(os.path.getsize(f) for f in files)
+        if original:
+            readback.check_converted(self.path, report.outputs, opts.trust)
+            report.removed = original.remove(report.outputs, also=files[1:])
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def expand(self, opts: ExpandOptions) -> ExpandReport:
+        """The converted file as an ordinary torch.save checkpoint: every state decoded to its dtype."""
+        t0 = time.perf_counter()
+        dst = opts.output or default_expanded(self.path)
+        conv = tree.Converted(self.path, opts.verify)
+        try:
+            outputs.check_separate(conv.files, dst)
+            original = readback.Original(self.path) if opts.replace else None
+            obj = conv.read(dequantize=True, lazy=True)  # tensors are produced one at a time while writing
+            with format.atomic_outputs([dst], opts.force, "torch") as (tmp,):
+                torch_stream.save(obj, tmp, opts.progress)
+            files = list(conv.files)
+        finally:
+            conv.close()
+        report = ExpandReport(self.path, self.kind, [dst], os.path.getsize(dst))
+        if original:
+            readback.check_expanded(self.path, dst, opts.trust)
+            report.removed = original.remove([dst], also=files[1:])
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def info(self, opts: InfoOptions) -> InfoReport:
+        conv = tree.Converted(self.path, verify=False)
+        try:
+            r = InfoReport(self.path, f"{self.kind}, format {conv.version}", sum(os.path.getsize(f) for f in conv.files))
+            quantized = set()
+            for key, node in _quantized_nodes(conv.skeleton, None):
+                q = node["quantized"]
+                numel = 1
+                for d in q["shape"]:
+                    numel *= int(d)
+                r.count(str(key), q["bits"], numel, conv.stored_bytes(q["codes"]) + conv.stored_bytes(q["absmax"]))
+                quantized |= {q["codes"], q["absmax"], q["qmap"]}
+            for name, row in conv.tensors.items():
+                role = "codebooks" if name in quantized else "exact"
+                if name not in quantized or name.startswith("codebooks/"):
+                    numel = 1
+                    for d in row.get("shape", []):
+                        numel *= int(d)
+                    r.count(role, None, numel, conv.stored_bytes(name))
+            codecs = sorted({t.get("codec", {}).get("codec", "raw") for t in conv.tensors.values()})
+            r.options = {k: v for k, v in conv.info.items() if k in ("block_size", "min_size", "source", "source_bytes")}
+            r.details = {"created_by": conv.info.get("created_by", "ckptq"), "codecs": ", ".join(codecs),
+                         "files": len(conv.files)}
+        finally:
+            conv.close()
+        return r
+
+
+def _widths(node: Any) -> set:
+    """The code widths of the quantized nodes in a converted file's skeleton."""
+    return {n["quantized"].get("bits") for _, n in _quantized_nodes(node, None)}
+
+
+def _quantized_nodes(node: Any, key: Any):
+    """(state key, node) of every quantized node of a skeleton."""
+    if isinstance(node, dict):
+        if "quantized" in node:
+            yield key, node
+            return
+        if "tensor" in node:
+            return
+        for kind in ("dict", "odict"):
+            for k, v in node.get(kind, []):
+                yield from _quantized_nodes(v, k)
+        for kind in ("list", "tuple"):
+            for i, v in enumerate(node.get(kind, [])):
+                yield from _quantized_nodes(v, key)
+
+
+class ForeignSafetensors(Source):
+    """A safetensors file that ckptq did not write (a model's weights, say): described, never converted."""
+
+    kind = "safetensors file not written by ckptq"
+
+    def _what(self) -> str:
+        return (f"{self.path} is a safetensors file that ckptq did not write (model weights?); ckptq converts "
+                "optimizer state: pass the torch.save checkpoint or the checkpoint folder that holds it")
+
+    def convert(self, opts: ConvertOptions) -> ConvertReport:
+        raise InputError(self._what())
+
+    def expand(self, opts: ExpandOptions) -> ExpandReport:
+        raise InputError(self._what())
+
+    def info(self, opts: InfoOptions) -> InfoReport:
+        from ..format.safetensors_io import Reader
+
+        reader = Reader(self.path)  # validated as any input: entries tile the data, shapes are sane
+        try:
+            r = InfoReport(self.path, self.kind, os.path.getsize(self.path))
+            for e in reader.entries.values():
+                numel = 1
+                for d in e["shape"]:
+                    numel *= d
+                r.count(f"{e['dtype']} tensors", None, numel, e["data_offsets"][1] - e["data_offsets"][0])
+        finally:
+            reader.close()
+        r.notes.append("ckptq converts optimizer state; a model's weights stay as they are")
+        return r
