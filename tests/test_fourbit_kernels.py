@@ -382,8 +382,8 @@ def test_triton_stores_codes_of_tensors_past_2_31_bits(bits):
     for n in (4096, 400_000_000 if bits == 6 else 1_500_000_000):  # n * bits wraps negative in int32
         codes = torch.full((4096 * bits // 8,), 0xAA, dtype=torch.uint8, device=device)
         absmax = torch.zeros(32, device=device)
-        backend_triton._quantize_kernel[(1,)](x.abs() if bits == 2 else x, ops.midpoints(qmap), codes, absmax, n,
-                                              -(-n // 128), BLOCK=128, ROWS=16, SQRT=False, BITS=bits)
+        backend_triton._quantize_kernel[(1,)](x.abs() if bits == 2 else x, ops.midpoints(qmap), codes, absmax,
+                                              -(-n // 128), n, BLOCK=128, ROWS=16, SQRT=False, BITS=bits)
         tile.append(codes[: 16 * 128 * bits // 8].cpu())
     want, _ = ops.quantize_blockwise(x[: 16 * 128].cpu().abs() if bits == 2 else x[: 16 * 128].cpu(), qmap.cpu(),
                                      128, backend="torch", bits=bits)
