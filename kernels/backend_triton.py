@@ -32,6 +32,7 @@ def _quantize_kernel(
     BLOCK: tl.constexpr, ROWS: tl.constexpr,  # quantization block (64..4096), blocks per program
     SQRT: tl.constexpr,  # store sqrt(x) instead of x
     BITS: tl.constexpr,  # code width: 8 (a byte per code), 6, 4 or 2 (packed)
+    ALIGNED: tl.constexpr,  # row_len is a multiple of 16 (triton_blocks.geometry)
 ):
     first = tl.program_id(0).to(tl.int64) * ROWS
     b, bmask, r, col0, offs, mask = tb.geometry(first, n_blocks - first, row_len, BLOCK, ROWS)
@@ -39,7 +40,7 @@ def _quantize_kernel(
     if SQRT:
         x = tl.math.sqrt_rn(x)
     codes, absmax = tb.encode(x, mask, thr_ptr, BITS)
-    tb.store(codes, absmax, codes_ptr, absmax_ptr, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, BITS)
+    tb.store(codes, absmax, codes_ptr, absmax_ptr, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, BITS, ALIGNED)
 
 
 @triton.jit
@@ -47,11 +48,11 @@ def _dequantize_kernel(
     codes_ptr, absmax_ptr, qmap_ptr,  # the row layout's codes and scales, fp32 [2**BITS] codebook
     out_ptr,  # [n] fp32 out: qmap[code] * absmax[block], squared when SQRT
     n_blocks, row_len,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, SQRT: tl.constexpr, BITS: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, SQRT: tl.constexpr, BITS: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     first = tl.program_id(0).to(tl.int64) * ROWS
     b, bmask, r, col0, offs, mask = tb.geometry(first, n_blocks - first, row_len, BLOCK, ROWS)
-    vals = tb.decode(codes_ptr, absmax_ptr, qmap_ptr, b, bmask, r, col0, mask, row_len, BLOCK, BITS)
+    vals = tb.decode(codes_ptr, absmax_ptr, qmap_ptr, b, bmask, r, col0, mask, row_len, BLOCK, BITS, ALIGNED)
     if SQRT:
         vals = vals * vals
     tl.store(out_ptr + offs, vals, mask=mask)
@@ -72,13 +73,14 @@ def _adam_kernel(
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
     M_BITS: tl.constexpr, V_BITS: tl.constexpr, X_BITS: tl.constexpr,  # each moment's code width
     STOCHASTIC: tl.constexpr,  # exp_avg's and exp_avg_sq's new codes round stochastically (else to nearest)
+    ALIGNED: tl.constexpr,  # row_len is a multiple of 16 (triton_blocks.geometry)
 ):
     first = tl.program_id(0).to(tl.int64) * ROWS
     tb.adam_tile(p_ptr, g_ptr, m_codes, m_absmax, v_codes, v_absmax, x_codes, x_absmax,
                  m_qmap, m_thr, m_enc, v_qmap, v_thr, v_enc, x_qmap, x_thr, x_enc,
                  decay, l2, omb1, beta2, omb2, eps, neg_step, bc2_sqrt, dec_eps, enc_eps,
                  seed.to(tl.uint32, bitcast=True), first, n_blocks - first, row_len,
-                 BLOCK, ROWS, M_RATIO, AMSGRAD, MAXIMIZE, M_BITS, V_BITS, X_BITS, STOCHASTIC)
+                 BLOCK, ROWS, M_RATIO, AMSGRAD, MAXIMIZE, M_BITS, V_BITS, X_BITS, STOCHASTIC, ALIGNED)
 
 
 def _launch(kernel, n: int, row_len, block_size: int, *args, **constexprs) -> None:
@@ -89,7 +91,7 @@ def _launch(kernel, n: int, row_len, block_size: int, *args, **constexprs) -> No
     rows, length = layout_rows(n, None if is_flat(n, row_len, block_size) else row_len)
     block, per_program = tb.tile_shape(block_size, length)
     nb = rows * num_blocks(length, block)
-    kernel[(triton.cdiv(nb, per_program),)](*args, nb, length, BLOCK=block, ROWS=per_program,
+    kernel[(triton.cdiv(nb, per_program),)](*args, nb, length, BLOCK=block, ROWS=per_program, ALIGNED=length % 16 == 0,
                                             num_warps=8 if per_program * block > 2048 else 4, **constexprs)
 
 

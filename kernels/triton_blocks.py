@@ -31,7 +31,10 @@ def geometry(first, count, row_len, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     # The tile of blocks first .. first + count - 1 (count <= ROWS) of a parameter in rows of row_len.
     # Returns b [ROWS] block (= scale) indices, bmask [ROWS] the blocks that exist, r [ROWS] their rows,
     # col0 [ROWS] their first element's index in the row, offs [ROWS, BLOCK] the elements' indices in the
-    # parameter, mask [ROWS, BLOCK] the elements that exist. All int64.
+    # parameter, mask [ROWS, BLOCK] the elements that exist. All int64. Where the compiler knows row_len to
+    # be a multiple of 16 (a specialized kernel argument, or tl.multiple_of on the load that read it: a
+    # hint on a jit function's argument is lost) it knows runs of 16 lanes to be all in or all out, and
+    # vectorizes the loads.
     row_len = row_len.to(tl.int64)
     b = first.to(tl.int64) + tl.arange(0, ROWS)
     bmask = tl.arange(0, ROWS) < count
@@ -44,8 +47,11 @@ def geometry(first, count, row_len, BLOCK: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _code_base(r, col0, row_len, BITS: tl.constexpr):
-    # [ROWS] int64: the byte of each block's first code (rows of code_bytes(row_len, BITS) bytes)
+def _code_base(r, col0, row_len, BITS: tl.constexpr, ALIGNED: tl.constexpr):
+    # [ROWS] int64: the byte of each block's first code (rows of code_bytes(row_len, BITS) bytes). ALIGNED:
+    # row_len is a multiple of 16, and the row's bytes are written so that the compiler sees a multiple too
+    if ALIGNED:
+        return r * (row_len.to(tl.int64) * BITS // 8) + col0 * BITS // 8
     return r * ((row_len.to(tl.int64) * BITS + 7) // 8) + col0 * BITS // 8
 
 
@@ -99,10 +105,10 @@ def stochastic(pos, x, absmax, enc_ptr, offs, seed, BITS: tl.constexpr, HIGH: tl
 
 
 @triton.jit
-def load_codes(codes_ptr, r, col0, mask, row_len, BLOCK: tl.constexpr, BITS: tl.constexpr):
+def load_codes(codes_ptr, r, col0, mask, row_len, BLOCK: tl.constexpr, BITS: tl.constexpr, ALIGNED: tl.constexpr):
     # the tile's codes, int32 [ROWS, BLOCK]: lane c of block (r, col0) is bits [c * BITS, (c + 1) * BITS)
     # of the stream that starts at the block's first code byte
-    base = _code_base(r, col0, row_len, BITS)[:, None]
+    base = _code_base(r, col0, row_len, BITS, ALIGNED)[:, None]
     if BITS == 8:
         return tl.load(codes_ptr + base + tl.arange(0, BLOCK)[None, :], mask=mask, other=0).to(tl.int32)
     bit = tl.arange(0, BLOCK)[None, :] * BITS
@@ -115,9 +121,9 @@ def load_codes(codes_ptr, r, col0, mask, row_len, BLOCK: tl.constexpr, BITS: tl.
 
 @triton.jit
 def decode(codes_ptr, absmax_ptr, qmap_ptr, b, bmask, r, col0, mask, row_len, BLOCK: tl.constexpr,
-           BITS: tl.constexpr):
+           BITS: tl.constexpr, ALIGNED: tl.constexpr):
     # the tile's codes -> qmap[code] * absmax (no transform; two separate roundings); absent lanes 0.
-    code = load_codes(codes_ptr, r, col0, mask, row_len, BLOCK, BITS)
+    code = load_codes(codes_ptr, r, col0, mask, row_len, BLOCK, BITS, ALIGNED)
     scale = tl.load(absmax_ptr + b, mask=bmask, other=0.0)
     x = tl.load(qmap_ptr + code) * scale[:, None]
     return tl.where(mask, x, 0.0)
@@ -125,11 +131,14 @@ def decode(codes_ptr, absmax_ptr, qmap_ptr, b, bmask, r, col0, mask, row_len, BL
 
 @triton.jit
 def store(codes, absmax, codes_ptr, absmax_ptr, b, bmask, r, col0, mask, row_len,
-          BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
+          BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, ALIGNED: tl.constexpr):
     # codes int32 [ROWS, BLOCK] and absmax fp32 [ROWS] of the tile into the row layout: each block's
     # code_bytes(its length, BITS) bytes from its first code byte, the bits after its last code 0.
-    base = _code_base(r, col0, row_len, BITS)[:, None]
-    nbytes = ((row_len.to(tl.int64) - col0) * BITS + 7)[:, None] // 8  # >= the block's bytes when it is whole
+    base = _code_base(r, col0, row_len, BITS, ALIGNED)[:, None]
+    if ALIGNED:  # whole bytes, written so that the compiler sees a multiple of 2 * BITS
+        nbytes = ((row_len.to(tl.int64) - col0) * BITS)[:, None] // 8
+    else:  # >= the block's bytes when it is whole
+        nbytes = ((row_len.to(tl.int64) - col0) * BITS + 7)[:, None] // 8
     codes = tl.where(mask, codes, 0)
     if BITS == 8:
         tl.store(codes_ptr + base + tl.arange(0, BLOCK)[None, :], codes.to(tl.uint8), mask=mask)
@@ -164,30 +173,31 @@ def adam_tile(p_ptr, g_ptr, m_codes, m_absmax, v_codes, v_absmax, x_codes, x_abs
               first, count, row_len,
               BLOCK: tl.constexpr, ROWS: tl.constexpr, M_RATIO: tl.constexpr, AMSGRAD: tl.constexpr,
               MAXIMIZE: tl.constexpr, M_BITS: tl.constexpr, V_BITS: tl.constexpr, X_BITS: tl.constexpr,
-              STOCHASTIC: tl.constexpr):
+              STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr):
     # One tile of the fused step (contract; backend_torch.step_rows in the same op order): the blocks
     # first .. first + count - 1 of a param in rows of row_len. p_ptr/g_ptr: the param (updated in place)
     # and its grad; per moment its codes, scales and codebooks (decode map, encode midpoints, encode map);
-    # the fp32 scalars of contract.HYPER_FIELDS; seed: uint32 (read only when STOCHASTIC).
+    # the fp32 scalars of contract.HYPER_FIELDS; seed: uint32 (read only when STOCHASTIC). ALIGNED: row_len
+    # is a multiple of 16 (and the pointers 16-byte aligned).
     b, bmask, r, col0, offs, mask = geometry(first, count, row_len, BLOCK, ROWS)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         g = -g
     g = g + l2 * p
-    s = decode(v_codes, v_absmax, v_qmap, b, bmask, r, col0, mask, row_len, BLOCK, V_BITS)  # sqrt(v) as stored
-    m = decode(m_codes, m_absmax, m_qmap, b, bmask, r, col0, mask, row_len, BLOCK, M_BITS)
+    s = decode(v_codes, v_absmax, v_qmap, b, bmask, r, col0, mask, row_len, BLOCK, V_BITS, ALIGNED)  # sqrt(v) as stored
+    m = decode(m_codes, m_absmax, m_qmap, b, bmask, r, col0, mask, row_len, BLOCK, M_BITS, ALIGNED)
     if M_RATIO:
         m = m * (s + dec_eps)  # m = r * (s_q + eps')
     m = m + omb1 * (g - m)
     v = (s * s) * beta2 + omb2 * (g * g)
     s = tl.math.sqrt_rn(v)
     if AMSGRAD:
-        x = decode(x_codes, x_absmax, x_qmap, b, bmask, r, col0, mask, row_len, BLOCK, X_BITS)
+        x = decode(x_codes, x_absmax, x_qmap, b, bmask, r, col0, mask, row_len, BLOCK, X_BITS, ALIGNED)
         sx = tl.math.sqrt_rn(tl.maximum(x * x, v, propagate_nan=tl.PropagateNan.ALL))  # NaN wins, as torch.maximum
         denom = tl.math.div_rn(sx, bc2_sqrt) + eps
         codes, absmax = encode(sx, mask, x_thr, X_BITS)
-        store(codes, absmax, x_codes, x_absmax, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, X_BITS)
+        store(codes, absmax, x_codes, x_absmax, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, X_BITS, ALIGNED)
     else:
         denom = tl.math.div_rn(s, bc2_sqrt) + eps
     p = p * decay + neg_step * tl.math.div_rn(m, denom)
@@ -196,11 +206,11 @@ def adam_tile(p_ptr, g_ptr, m_codes, m_absmax, v_codes, v_absmax, x_codes, x_abs
     codes, absmax = encode(ratio, mask, m_thr, M_BITS)
     if STOCHASTIC:
         codes = stochastic(codes, ratio, absmax, m_enc, offs, seed, M_BITS, True)
-    store(codes, absmax, m_codes, m_absmax, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, M_BITS)
+    store(codes, absmax, m_codes, m_absmax, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, M_BITS, ALIGNED)
     codes, absmax = encode(s, mask, v_thr, V_BITS)
     if STOCHASTIC:
         codes = stochastic(codes, s, absmax, v_enc, offs, seed, V_BITS, False)
-    store(codes, absmax, v_codes, v_absmax, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, V_BITS)
+    store(codes, absmax, v_codes, v_absmax, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, V_BITS, ALIGNED)
 
 
 def tile_shape(block_size: int, longest_row: int, tile: int = 2048) -> tuple[int, int]:

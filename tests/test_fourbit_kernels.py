@@ -383,7 +383,8 @@ def test_triton_stores_codes_of_tensors_past_2_31_bits(bits):
         codes = torch.full((4096 * bits // 8,), 0xAA, dtype=torch.uint8, device=device)
         absmax = torch.zeros(32, device=device)
         backend_triton._quantize_kernel[(1,)](x.abs() if bits == 2 else x, ops.midpoints(qmap), codes, absmax,
-                                              -(-n // 128), n, BLOCK=128, ROWS=16, SQRT=False, BITS=bits)
+                                              -(-n // 128), n, BLOCK=128, ROWS=16, SQRT=False, BITS=bits,
+                                              ALIGNED=n % 16 == 0)
         tile.append(codes[: 16 * 128 * bits // 8].cpu())
     want, _ = ops.quantize_blockwise(x[: 16 * 128].cpu().abs() if bits == 2 else x[: 16 * 128].cpu(), qmap.cpu(),
                                      128, backend="torch", bits=bits)
