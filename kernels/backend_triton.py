@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import memo
 from . import triton_blocks as tb
 from .contract import StepFlags, StepState, is_flat, layout_rows, num_blocks
 from .triton_group import adam_dense_group, adam_step_group
@@ -26,7 +27,7 @@ __all__ = ["ROWS", "quantize", "dequantize", "adam_step", "adam_step_group", "ad
 @triton.jit
 def _quantize_kernel(
     x_ptr,  # [n] fp32/bf16/fp16: the values to quantize
-    thr_ptr,  # [2**BITS - 1] fp32, ascending: midpoints between neighbouring codebook entries
+    tree_ptr,  # [2**BITS - 1] fp32: the codebook's midpoints in search-tree order (triton_blocks.search_tree)
     codes_ptr,  # uint8 [rows * code_bytes(row_len, BITS)] out
     absmax_ptr,  # fp32 [n_blocks] out: max |x| (after the transform) of each block
     n_blocks, row_len,  # all blocks of all rows; elements per row
@@ -40,7 +41,7 @@ def _quantize_kernel(
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if SQRT:
         x = tl.math.sqrt_rn(x)
-    codes, absmax = tb.encode(x, mask, thr_ptr, BITS)
+    codes, absmax = tb.encode(x, mask, tree_ptr, BITS)
     tb.store(codes, absmax, codes_ptr, absmax_ptr, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, BITS, ALIGNED)
 
 
@@ -63,10 +64,10 @@ def _dequantize_kernel(
 def _adam_kernel(
     p_ptr, g_ptr,  # param [n] (updated in place), grad [n]
     decay, l2, omb1, beta2, omb2, eps, neg_step, bc2_sqrt, dec_eps, enc_eps,  # fp32 (contract.HYPER_FIELDS)
-    m_codes, m_absmax, m_qmap, m_thr, m_enc,  # exp_avg: uint8 codes, fp32 scales (row layout), fp32
-    #               [2**M_BITS] decode map, [2**M_BITS - 1] midpoints of the encode map, [2**M_BITS] encode map
-    v_codes, v_absmax, v_qmap, v_thr, v_enc,  # exp_avg_sq (sqrt transform), same layout
-    x_codes, x_absmax, x_qmap, x_thr, x_enc,  # max_exp_avg_sq (sqrt transform; read only when AMSGRAD)
+    m_codes, m_absmax, m_qmap, m_tree, m_enc,  # exp_avg: uint8 codes, fp32 scales (row layout), fp32 [2**M_BITS]
+    #               decode map, [2**M_BITS - 1] the encode map's midpoints as a search tree, [2**M_BITS] encode map
+    v_codes, v_absmax, v_qmap, v_tree, v_enc,  # exp_avg_sq (sqrt transform), same layout
+    x_codes, x_absmax, x_qmap, x_tree, x_enc,  # max_exp_avg_sq (sqrt transform; read only when AMSGRAD)
     seed,  # int32: the bits of the uint32 seed of stochastic rounding (read only when STOCHASTIC)
     n_blocks, row_len,
     BLOCK: tl.constexpr, ROWS: tl.constexpr,
@@ -78,7 +79,7 @@ def _adam_kernel(
 ):
     first = tl.program_id(0).to(tl.int64) * ROWS
     tb.adam_tile(p_ptr, g_ptr, m_codes, m_absmax, v_codes, v_absmax, x_codes, x_absmax,
-                 m_qmap, m_thr, m_enc, v_qmap, v_thr, v_enc, x_qmap, x_thr, x_enc,
+                 m_qmap, m_tree, m_enc, v_qmap, v_tree, v_enc, x_qmap, x_tree, x_enc,
                  decay, l2, omb1, beta2, omb2, eps, neg_step, bc2_sqrt, dec_eps, enc_eps,
                  seed.to(tl.uint32, bitcast=True), first, n_blocks - first, row_len,
                  BLOCK, ROWS, M_RATIO, AMSGRAD, MAXIMIZE, M_BITS, V_BITS, X_BITS, STOCHASTIC, ALIGNED)
@@ -96,8 +97,18 @@ def _launch(kernel, n: int, row_len, block_size: int, *args, **constexprs) -> No
                                             num_warps=8 if per_program * block > 2048 else 4, **constexprs)
 
 
+def _tree(thresholds):
+    return memo.by_tensor(tb.search_tree, thresholds)
+
+
+def _moment(state: StepState) -> tuple:
+    """A moment's five kernel arguments (codes, scales, decode map, search tree, encode map)."""
+    return state.codes, state.absmax, state.qmap, _tree(state.thresholds), state.encode
+
+
 def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: int = 8, row_len=None) -> None:
-    _launch(_quantize_kernel, src.numel(), row_len, block_size, src, thresholds, codes, absmax, SQRT=sqrt, BITS=bits)
+    _launch(_quantize_kernel, src.numel(), row_len, block_size, src, tb.search_tree(thresholds), codes, absmax, SQRT=sqrt,
+            BITS=bits)
 
 
 def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool, bits: int = 8,
@@ -109,7 +120,7 @@ def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
     m, v, *x = states
     seed = flags.seed or 0
     # the scalars as kernel arguments (fp32, exact: h holds fp32 values), not a tensor the GPU must be sent
-    _launch(_adam_kernel, p.numel(), flags.row_len, flags.block_size, p, g, *h.tolist(), *m[:5], *v[:5],
-            *(x[0] if x else v)[:5], seed - (1 << 32) if seed >= 1 << 31 else seed, M_RATIO=flags.ratio,
+    _launch(_adam_kernel, p.numel(), flags.row_len, flags.block_size, p, g, *h.tolist(), *_moment(m), *_moment(v),
+            *_moment(x[0] if x else v), seed - (1 << 32) if seed >= 1 << 31 else seed, M_RATIO=flags.ratio,
             AMSGRAD=bool(x), MAXIMIZE=flags.maximize, M_BITS=m.bits, V_BITS=v.bits, X_BITS=(x[0] if x else v).bits,
             STOCHASTIC=flags.seed is not None, enable_fp_fusion=False)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import memo
 from . import triton_blocks as tb
 from .contract import DenseGroup, StepGroup, is_flat, layout_rows, num_blocks
 
@@ -49,7 +50,7 @@ def _step_group_kernel(
     hyper,  # fp32 [T, 10]: contract.HYPER_FIELDS per member
     seeds,  # int64 [T]: uint32 seeds (read only when STOCHASTIC)
     p_like, g_like,  # a param and a grad of the group: their dtypes
-    m_qmap, m_thr, m_enc, v_qmap, v_thr, v_enc, x_qmap, x_thr, x_enc,  # fp32 codebooks (backend_triton._adam_kernel)
+    m_qmap, m_tree, m_enc, v_qmap, v_tree, v_enc, x_qmap, x_tree, x_enc,  # fp32 codebooks (backend_triton._adam_kernel)
     BLOCK: tl.constexpr, ROWS: tl.constexpr, M_RATIO: tl.constexpr, AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr, M_BITS: tl.constexpr, V_BITS: tl.constexpr, X_BITS: tl.constexpr,
     STOCHASTIC: tl.constexpr,
@@ -70,7 +71,7 @@ def _step_group_kernel(
                  _pointer(row + 1, tl.uint8, ALIGNED), _pointer(row + 2, tl.float32, False),
                  _pointer(row + 3, tl.uint8, ALIGNED), _pointer(row + 4, tl.float32, False),
                  _pointer(row + 5, tl.uint8, ALIGNED), _pointer(row + 6, tl.float32, False),
-                 m_qmap, m_thr, m_enc, v_qmap, v_thr, v_enc, x_qmap, x_thr, x_enc,
+                 m_qmap, m_tree, m_enc, v_qmap, v_tree, v_enc, x_qmap, x_tree, x_enc,
                  tl.load(h), tl.load(h + 1), tl.load(h + 2), tl.load(h + 3), tl.load(h + 4), tl.load(h + 5),
                  tl.load(h + 6), tl.load(h + 7), tl.load(h + 8), tl.load(h + 9), seed,
                  tl.load(chunk + 1), tl.load(chunk + 2), row_len,
@@ -238,7 +239,7 @@ def adam_step_group(group: StepGroup) -> None:
     block, per_program = cache["block"], cache["per_program"]
     _step_group_kernel[(cache["programs"],)](
         cache["chunks"], cache["members"], cache["grads"], hyper, seeds, group.members[0].p, group.grads[0],
-        *(t for cb in books for t in (cb.qmap, cb.thresholds, cb.encode)),
+        *(t for cb in books for t in (cb.qmap, memo.by_tensor(tb.search_tree, cb.thresholds), cb.encode)),
         BLOCK=block, ROWS=per_program, M_RATIO=group.ratio, AMSGRAD=len(group.bits) == 3, MAXIMIZE=group.maximize,
         M_BITS=widths[0], V_BITS=widths[1], X_BITS=widths[2], STOCHASTIC=group.seeds is not None,
         ALIGNED=cache["aligned"] and cache["grads_aligned"], num_warps=8 if block * per_program > _TILE else 4, enable_fp_fusion=False)
