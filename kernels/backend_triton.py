@@ -27,7 +27,7 @@ __all__ = ["ROWS", "quantize", "dequantize", "adam_step", "adam_step_group", "ad
 @triton.jit
 def _quantize_kernel(
     x_ptr,  # [n] fp32/bf16/fp16: the values to quantize
-    tree_ptr,  # [2**BITS - 1] fp32: the codebook's midpoints in search-tree order (triton_blocks.search_tree)
+    tree_ptr,  # [2**BITS] fp32: the codebook's midpoints in search-tree order (triton_blocks.search_tree)
     codes_ptr,  # uint8 [rows * code_bytes(row_len, BITS)] out
     absmax_ptr,  # fp32 [n_blocks] out: max |x| (after the transform) of each block
     n_blocks, row_len,  # all blocks of all rows; elements per row
@@ -65,7 +65,7 @@ def _adam_kernel(
     p_ptr, g_ptr,  # param [n] (updated in place), grad [n]
     decay, l2, omb1, beta2, omb2, eps, neg_step, bc2_sqrt, dec_eps, enc_eps,  # fp32 (contract.HYPER_FIELDS)
     m_codes, m_absmax, m_qmap, m_tree, m_enc,  # exp_avg: uint8 codes, fp32 scales (row layout), fp32 [2**M_BITS]
-    #               decode map, [2**M_BITS - 1] the encode map's midpoints as a search tree, [2**M_BITS] encode map
+    #               decode map, [2**M_BITS] the encode map's midpoints as a search tree, [2**M_BITS] encode map
     v_codes, v_absmax, v_qmap, v_tree, v_enc,  # exp_avg_sq (sqrt transform), same layout
     x_codes, x_absmax, x_qmap, x_tree, x_enc,  # max_exp_avg_sq (sqrt transform; read only when AMSGRAD)
     seed,  # int32: the bits of the uint32 seed of stochastic rounding (read only when STOCHASTIC)

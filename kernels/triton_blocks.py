@@ -70,9 +70,9 @@ def encode(x, mask, tree_ptr, BITS: tl.constexpr):
     absmax = tl.where(has_nan, float("nan"), tl.max(ax, axis=1))  # [ROWS]
     safe = tl.where(absmax > 0, absmax, 1.0)  # all-zero (or NaN) block: divide by 1
     y = tl.math.div_rn(x, safe[:, None])
-    node = tl.full(y.shape, 1, dtype=tl.int32)  # 1-based: the children of node k are 2k and 2k + 1
+    node = tl.full(y.shape, 1, dtype=tl.int32)  # the root; the children of node k are 2k and 2k + 1
     for level in tl.static_range(BITS):
-        t = tl.load(tree_ptr + node - 1)
+        t = tl.load(tree_ptr + node)
         node = 2 * node + 1 - (t >= y).to(tl.int32)
     return node - (1 << BITS), absmax
 
@@ -217,19 +217,21 @@ def adam_tile(p_ptr, g_ptr, m_codes, m_absmax, v_codes, v_absmax, x_codes, x_abs
     store(codes, absmax, v_codes, v_absmax, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, V_BITS, ALIGNED)
 
 
-_TREE_ORDER: dict = {}  # (bits, device) -> int64 [2**bits - 1]: midpoint index of each node of the tree
+_TREE_ORDER: dict = {}  # (bits, device) -> int64 [2**bits]: 0, then the midpoint index of each node
 
 
 def search_tree(thresholds: torch.Tensor) -> torch.Tensor:
-    """The 2**bits - 1 ascending midpoints in breadth-first order of their balanced search tree (the
-    "Eytzinger" layout: node k's children at 2k + 1 and 2k + 2). Level L of the descent then reads 2**L
-    neighbouring entries, not 2**L entries spread over the table: 8-bit codes touch 12 cache lines per
-    warp in 8 levels instead of ~47 (each a pass of the L1). Built on the device without host copies."""
+    """fp32 [2**bits]: the 2**bits - 1 ascending midpoints in breadth-first order of their balanced search
+    tree (the "Eytzinger" layout), node k at entry k (k >= 1; entry 0 is padding), its children at 2k and
+    2k + 1. Level L of the descent then reads the 2**L entries [2**L, 2**(L + 1)), not 2**L entries spread
+    over the table: for 8-bit codes a warp's 8 levels touch 1, 1, 1, 1, 1, 1, 2 and 4 cache lines (12 L1
+    passes) instead of ~47. Built on the device without host copies."""
     bits = thresholds.numel().bit_length()
     key = (bits, thresholds.device)
     if key not in _TREE_ORDER:  # level L holds midpoints (2j + 1) * 2**(bits - 1 - L) - 1, j < 2**L
-        _TREE_ORDER[key] = torch.cat([torch.arange(2 ** (bits - 1 - level) - 1, 2**bits - 1, 2 ** (bits - level),
-                                                   device=thresholds.device) for level in range(bits)])
+        levels = [torch.arange(2 ** (bits - 1 - level) - 1, 2**bits - 1, 2 ** (bits - level), device=thresholds.device)
+                  for level in range(bits)]
+        _TREE_ORDER[key] = torch.cat([levels[0]] + levels)  # entry 0: any midpoint, never read
     return thresholds[_TREE_ORDER[key]]
 
 
