@@ -87,14 +87,14 @@ def _adam_kernel(
 
 def _launch(kernel, n: int, row_len, block_size: int, *args, **constexprs) -> None:
     """Run a kernel over the blocks of n elements in rows of ``row_len`` (None: one row; a layout that is
-    the flat one runs as one row); 8 warps for 4096-element tiles."""
+    the flat one runs as one row), tiles as ``triton_blocks.tile_shape`` cuts them."""
     if n == 0:
         return
     rows, length = layout_rows(n, None if is_flat(n, row_len, block_size) else row_len)
-    block, per_program = tb.tile_shape(block_size, length)
+    block, per_program, warps = tb.tile_shape(block_size, length)
     nb = rows * num_blocks(length, block)
     kernel[(triton.cdiv(nb, per_program),)](*args, nb, length, BLOCK=block, ROWS=per_program, ALIGNED=length % 16 == 0,
-                                            num_warps=8 if per_program * block > 2048 else 4, **constexprs)
+                                            num_warps=warps, **constexprs)
 
 
 def _tree(thresholds):

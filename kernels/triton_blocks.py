@@ -235,9 +235,15 @@ def search_tree(thresholds: torch.Tensor) -> torch.Tensor:
     return thresholds[_TREE_ORDER[key]]
 
 
-def tile_shape(block_size: int, longest_row: int, tile: int = 2048) -> tuple[int, int]:
-    """(BLOCK, ROWS) of the tiles of parameters whose rows are at most ``longest_row`` long: the block size,
-    or, where every row fits in half a block or less, the power of two that holds the longest row (the
-    same blocks: one per row; fewer idle lanes); ROWS blocks per program make ~``tile`` elements."""
+TILE_ELEMENTS = 2048  # elements per program: ROWS blocks of BLOCK (tools/bench_triton.py --sweep tries others)
+TILE_WARPS = 4  # warps per program of TILE_ELEMENTS (twice as many for the one 4096-element block)
+
+
+def tile_shape(block_size: int, longest_row: int) -> tuple[int, int, int]:
+    """(BLOCK, ROWS, num_warps) of the tiles of parameters whose rows are at most ``longest_row`` long:
+    BLOCK is the block size, or, where every row fits in half a block or less, the power of two that holds
+    the longest row (the same blocks: one per row; fewer idle lanes); ROWS blocks per program make
+    ~TILE_ELEMENTS elements."""
     width = block_size if longest_row >= block_size else max(32, min(block_size, triton.next_power_of_2(longest_row)))
-    return width, max(1, tile // width)
+    rows = max(1, TILE_ELEMENTS // width)
+    return width, rows, TILE_WARPS * 2 if rows * width > TILE_ELEMENTS else TILE_WARPS

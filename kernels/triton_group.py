@@ -26,7 +26,7 @@ from . import memo
 from . import triton_blocks as tb
 from .contract import DenseGroup, StepGroup, is_flat, layout_rows, num_blocks
 
-_TILE = 2048  # elements per program
+_TILE = 2048  # elements per program of the dense step
 _KEY = "triton"  # this backend's entry in a group's cache
 _STEP_COLUMNS = 8  # member table: p, m codes, m absmax, v codes, v absmax, x codes, x absmax, row_len
 _DENSE_COLUMNS = 4  # p, exp_avg, exp_avg_sq, max_exp_avg_sq
@@ -190,12 +190,18 @@ def _refresh_grads(cache: dict, grads: tuple) -> None:
     cache["grads_aligned"] = all(address % 16 == 0 for address in key)
 
 
-def _common(members_table: list, sizes: list[int], per_program: int, device: torch.device) -> dict:
-    """The tables of a group: member addresses, chunks, and device buffers for what changes per call."""
-    chunks = _chunk_table(sizes, per_program)
+def _common(members_table: list, sizes: list[int], aligned: list[bool], per_program: int,
+            device: torch.device) -> dict:
+    """The tables of a group: member addresses; a chunk table per launch (members that take the aligned,
+    vectorizing path, and the others); device buffers for what changes per call."""
+    launches = []
+    for kind in (True, False):
+        chunks = _chunk_table([size if ok == kind else 0 for size, ok in zip(sizes, aligned)], per_program)
+        if chunks.shape[0]:
+            launches.append((_upload(chunks, device), chunks.shape[0], kind))
     return {"device": device, "members": _upload(torch.tensor(members_table, dtype=torch.int64), device),
-            "chunks": _upload(chunks, device), "programs": chunks.shape[0], "grad_key": None,
-            "grads": torch.empty(len(sizes), dtype=torch.int64, device=device), "captured": [],
+            "launches": launches, "grad_key": None, "captured": [],
+            "grads": torch.empty(len(sizes), dtype=torch.int64, device=device),
             "hyper": torch.empty(len(sizes), 10, dtype=torch.float32, device=device)}
 
 
@@ -213,36 +219,39 @@ def _step_cache(group: StepGroup) -> dict:
         table.append([m.p.data_ptr(), *(t.data_ptr() for pair in pairs for t in pair), row_len or 16])
         blocks.append((rows, row_len))
         longest = max(longest, row_len)
-    block, per_program = tb.tile_shape(group.block_size, longest)
-    cache = _common(table, [rows * num_blocks(length, block) for rows, length in blocks], per_program,
+    block, per_program, warps = tb.tile_shape(group.block_size, longest)
+    aligned = [all(row[k] % 16 == 0 for k in (0, 1, 3, 5, 7)) for row in table]  # p, codes, row_len
+    cache = _common(table, [rows * num_blocks(length, block) for rows, length in blocks], aligned, per_program,
                     group.members[0].p.device)
-    cache.update(block=block, per_program=per_program, seeds=torch.empty(len(table), dtype=torch.int64,
-                                                                          device=cache["device"]),
-                 aligned=all(row[7] % 16 == 0 and row[0] % 16 == 0 and row[1] % 16 == 0 and row[3] % 16 == 0
-                             and row[5] % 16 == 0 for row in table))
+    cache.update(block=block, per_program=per_program, warps=warps,
+                 seeds=torch.empty(len(table), dtype=torch.int64, device=cache["device"]))
     group.cache[_KEY] = cache
     return cache
 
 
 def adam_step_group(group: StepGroup) -> None:
-    """One launch steps every member (contract.StepGroup); bit for bit ``backend_torch.adam_step_group``."""
+    """One launch steps every member (two where some rows are not multiples of 16, or an address not
+    16-byte aligned: those take the unvectorized path); bit for bit ``backend_torch.adam_step_group``."""
     if not group.members:
         return
     cache = _step_cache(group)
-    if not cache["programs"]:
+    if not cache["launches"]:
         return
     _refresh_grads(cache, group.grads)
     hyper = _readable(group.hyper, cache["hyper"])
     seeds = hyper if group.seeds is None else _readable(group.seeds, cache["seeds"])
-    books = [cb for cb in group.codebooks] + ([group.codebooks[1]] if len(group.bits) == 2 else [])
-    widths = tuple(group.bits) + ((group.bits[1],) if len(group.bits) == 2 else ())
-    block, per_program = cache["block"], cache["per_program"]
-    _step_group_kernel[(cache["programs"],)](
-        cache["chunks"], cache["members"], cache["grads"], hyper, seeds, group.members[0].p, group.grads[0],
-        *(t for cb in books for t in (cb.qmap, memo.by_tensor(tb.search_tree, cb.thresholds), cb.encode)),
-        BLOCK=block, ROWS=per_program, M_RATIO=group.ratio, AMSGRAD=len(group.bits) == 3, MAXIMIZE=group.maximize,
-        M_BITS=widths[0], V_BITS=widths[1], X_BITS=widths[2], STOCHASTIC=group.seeds is not None,
-        ALIGNED=cache["aligned"] and cache["grads_aligned"], num_warps=8 if block * per_program > _TILE else 4, enable_fp_fusion=False)
+    amsgrad = len(group.bits) == 3
+    books = tuple(group.codebooks) + (() if amsgrad else (group.codebooks[1],))  # x: never read without amsgrad
+    widths = tuple(group.bits) + (() if amsgrad else (group.bits[1],))
+    trees = [memo.by_tensor(tb.search_tree, cb.thresholds) for cb in books]
+    for chunks, programs, aligned in cache["launches"]:
+        _step_group_kernel[(programs,)](
+            chunks, cache["members"], cache["grads"], hyper, seeds, group.members[0].p, group.grads[0],
+            *(t for cb, tree in zip(books, trees) for t in (cb.qmap, tree, cb.encode)),
+            BLOCK=cache["block"], ROWS=cache["per_program"], M_RATIO=group.ratio, AMSGRAD=amsgrad,
+            MAXIMIZE=group.maximize, M_BITS=widths[0], V_BITS=widths[1], X_BITS=widths[2],
+            STOCHASTIC=group.seeds is not None, ALIGNED=aligned and cache["grads_aligned"], num_warps=cache["warps"],
+            enable_fp_fusion=False)
 
 
 def _dense_cache(group: DenseGroup) -> dict:
@@ -251,22 +260,24 @@ def _dense_cache(group: DenseGroup) -> dict:
         assert len({len(moments) for moments in group.moments}) == 1, "one amsgrad flag per group (contract)"
         table = [[p.data_ptr(), *(t.data_ptr() for t in moments), *([0] * (3 - len(moments)))]
                  for p, moments in zip(group.params, group.moments)]
-        cache = _common(table, [p.numel() for p in group.params], _TILE, group.params[0].device)
-        cache["aligned"] = all(a % 16 == 0 for row in table for a in row) and \
-            all(p.numel() % 16 == 0 for p in group.params)
+        aligned = [all(a % 16 == 0 for a in row) and p.numel() % 16 == 0 for row, p in zip(table, group.params)]
+        cache = _common(table, [p.numel() for p in group.params], aligned, _TILE, group.params[0].device)
         group.cache[_KEY] = cache
     return cache
 
 
 def adam_dense_group(group: DenseGroup) -> None:
-    """One launch steps every member (contract.DenseGroup); bit for bit ``backend_torch.adam_dense_group``."""
+    """One launch steps every member (two where some are not 16-aligned); bit for bit
+    ``backend_torch.adam_dense_group``."""
     if not group.params:
         return
     cache = _dense_cache(group)
-    if not cache["programs"]:
+    if not cache["launches"]:
         return
     _refresh_grads(cache, group.grads)
-    _dense_group_kernel[(cache["programs"],)](
-        cache["chunks"], cache["members"], cache["grads"], _readable(group.hyper, cache["hyper"]), group.params[0],
-        group.grads[0], TILE=_TILE, AMSGRAD=len(group.moments[0]) == 3, MAXIMIZE=group.maximize,
-        ALIGNED=cache["aligned"] and cache["grads_aligned"], num_warps=4, enable_fp_fusion=False)
+    hyper = _readable(group.hyper, cache["hyper"])
+    for chunks, programs, aligned in cache["launches"]:
+        _dense_group_kernel[(programs,)](
+            chunks, cache["members"], cache["grads"], hyper, group.params[0], group.grads[0], TILE=_TILE,
+            AMSGRAD=len(group.moments[0]) == 3, MAXIMIZE=group.maximize, ALIGNED=aligned and cache["grads_aligned"],
+            num_warps=4, enable_fp_fusion=False)
