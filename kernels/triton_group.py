@@ -1,6 +1,7 @@
 """Grouped Adam(W) steps in Triton: every member of a ``contract.StepGroup`` (low-bit moments) or
-``contract.DenseGroup`` (fp32 moments) stepped by one kernel launch, bit for bit as
-``backend_torch.adam_step_group`` / ``adam_dense_group`` step them one by one.
+``contract.DenseGroup`` (fp32 moments) stepped by one kernel launch (two where some members cannot take the
+vectorized path), bit for bit as ``backend_torch.adam_step_group`` / ``adam_dense_group`` step them one by
+one.
 
 Like torch's ``multi_tensor_apply`` (aten/src/ATen/native/cuda/MultiTensorApply.cuh), the launch runs over
 a chunk table: program k reads row k, (member, first block, blocks), and steps that tile of that member
@@ -28,8 +29,6 @@ from .contract import DenseGroup, StepGroup, is_flat, layout_rows, num_blocks
 
 _TILE = 2048  # elements per program of the dense step
 _KEY = "triton"  # this backend's entry in a group's cache
-_STEP_COLUMNS = 8  # member table: p, m codes, m absmax, v codes, v absmax, x codes, x absmax, row_len
-_DENSE_COLUMNS = 4  # p, exp_avg, exp_avg_sq, max_exp_avg_sq
 
 
 @triton.jit
@@ -169,12 +168,14 @@ def _readable(src: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
 def _refresh_grads(cache: dict, grads: tuple) -> None:
     """The device table of gradient addresses, rewritten when one changed. Under capture it is always
     rewritten, from a pinned buffer that the cache then keeps unchanged for good: the graph's copy replays
-    from it (a spare made by the eager call before, since capture allows no pinned allocation)."""
+    from it (a spare made by the eager call before, since capture allows no pinned allocation). Once a
+    graph holds such a copy, its replays may have rewritten the table behind the cache's back: eager calls
+    then always rewrite it."""
     key = tuple(g.data_ptr() for g in grads)
     capturing = _capturing(cache["device"])
     if not capturing and cache["device"].type == "cuda" and "spare" not in cache:
         cache["spare"] = torch.empty(len(key), dtype=torch.int64, pin_memory=True)
-    if key == cache["grad_key"] and not capturing:
+    if key == cache["grad_key"] and not capturing and not cache["captured"]:
         return
     assert len({g.dtype for g in grads}) == 1, "a group's gradients share one dtype (contract)"
     host = torch.tensor(key, dtype=torch.int64)
@@ -188,6 +189,13 @@ def _refresh_grads(cache: dict, grads: tuple) -> None:
         _copy_in(cache["grads"], host)
     cache["grad_key"] = key
     cache["grads_aligned"] = all(address % 16 == 0 for address in key)
+
+
+def _largest(tensors) -> int:
+    """The index of the largest tensor: the member whose param and grad tell the kernel their dtypes (an
+    empty one might have no storage to point at)."""
+    sizes = [t.numel() for t in tensors]
+    return sizes.index(max(sizes))
 
 
 def _common(members_table: list, sizes: list[int], aligned: list[bool], per_program: int,
@@ -223,7 +231,7 @@ def _step_cache(group: StepGroup) -> dict:
     aligned = [all(row[k] % 16 == 0 for k in (0, 1, 3, 5, 7)) for row in table]  # p, codes, row_len
     cache = _common(table, [rows * num_blocks(length, block) for rows, length in blocks], aligned, per_program,
                     group.members[0].p.device)
-    cache.update(block=block, per_program=per_program, warps=warps,
+    cache.update(block=block, per_program=per_program, warps=warps, like=_largest(m.p for m in group.members),
                  seeds=torch.empty(len(table), dtype=torch.int64, device=cache["device"]))
     group.cache[_KEY] = cache
     return cache
@@ -246,7 +254,8 @@ def adam_step_group(group: StepGroup) -> None:
     trees = [memo.by_tensor(tb.search_tree, cb.thresholds) for cb in books]
     for chunks, programs, aligned in cache["launches"]:
         _step_group_kernel[(programs,)](
-            chunks, cache["members"], cache["grads"], hyper, seeds, group.members[0].p, group.grads[0],
+            chunks, cache["members"], cache["grads"], hyper, seeds, group.members[cache["like"]].p,
+            group.grads[cache["like"]],
             *(t for cb, tree in zip(books, trees) for t in (cb.qmap, tree, cb.encode)),
             BLOCK=cache["block"], ROWS=cache["per_program"], M_RATIO=group.ratio, AMSGRAD=amsgrad,
             MAXIMIZE=group.maximize, M_BITS=widths[0], V_BITS=widths[1], X_BITS=widths[2],
@@ -262,6 +271,7 @@ def _dense_cache(group: DenseGroup) -> dict:
                  for p, moments in zip(group.params, group.moments)]
         aligned = [all(a % 16 == 0 for a in row) and p.numel() % 16 == 0 for row, p in zip(table, group.params)]
         cache = _common(table, [p.numel() for p in group.params], aligned, _TILE, group.params[0].device)
+        cache["like"] = _largest(group.params)
         group.cache[_KEY] = cache
     return cache
 
@@ -278,6 +288,7 @@ def adam_dense_group(group: DenseGroup) -> None:
     hyper = _readable(group.hyper, cache["hyper"])
     for chunks, programs, aligned in cache["launches"]:
         _dense_group_kernel[(programs,)](
-            chunks, cache["members"], cache["grads"], hyper, group.params[0], group.grads[0], TILE=_TILE,
+            chunks, cache["members"], cache["grads"], hyper, group.params[cache["like"]], group.grads[cache["like"]],
+            TILE=_TILE,
             AMSGRAD=len(group.moments[0]) == 3, MAXIMIZE=group.maximize, ALIGNED=aligned and cache["grads_aligned"],
             num_warps=4, enable_fp_fusion=False)

@@ -103,3 +103,31 @@ def test_no_grouped_step_waits_for_the_device(where):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+def test_eager_steps_between_replays_read_their_own_gradients():
+    """Replays rewrite the gradient table with the addresses captured; an eager step of the same group
+    afterwards, even with the gradients of its previous eager step, must put its own back."""
+    gen = torch.Generator().manual_seed(2)
+    members = _members(WIDTHS, torch.float32, True, gen, ALIGNED_SHAPES)
+    eager, graphed = [_on(m, "cuda") for m in members], [_on(m, "cuda") for m in members]
+    sources = [torch.empty(m.p.numel(), device="cuda") for m in members]
+    kept = [torch.empty_like(s) for s in sources]  # the gradients of every eager step of the captured group
+    hyper, seeds = torch.empty(len(members), 10, device="cuda"), torch.empty(len(members), dtype=torch.int64, device="cuda")
+    books, reference_cache, cache = _codebooks(WIDTHS, True, "cuda"), {}, {}
+    for k in range(1, 7):  # 1: eager (builds the cache), then replay, eager, replay, eager, replay
+        _fill(sources, hyper, seeds, k, gen)
+        backend_triton.adam_step_group(_step_group(eager, [s.clone() for s in sources], hyper, seeds, books,
+                                                   reference_cache))
+        if k % 2:
+            for g, s in zip(kept, sources):
+                g.copy_(s)
+            backend_triton.adam_step_group(_step_group(graphed, kept, hyper, seeds, books, cache))
+        else:
+            if k == 2:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    backend_triton.adam_step_group(_step_group(graphed, [s.mul(1.0) for s in sources], hyper, seeds,
+                                                               books, cache))
+            graph.replay()
+        _assert_equal(eager, graphed)
