@@ -46,6 +46,8 @@ def _cases(quick: bool) -> list[tuple]:
          dict(_STEP, BLOCK=128, ROWS=16, M_BITS=6, V_BITS=2, X_BITS=4, AMSGRAD=True, STOCHASTIC=True)),
         ("group 4+4 unaligned", triton_group._step_group_kernel, _GROUP_TYPES,
          dict(_STEP, BLOCK=128, ROWS=16, M_BITS=4, V_BITS=4, ALIGNED=False)),
+        ("group 2+2 rows of <= 32", triton_group._step_group_kernel, _GROUP_TYPES,
+         dict(_STEP, BLOCK=32, ROWS=64, M_BITS=2, V_BITS=2)),
         ("dense group amsgrad bf16", triton_group._dense_group_kernel, {**_GROUP_TYPES, **bf16},
          dict(_DENSE, AMSGRAD=True)),
         ("step 8-bit", backend_triton._adam_kernel, _STEP_TYPES, _STEP),
