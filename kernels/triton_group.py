@@ -155,10 +155,10 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _readable(src: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """``src`` (hyper or seeds) where the kernel can read it: as is on the device, else copied into the
-    cache's device ``buffer``."""
+    """``src`` (hyper or seeds) where the kernel can read it, in the buffer's dtype: as is on the device,
+    else copied into the cache's device ``buffer``."""
     if src.device == buffer.device:
-        return src.contiguous()
+        return src.to(buffer.dtype).contiguous()  # no copy when it is already fp32 (int64) and contiguous
     if _capturing(buffer.device):
         raise RuntimeError("a captured grouped step reads hyper and seeds on the device: the values of a host "
                            "tensor would be frozen into the graph; pass them on the device")
