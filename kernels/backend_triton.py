@@ -1,17 +1,12 @@
-"""The Triton backend (CUDA): blockwise quantize, dequantize and the fused low-bit Adam step.
+"""The Triton backend (CUDA): blockwise quantize, dequantize and the fused low-bit Adam step, one parameter
+per call or a group of them in one launch (``triton_group``).
 
 Signatures and contract in ``contract``; results equal ``backend_torch`` bit for bit, NaN and Inf
-included. Each program handles ``ROWS`` consecutive quantization blocks as a ``[ROWS, BLOCK]`` tile, so
-small block sizes still give every program ~2048 contiguous elements (coalesced, vectorized loads).
-Both the codec and the step encode through one helper, ``_encode``: absmax per block (NaN if the block
-holds one, as torch's amax), then a branch-free binary search over the 255 codebook midpoints, as in
-bitsandbytes' ``kQuantizeBlockwise`` (csrc/kernels.cu). Exactness on CUDA needs the IEEE-rounded
-``tl.math.div_rn`` / ``sqrt_rn`` (Triton's ``/`` and ``tl.sqrt`` on fp32 are approximate there), and the
-step is launched without fp contraction, so no mul+add turns into an FMA the reference does not do.
-Narrower codes (``BITS`` 6, 4, 2): the search runs BITS levels over 2**BITS - 1 midpoints; a code is read
-from its bit offset offs * BITS in the stream (two bytes where a 6-bit code straddles them), and written
-by reshaping each tile's codes into whole-byte groups (pairs of 4-bit codes, fours of 2- or 6-bit codes)
-summed into one word per group, stored byte by byte. The step takes a width per moment.
+included, in the row layout (``ROWS``: rows of any length, blocks that never cross a row). Each program
+handles ``ROWS`` consecutive quantization blocks as a ``[ROWS, BLOCK]`` tile (``triton_blocks``), so small
+block sizes still give every program ~2048 contiguous elements (coalesced, vectorized loads); a block's
+row, column, code bytes and scale come from its index. The step takes a width per moment; its scalars
+are kernel arguments here and come from a per-member table in the grouped kernels.
 Importing this module imports triton: ``ckptq.ops`` does so only on the Triton path.
 """
 
@@ -20,137 +15,46 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .contract import StepFlags, StepState, num_blocks
+from . import memo
+from . import triton_blocks as tb
+from .contract import StepFlags, StepState, is_flat, layout_rows, num_blocks
+from .triton_group import adam_dense_group, adam_step_group
 
-_TILE = 2048  # elements per program when blocks are small
-
-
-@triton.jit
-def _encode(x, mask, thr_ptr, BITS: tl.constexpr):
-    # x: fp32 [ROWS, BLOCK] (transform applied), mask: the lanes that exist. Returns (codes int32
-    # [ROWS, BLOCK], absmax fp32 [ROWS]). code = #{j : t[j] < y} with y = x / absmax. Invariant of the
-    # search: t[pos - 1] < y; testing "not t >= y" sends NaN to the top code, like torch.searchsorted.
-    # Probed indices stay within 0..2**BITS - 2. tl.max skips NaNs but torch's amax returns NaN: put it back.
-    ax = tl.where(mask, tl.abs(x), 0.0)  # padding is 0, which never wins the absmax
-    has_nan = tl.max((ax != ax).to(tl.int32), axis=1) > 0  # [ROWS]
-    absmax = tl.where(has_nan, float("nan"), tl.max(ax, axis=1))  # [ROWS]
-    safe = tl.where(absmax > 0, absmax, 1.0)  # all-zero (or NaN) block: divide by 1
-    y = tl.math.div_rn(x, safe[:, None])
-    pos = tl.zeros(y.shape, dtype=tl.int32)
-    for level in tl.static_range(BITS):
-        step = (1 << (BITS - 1)) >> level
-        t = tl.load(thr_ptr + pos + (step - 1))
-        pos = tl.where(t >= y, pos, pos + step)
-    return pos, absmax
-
-
-@triton.jit
-def _mix32(x):
-    # contract.mix32 on uint32 lanes (products wrap mod 2**32)
-    x = x ^ (x >> 16)
-    x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
-    x = x ^ (x >> 15)
-    x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _stochastic(pos, x, absmax, enc_ptr, offs, seed, BITS: tl.constexpr, HIGH: tl.constexpr):
-    # Stochastic rounding (contract) of x [ROWS, BLOCK] given _encode's nearest codes pos and block scales
-    # absmax; enc_ptr: the codebook [2**BITS]; offs: the elements' indices in the parameter; HIGH: the
-    # hash's high 16 bits (the first moment) or its low 16 (the second).
-    top = (1 << BITS) - 1
-    safe = tl.where(absmax > 0, absmax, 1.0)
-    y = tl.math.div_rn(x, safe[:, None])
-    lo = tl.maximum(pos - (y < tl.load(enc_ptr + pos)).to(tl.int32), 0)
-    q_lo = tl.load(enc_ptr + lo)
-    h = _mix32(offs.to(tl.uint32) ^ seed.to(tl.uint32, bitcast=True))
-    if HIGH:
-        h = h >> 16
-    else:
-        h = h & 0xFFFF
-    u = h.to(tl.float32) * (1.0 / 65536.0)  # a 16-bit integer: exact
-    up = u * (tl.load(enc_ptr + tl.minimum(lo + 1, top)) - q_lo) < y - q_lo
-    return tl.where(lo >= top, top, lo + up.to(tl.int32))
-
-
-@triton.jit
-def _load_codes(codes_ptr, offs, mask, BITS: tl.constexpr):
-    # the codes of elements offs [ROWS, BLOCK], int32: bits [offs * BITS, (offs + 1) * BITS) of the stream
-    if BITS == 8:
-        return tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
-    bit = offs * BITS
-    shift = (bit % 8).to(tl.int32)
-    word = tl.load(codes_ptr + bit // 8, mask=mask, other=0).to(tl.int32)
-    if BITS == 6:  # codes at bit 4 or 6 of a byte go on into the next one
-        word = word | (tl.load(codes_ptr + bit // 8 + 1, mask=mask & (shift > 2), other=0).to(tl.int32) << 8)
-    return (word >> shift) & ((1 << BITS) - 1)
-
-
-@triton.jit
-def _decode(codes_ptr, absmax_ptr, qmap_ptr, offs, rows, mask, rmask, BITS: tl.constexpr):
-    # codes [ROWS, BLOCK] -> qmap[code] * absmax (no transform; two separate roundings); padded lanes 0.
-    code = _load_codes(codes_ptr, offs, mask, BITS)
-    scale = tl.load(absmax_ptr + rows, mask=rmask, other=0.0)
-    x = tl.load(qmap_ptr + code) * scale[:, None]
-    return tl.where(mask, x, 0.0)
-
-
-@triton.jit
-def _tile(n, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS] block indices, int64
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [ROWS, BLOCK] element offsets
-    return rows, offs, offs < n, rows < n_blocks
-
-
-@triton.jit
-def _store(codes, absmax, codes_ptr, absmax_ptr, offs, rows, mask, rmask, n,
-           BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
-    if BITS == 8:
-        tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=mask)
-    elif BITS == 4:  # element pairs (2i, 2i + 1) -> byte i: low, high nibble; lanes past n give 0
-        lo, hi = tl.split(tl.reshape(tl.where(mask, codes, 0), (ROWS, BLOCK // 2, 2)))
-        boffs = rows[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]  # [ROWS, BLOCK / 2] bytes
-        tl.store(codes_ptr + boffs, (lo | (hi << 4)).to(tl.uint8), mask=boffs < (n + 1) // 2)
-    else:  # 2 or 6 bits: elements 4i .. 4i + 3 -> one word of 1 or 3 bytes (disjoint bits: the sum is an or)
-        quads = tl.reshape(tl.where(mask, codes, 0), (ROWS, BLOCK // 4, 4))
-        word = tl.sum(quads << (tl.arange(0, 4) * BITS)[None, None, :], axis=2)  # [ROWS, BLOCK / 4]
-        groups = rows[:, None] * (BLOCK // 4) + tl.arange(0, BLOCK // 4)[None, :]
-        nbytes = (tl.full([1, 1], n, tl.int64) * BITS + 7) // 8  # in int64: n * 6 passes 2**31 from n ~ 358 M
-        for j in tl.static_range(BITS // 2):  # the group's bytes: 1 (2 bits) or 3 (6 bits)
-            boffs = groups * (BITS // 2) + j
-            tl.store(codes_ptr + boffs, ((word >> (8 * j)) & 255).to(tl.uint8), mask=boffs < nbytes)
-    tl.store(absmax_ptr + rows, absmax, mask=rmask)
+ROWS = True  # quantize, dequantize and adam_step take rows that are not whole blocks
+__all__ = ["ROWS", "quantize", "dequantize", "adam_step", "adam_step_group", "adam_dense_group"]
 
 
 @triton.jit
 def _quantize_kernel(
     x_ptr,  # [n] fp32/bf16/fp16: the values to quantize
-    thr_ptr,  # [255] fp32, ascending: midpoints between neighbouring codebook entries
-    codes_ptr,  # [n] uint8 out
-    absmax_ptr,  # [n_blocks] fp32 out: max |x| (after the transform) of each block
-    n, n_blocks,
+    tree_ptr,  # [2**BITS] fp32: the codebook's midpoints in search-tree order (triton_blocks.search_tree)
+    codes_ptr,  # uint8 [rows * code_bytes(row_len, BITS)] out
+    absmax_ptr,  # fp32 [n_blocks] out: max |x| (after the transform) of each block
+    n_blocks, row_len,  # all blocks of all rows; elements per row
     BLOCK: tl.constexpr, ROWS: tl.constexpr,  # quantization block (64..4096), blocks per program
     SQRT: tl.constexpr,  # store sqrt(x) instead of x
     BITS: tl.constexpr,  # code width: 8 (a byte per code), 6, 4 or 2 (packed)
+    ALIGNED: tl.constexpr,  # row_len is a multiple of 16 (triton_blocks.geometry)
 ):
-    rows, offs, mask, rmask = _tile(n, n_blocks, BLOCK, ROWS)
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    b, bmask, r, col0, offs, mask = tb.geometry(first, n_blocks - first, row_len, BLOCK, ROWS)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if SQRT:
         x = tl.math.sqrt_rn(x)
-    codes, absmax = _encode(x, mask, thr_ptr, BITS)
-    _store(codes, absmax, codes_ptr, absmax_ptr, offs, rows, mask, rmask, n, BLOCK, ROWS, BITS)
+    codes, absmax = tb.encode(x, mask, tree_ptr, BITS)
+    tb.store(codes, absmax, codes_ptr, absmax_ptr, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, BITS, ALIGNED)
 
 
 @triton.jit
 def _dequantize_kernel(
-    codes_ptr, absmax_ptr, qmap_ptr,  # [n * BITS / 8] uint8, [n_blocks] fp32, [2**BITS] fp32 codebook
+    codes_ptr, absmax_ptr, qmap_ptr,  # the row layout's codes and scales, fp32 [2**BITS] codebook
     out_ptr,  # [n] fp32 out: qmap[code] * absmax[block], squared when SQRT
-    n, n_blocks,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, SQRT: tl.constexpr, BITS: tl.constexpr,
+    n_blocks, row_len,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, SQRT: tl.constexpr, BITS: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    rows, offs, mask, rmask = _tile(n, n_blocks, BLOCK, ROWS)
-    vals = _decode(codes_ptr, absmax_ptr, qmap_ptr, offs, rows, mask, rmask, BITS)
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    b, bmask, r, col0, offs, mask = tb.geometry(first, n_blocks - first, row_len, BLOCK, ROWS)
+    vals = tb.decode(codes_ptr, absmax_ptr, qmap_ptr, b, bmask, r, col0, mask, row_len, BLOCK, BITS, ALIGNED)
     if SQRT:
         vals = vals * vals
     tl.store(out_ptr + offs, vals, mask=mask)
@@ -160,77 +64,63 @@ def _dequantize_kernel(
 def _adam_kernel(
     p_ptr, g_ptr,  # param [n] (updated in place), grad [n]
     decay, l2, omb1, beta2, omb2, eps, neg_step, bc2_sqrt, dec_eps, enc_eps,  # fp32 (contract.HYPER_FIELDS)
-    m_codes, m_absmax, m_qmap, m_thr, m_enc,  # exp_avg: uint8 [n * M_BITS / 8], fp32 [nb], fp32 [2**M_BITS]
-    #               decode map, fp32 [2**M_BITS - 1] midpoints of the encode map, fp32 [2**M_BITS] the encode map
-    v_codes, v_absmax, v_qmap, v_thr, v_enc,  # exp_avg_sq (sqrt transform), same layout
-    x_codes, x_absmax, x_qmap, x_thr, x_enc,  # max_exp_avg_sq (sqrt transform; read only when AMSGRAD)
+    m_codes, m_absmax, m_qmap, m_tree, m_enc,  # exp_avg: uint8 codes, fp32 scales (row layout), fp32 [2**M_BITS]
+    #               decode map, [2**M_BITS] the encode map's midpoints as a search tree, [2**M_BITS] encode map
+    v_codes, v_absmax, v_qmap, v_tree, v_enc,  # exp_avg_sq (sqrt transform), same layout
+    x_codes, x_absmax, x_qmap, x_tree, x_enc,  # max_exp_avg_sq (sqrt transform; read only when AMSGRAD)
     seed,  # int32: the bits of the uint32 seed of stochastic rounding (read only when STOCHASTIC)
-    n, n_blocks,
+    n_blocks, row_len,
     BLOCK: tl.constexpr, ROWS: tl.constexpr,
     M_RATIO: tl.constexpr,  # exp_avg's codes are ratios (else plain values); new codes always are
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
     M_BITS: tl.constexpr, V_BITS: tl.constexpr, X_BITS: tl.constexpr,  # each moment's code width
     STOCHASTIC: tl.constexpr,  # exp_avg's and exp_avg_sq's new codes round stochastically (else to nearest)
+    ALIGNED: tl.constexpr,  # row_len is a multiple of 16 (triton_blocks.geometry)
 ):
-    rows, offs, mask, rmask = _tile(n, n_blocks, BLOCK, ROWS)
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
-    g = g + l2 * p
-    s = _decode(v_codes, v_absmax, v_qmap, offs, rows, mask, rmask, V_BITS)  # sqrt(v) as stored
-    m = _decode(m_codes, m_absmax, m_qmap, offs, rows, mask, rmask, M_BITS)
-    if M_RATIO:
-        m = m * (s + dec_eps)  # m = r * (s_q + eps')
-    m = m + omb1 * (g - m)
-    v = (s * s) * beta2 + omb2 * (g * g)
-    s = tl.math.sqrt_rn(v)
-    if AMSGRAD:
-        x = _decode(x_codes, x_absmax, x_qmap, offs, rows, mask, rmask, X_BITS)
-        sx = tl.math.sqrt_rn(tl.maximum(x * x, v, propagate_nan=tl.PropagateNan.ALL))  # NaN wins, as torch.maximum
-        denom = tl.math.div_rn(sx, bc2_sqrt) + eps
-        codes, absmax = _encode(sx, mask, x_thr, X_BITS)
-        _store(codes, absmax, x_codes, x_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, X_BITS)
-    else:
-        denom = tl.math.div_rn(s, bc2_sqrt) + eps
-    p = p * decay + neg_step * tl.math.div_rn(m, denom)
-    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-    r = tl.math.div_rn(m, s + enc_eps)  # the new ratio
-    codes, absmax = _encode(r, mask, m_thr, M_BITS)
-    if STOCHASTIC:
-        codes = _stochastic(codes, r, absmax, m_enc, offs, seed, M_BITS, True)
-    _store(codes, absmax, m_codes, m_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, M_BITS)
-    codes, absmax = _encode(s, mask, v_thr, V_BITS)
-    if STOCHASTIC:
-        codes = _stochastic(codes, s, absmax, v_enc, offs, seed, V_BITS, False)
-    _store(codes, absmax, v_codes, v_absmax, offs, rows, mask, rmask, n, BLOCK, ROWS, V_BITS)
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    tb.adam_tile(p_ptr, g_ptr, m_codes, m_absmax, v_codes, v_absmax, x_codes, x_absmax,
+                 m_qmap, m_tree, m_enc, v_qmap, v_tree, v_enc, x_qmap, x_tree, x_enc,
+                 decay, l2, omb1, beta2, omb2, eps, neg_step, bc2_sqrt, dec_eps, enc_eps,
+                 seed.to(tl.uint32, bitcast=True), first, n_blocks - first, row_len,
+                 BLOCK, ROWS, M_RATIO, AMSGRAD, MAXIMIZE, M_BITS, V_BITS, X_BITS, STOCHASTIC, ALIGNED)
 
 
-def _launch(kernel, n: int, block_size: int, *args, **constexprs) -> None:
-    """Run a kernel over n elements: ROWS blocks of block_size per program (~2048 elements), 8 warps for
-    4096-element blocks."""
+def _launch(kernel, n: int, row_len, block_size: int, *args, **constexprs) -> None:
+    """Run a kernel over the blocks of n elements in rows of ``row_len`` (None: one row; a layout that is
+    the flat one runs as one row), tiles as ``triton_blocks.tile_shape`` cuts them."""
     if n == 0:
         return
-    rows = max(1, _TILE // block_size)
-    nb = num_blocks(n, block_size)
-    kernel[(triton.cdiv(nb, rows),)](*args, n, nb, BLOCK=block_size, ROWS=rows,
-                                     num_warps=8 if rows * block_size > _TILE else 4, **constexprs)
+    rows, length = layout_rows(n, None if is_flat(n, row_len, block_size) else row_len)
+    block, per_program, warps = tb.tile_shape(block_size, length)
+    nb = rows * num_blocks(length, block)
+    kernel[(triton.cdiv(nb, per_program),)](*args, nb, length, BLOCK=block, ROWS=per_program, ALIGNED=length % 16 == 0,
+                                            num_warps=warps, **constexprs)
+
+
+def _tree(thresholds):
+    return memo.by_tensor(tb.search_tree, thresholds)
+
+
+def _moment(state: StepState) -> tuple:
+    """A moment's five kernel arguments (codes, scales, decode map, search tree, encode map)."""
+    return state.codes, state.absmax, state.qmap, _tree(state.thresholds), state.encode
 
 
 def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: int = 8, row_len=None) -> None:
-    _launch(_quantize_kernel, src.numel(), block_size, src, thresholds, codes, absmax, SQRT=sqrt, BITS=bits)
+    _launch(_quantize_kernel, src.numel(), row_len, block_size, src, tb.search_tree(thresholds), codes, absmax, SQRT=sqrt,
+            BITS=bits)
 
 
 def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: bool, bits: int = 8,
                row_len=None) -> None:
-    _launch(_dequantize_kernel, out.numel(), block_size, codes, absmax, qmap, out, SQRT=sqrt, BITS=bits)
+    _launch(_dequantize_kernel, out.numel(), row_len, block_size, codes, absmax, qmap, out, SQRT=sqrt, BITS=bits)
 
 
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
     m, v, *x = states
     seed = flags.seed or 0
     # the scalars as kernel arguments (fp32, exact: h holds fp32 values), not a tensor the GPU must be sent
-    _launch(_adam_kernel, p.numel(), flags.block_size, p, g, *h.tolist(), *m[:5], *v[:5], *(x[0] if x else v)[:5],
-            seed - (1 << 32) if seed >= 1 << 31 else seed, M_RATIO=flags.ratio, AMSGRAD=bool(x),
-            MAXIMIZE=flags.maximize, M_BITS=m.bits, V_BITS=v.bits, X_BITS=(x[0] if x else v).bits,
+    _launch(_adam_kernel, p.numel(), flags.row_len, flags.block_size, p, g, *h.tolist(), *_moment(m), *_moment(v),
+            *_moment(x[0] if x else v), seed - (1 << 32) if seed >= 1 << 31 else seed, M_RATIO=flags.ratio,
+            AMSGRAD=bool(x), MAXIMIZE=flags.maximize, M_BITS=m.bits, V_BITS=v.bits, X_BITS=(x[0] if x else v).bits,
             STOCHASTIC=flags.seed is not None, enable_fp_fusion=False)
