@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from ckptq.codec import codebooks, ops
+from ckptq.codec import ops
 from ckptq.kernels import backend_torch
 from ckptq.kernels.contract import DenseGroup, GroupMember, StepCodebooks, StepGroup
 from test_native import _assert_same

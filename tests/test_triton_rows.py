@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from ckptq.codec import codebooks, ops, qstate
+from ckptq.codec import codebooks, ops, policy
 from test_native import _assert_same, _special
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -22,9 +22,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 64
 ROW_LENS = (1, BLOCK - 1, BLOCK + 1, 201, 2 * BLOCK)  # the last: whole blocks, the flat layout
 MAPS = {8: (codebooks.dynamic_map(True), codebooks.dynamic_map(False)),
-        6: (qstate.ratio_policy(6).qmap(), codebooks.power_map(False, 3.0)[::4].contiguous()),
-        4: (qstate.ratio_policy(4).qmap(), qstate.policy_for("exp_avg_sq", 4).qmap()),
-        2: (torch.tensor([-1.0, 0.0, 0.5, 1.0]), qstate.policy_for("exp_avg_sq", 2).qmap())}
+        6: (policy.ratio_policy(6).qmap(), codebooks.power_map(False, 3.0)[::4].contiguous()),
+        4: (policy.ratio_policy(4).qmap(), policy.policy_for("exp_avg_sq", 4).qmap()),
+        2: (torch.tensor([-1.0, 0.0, 0.5, 1.0]), policy.policy_for("exp_avg_sq", 2).qmap())}
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # numpy, inside the interpreter

@@ -67,11 +67,11 @@ class Setup:
         self.dense = self._dense_group(device)
 
     def _step_group(self, bits: int, device):
-        from ckptq.codec import ops, qstate
+        from ckptq.codec import ops, policy
         from ckptq.kernels.contract import GroupMember, StepCodebooks, StepGroup
 
         widths, block = ((8, 8), 256) if bits == 8 else ((6, 2), 128)
-        maps = (qstate.ratio_policy(widths[0]).qmap().to(device), qstate.policy_for("exp_avg_sq", widths[1]).qmap().to(device))
+        maps = (policy.ratio_policy(widths[0]).qmap().to(device), policy.policy_for("exp_avg_sq", widths[1]).qmap().to(device))
         members = []
         for i in self.big:
             p = self.params[i]
