@@ -65,3 +65,10 @@ def trained_ckpt(tmp_path):
     path = tmp_path / "ckpt.pt"
     torch.save(ckpt, path)
     return str(path), model, opt
+
+
+def tensors(info: dict, role: str | None = None, bits: int | None = 0) -> int:
+    """How many tensors an ``info --json`` report lists of ``role`` (None: any) at code width ``bits`` (0: any
+    low-bit width, None: kept exact)."""
+    return sum(r["tensors"] for r in info["states"] if role in (None, r["role"])
+               and (r["bits"] == bits if bits != 0 else r["bits"] is not None))

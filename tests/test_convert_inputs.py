@@ -13,7 +13,7 @@ from ckptq.codec import quant
 import ckptq
 from ckptq.cli import main
 from ckptq.errors import InputError
-from ckptq.sources.info import info as ckptq_info
+from ckptq import info as ckptq_info
 from ckptq.optim import AdamW8bit
 
 
@@ -120,9 +120,9 @@ def test_non_adam_optimizers_alone_are_refused_plainly(tmp_path):
     opt.step()
     path = _save(tmp_path, {"optimizer": opt.state_dict()})
     r = run("convert", path)
-    assert r.exit_code == 3 and "holds no Adam moments to store 8-bit" in r.output and "row_var" in r.output
+    assert r.exit_code == 3 and "holds no Adam moments to store low-bit" in r.output and "row_var" in r.output
     info = json.loads(run("info", path, "--json").output)
-    assert info["quantized"] == {} and "holds no Adam moments" in info["warnings"][0]
+    assert info["would_store"] == [] and info["would_write"] is None and "holds no Adam moments" in info["notes"][0]
     # transformers' Adafactor keeps eps as a tuple and has no betas: not Adam, no crash
     sd = _adamw_state()
     for g in sd["param_groups"]:
@@ -136,17 +136,22 @@ def test_info_predicts_exactly_what_convert_writes(tmp_path):
     path = _save(tmp_path, {"model": {"w": torch.randn(100)}, "optimizer": sd, "again": sd["state"][0]["exp_avg"]})
     info = ckptq_info(str(path))  # exp_avg of param 0 shares storage: kept exact by both
     report = ckptq.convert(str(path), str(tmp_path / "o.safetensors"))
-    assert info["estimated_bytes"] == report.output_bytes and report.kept_shared == 1
-    assert sum(r["tensors"] for r in info["quantized"].values()) == report.quantized == 3
+    assert info.would_write == report.output_bytes and report.kept_shared == 1
+    assert sum(r.tensors for r in info.would_store) == report.quantized == 3
+    assert ckptq_info(report.outputs[0]).low_bit() == 3  # and the file holds what info said it would
     assert run("info", path, "--block-size", 100).exit_code == 2  # as convert refuses it
     info4 = json.loads(run("info", path, "--bits", 4, "--json").output)
     report4 = ckptq.convert(str(path), str(tmp_path / "o4.safetensors"), bits=4)
-    assert info4["estimated_bytes"] == report4.output_bytes < report.output_bytes
+    assert info4["would_write"] == report4.output_bytes < report.output_bytes
+    held = ckptq_info(str(tmp_path / "o4.safetensors"))  # what the file holds is what info said it would store
+    assert sorted((r["role"], r["bits"], r["tensors"]) for r in info4["would_store"]) == \
+        sorted((r.role, r.bits, r.tensors) for r in held.states if r.bits)
+    assert {r["bits"] for r in info4["would_store"]} >= {6, 2}  # the ratio over the second moment it divides
     assert info4["options"]["block_size"] == 128 and "--bits 4 would write" in run("info", path, "--bits", 4).output
-    assert "4-bit, block size 128" in run("info", tmp_path / "o4.safetensors").output
+    assert held.options["block_size"] == 128
     r = run("info", path, "--bits", 3)
     assert r.exit_code == 2 and "bits" in r.output and "Traceback" not in r.output
-    assert ckptq_info(str(path), key="optimizer")["optimizers"] == "optimizer"
+    assert ckptq_info(str(path), key="optimizer").details["optimizers"] == "optimizer"
 
 
 def test_objects_ckptq_cannot_store_do_not_suggest_trust(tmp_path):
@@ -169,7 +174,7 @@ def test_torch_save_file_holding_ckptq_state_loads_expands_and_resumes(tmp_path)
     assert ckptq.load(str(path))["state"][0]["exp_avg"]["ckptq"] == "blockwise"
     dense = ckptq.load(str(path), dequantize=True)["state"][0]
     assert dense["exp_avg"].dtype == torch.float32 and dense["exp_avg"].shape == (8192,)
-    assert json.loads(run("info", path, "--json").output)["already_8bit"] == 2
+    assert json.loads(run("info", path, "--json").output)["details"]["low_bit_states"] == 2
     r = run("expand", path)
     assert r.exit_code == 0 and (tmp_path / "optimizer.fp32.pt").exists()
     sd = torch.load(tmp_path / "optimizer.fp32.pt", weights_only=True)

@@ -81,8 +81,8 @@ def test_trainer_folder_convert_expand_replace_round_trip(tmp_path):
     assert sorted(os.listdir(d)) == sorted([*others, "optimizer.q8.safetensors"])
     assert {n: h for n, h in digests(d).items() if n in others} == others  # other files untouched
     info = json.loads(run("info", d, "--json").output)
-    assert info["kind"] == "folder" and info["framework"] == "Trainer"
-    assert [f["kind"] for f in info["files"]] == ["converted"]
+    assert info["type"] == "folder" and info["details"]["framework"] == "Trainer"
+    assert [f["type"] for f in info["parts"]] == ["converted"]
     r = run("expand", d, "--replace")
     assert r.exit_code == 0 and "optimizer.pt" in r.output, r.output
     assert sorted(os.listdir(d)) == sorted([*others, "optimizer.pt"]) and digests(d).items() >= others.items()
@@ -122,12 +122,12 @@ def test_lightning_folder_and_its_optimizer_states_list(tmp_path):
     d.mkdir()
     lightning_ckpt(d / "epoch=0-step=3.ckpt")
     info = json.loads(run("info", d, "--json").output)
-    assert info["framework"] == "Lightning" and info["files"][0]["optimizers"] == "optimizer_states/0"
+    assert info["details"]["framework"] == "Lightning" and info["parts"][0]["details"]["optimizers"] == "optimizer_states/0"
     assert run("convert", d, "--replace").exit_code == 0
     assert os.listdir(d) == ["epoch=0-step=3.q8.safetensors"]
-    assert json.loads(run("info", d, "--json").output)["framework"] == "Lightning"  # by the source it records
+    assert json.loads(run("info", d, "--json").output)["details"]["framework"] == "Lightning"  # by the source it records
     text = run("info", d).output
-    assert "(Lightning checkpoint folder, 1 optimizer file)" in text and "converted by ckptq" in text
+    assert "(Lightning checkpoint folder)" in text and "optimizer files: 1" in text and "created by: ckptq" in text
     assert run("expand", d, "--replace").exit_code == 0
     assert os.listdir(d) == ["epoch=0-step=3.ckpt"]
     back = torch.load(d / "epoch=0-step=3.ckpt", weights_only=True)
@@ -163,7 +163,7 @@ def test_expand_of_a_plain_folder_restores_the_recorded_name(trained_ckpt, tmp_p
     path, _, _ = trained_ckpt  # nanoGPT's out/ckpt.pt
     assert run("convert", path, "--replace", "-q").exit_code == 0
     info = json.loads(run("info", tmp_path, "--json").output)
-    assert info["framework"] == "plain" and [f["kind"] for f in info["files"]] == ["converted"]
+    assert info["details"]["framework"] == "plain" and [f["type"] for f in info["parts"]] == ["converted"]
     assert run("expand", tmp_path, "--replace", "-q").exit_code == 0
     assert os.listdir(tmp_path) == ["ckpt.pt"] and torch.load(path, weights_only=True)["iter_num"] == 20
 

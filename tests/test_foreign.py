@@ -48,7 +48,7 @@ def test_bitsandbytes_state_expands_to_what_bitsandbytes_decodes(tmp_path, layou
             st.update(st.pop("__bnb_optimizer_quant_state__"))
     path = tmp_path / "optimizer.pt"
     torch.save(sd, path)
-    assert json.loads(run("info", path, "--json").output)["foreign_8bit"] == 2
+    assert json.loads(run("info", path, "--json").output)["details"]["foreign_8bit_params"] == 2
     assert run("expand", path, "-o", tmp_path / "fp32.pt").exit_code == 0
     out = torch.load(tmp_path / "fp32.pt", weights_only=True)
     assert torch.equal(out["state"][0]["exp_avg"], want_m) and torch.equal(out["state"][0]["exp_avg_sq"], want_v)

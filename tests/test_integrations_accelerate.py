@@ -12,7 +12,7 @@ import torch
 accelerate = pytest.importorskip("accelerate")
 
 import ckptq  # noqa: E402
-from ckptq.sources.info import info  # noqa: E402
+from ckptq import info  # noqa: E402
 from ckptq.integrations.accelerate import store_8bit  # noqa: E402
 from ckptq.optim import AdamW8bit  # noqa: E402
 from ckptq.codec.quant import count_qstates  # noqa: E402

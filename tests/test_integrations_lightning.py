@@ -14,7 +14,7 @@ import torch
 L = pytest.importorskip("lightning.pytorch")
 
 import ckptq  # noqa: E402
-from ckptq.sources.info import info  # noqa: E402
+from ckptq import info  # noqa: E402
 from ckptq.integrations.lightning import CkptqCheckpointIO  # noqa: E402
 from ckptq.optim import AdamW8bit  # noqa: E402
 

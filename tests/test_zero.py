@@ -18,7 +18,7 @@ import ckptq
 from ckptq.deepspeed import objects as zero_pickle
 from ckptq.cli import main
 from ckptq.errors import InputError, OutputExistsError, UsageError
-from ckptq.sources.info import info
+from ckptq import info
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "zero")
 CASES = {"zero1": (1, False), "zero2": (2, False), "zero3": (3, False), "zero2_bf16": (2, True)}

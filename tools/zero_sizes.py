@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from zero_worker import launch  # noqa: E402
 
 import ckptq  # noqa: E402
-from ckptq.sources.info import info as ckptq_info  # noqa: E402
+from ckptq import info as ckptq_info  # noqa: E402
 
 
 def _bytes(folder: str, pick) -> int:

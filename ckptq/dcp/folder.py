@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from ..format import files
 from ..codec import plan, policy, qstate, quant
-from ..errors import InputError, OutputExistsError
+from ..errors import InputError, OutputExistsError, UsageError
 
 _MOMENT = re.compile(r"^(?P<opt>.+)\.state\.(?P<fqn>.+)\.(?P<key>exp_avg|exp_avg_sq|max_exp_avg_sq)$")
 _PARTS = ("codes", "absmax", "qmap")
@@ -302,8 +302,10 @@ def leave_torchrun() -> None:
 
 
 def convert(src: str, dst: str, *, block_size: int = 256, min_size: int = policy.DEFAULT_MIN_SIZE,
-            force: bool = False) -> dict:
+            force: bool = False, bits: int = 8) -> dict:
     """Convert a DCP folder's fp32 Adam moments to 8-bit; returns a report dict."""
+    if bits != 8:
+        raise UsageError(f"{bits}-bit state is not supported for DCP folders yet; convert them with --bits 8")
     join_torchrun()
     md = read_metadata(src)
     p = make_plan(src, md, min_size, block_size)

@@ -29,8 +29,12 @@ def _kind(path: str) -> str:
 def convert(src: str, opts: ConvertOptions) -> ConvertReport:
     """Each optimizer file's Adam moments low-bit, in ``.q8.safetensors`` (or ``.q4``) files beside the
     originals (all or none); the originals stay."""
+    if opts.bits != 8:
+        from ..errors import UsageError
+
+        raise UsageError(f"{opts.bits}-bit state is not supported for DeepSpeed checkpoints yet; convert them with --bits 8")
     fields = _module(src).convert(src, block_size=opts.block_size, min_size=opts.min_size, force=opts.force,
-                                  progress=opts.progress, bits=opts.bits)
+                                  progress=opts.progress)
     return ConvertReport(kind=_kind(src), bits=opts.bits, **fields)
 
 

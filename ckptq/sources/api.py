@@ -1,15 +1,24 @@
-"""ckptq's verbs as Python functions: each checks its options once, finds what the input is
-(``detect``) and asks that source, which returns a typed report (``ckptq.sources.reports``)."""
+"""ckptq's verbs as Python functions: each checks its options once, finds what the input is (``detect``,
+the one place that decides it) and asks that source, which returns a typed report
+(``ckptq.sources.reports``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import os
+
+from .. import format
+from ..format.files import kind_of
 from ..codec import checkpoint, policy, quant, tree
-from .detect import detect
+from ..errors import InputError
+from . import folders
+from .base import Source
+from .distributed import DcpFolder, DeepSpeedCheckpoint
+from .framework import FrameworkFolder, RunFolder, checkpoint_folders
 from .options import DEFAULT_MAX_SHARD_SIZE, ConvertOptions, ExpandOptions, InfoOptions, Progress
 from .reports import ConvertReport, ExpandReport, InfoReport
-from .single import save  # noqa: F401  (ckptq.save)
+from .single import ConvertedFile, ForeignSafetensors, TorchFile, save  # noqa: F401  (ckptq.save)
 
 
 def convert(src: str, dst: str | None = None, *, bits: int = 8, block_size: int | None = None,
@@ -65,3 +74,42 @@ def load(path: str, *, dequantize: bool = False, verify: bool = True) -> Any:
         return conv.read(dequantize)
     finally:
         conv.close()
+
+
+def _is_ckptq_safetensors(path: str) -> bool:
+    return kind_of(path) == "ckptq"
+
+
+def detect(path: str, *, run: bool = False) -> Source:
+    """The source at ``path``; ``run``: a folder of checkpoint folders, taken as a whole (``convert --all``).
+    InputError for what is nothing ckptq reads."""
+    from ..deepspeed import zero
+
+    if not os.path.lexists(path):
+        raise InputError(f"{path}: no such file or folder")
+    if run:
+        if not (os.path.isdir(path) and checkpoint_folders(path)):
+            raise InputError(f"{path} holds no checkpoint folders (checkpoint-N/, global_stepN/, step-N/) to convert "
+                             "with --all; pass a checkpoint folder or file")
+        return RunFolder(path, detect, explicit=True)
+    if zero.is_zero_checkpoint(path):
+        return DeepSpeedCheckpoint(path)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, ".metadata")):
+            return DcpFolder(path)
+        if not folders.is_checkpoint_folder(path):  # a folder holding one ckptq shard set
+            return ConvertedFile(path)
+        if not folders.holds_optimizer_files(path) and len(checkpoint_folders(path)) > 1:
+            return RunFolder(path, detect, explicit=False)
+        return FrameworkFolder(path, detect)
+    return _file(path)
+
+
+def _file(path: str) -> Source:
+    if checkpoint.is_torch_file(path):
+        return TorchFile(path)
+    if path.endswith((".json", format.SUFFIX)) or _is_ckptq_safetensors(path):
+        return ConvertedFile(path)  # a damaged one: its reader says in one line what is wrong with it
+    if format.is_safetensors(path):
+        return ForeignSafetensors(path)
+    return TorchFile(path)  # its loader says in one line what is wrong with it

@@ -9,7 +9,8 @@ from .reports import ConvertReport, ExpandReport, InfoReport
 
 
 class Source:
-    kind = "input"
+    kind = "input"  # in words
+    type = "input"  # as a short name (``InfoReport.type``)
 
     def __init__(self, path: str):
         self.path = path
@@ -25,3 +26,12 @@ class Source:
 
     def info(self, opts: InfoOptions) -> InfoReport:
         raise self._lacks("describe")
+
+    def check_converted(self, outputs: list[str], trust: bool) -> None:
+        """Read ``outputs`` back against this source (``--replace``); ReadbackError if they differ."""
+        raise UsageError(f"--replace does not handle {self.kind}s yet; convert without it, check the output, then "
+                         "delete the original yourself")
+
+    def check_expanded(self, outputs: list[str], trust: bool) -> None:
+        raise UsageError(f"--replace does not handle {self.kind}s yet; expand without it, check the output, then "
+                         "delete the original yourself")

@@ -17,6 +17,11 @@ from .reports import ConvertReport, ExpandReport, InfoReport
 
 class DcpFolder(Source):
     kind = "torch.distributed.checkpoint folder"
+    type = "dcp"
+
+    def check_converted(self, outputs: list[str], trust: bool) -> None:
+        raise UsageError("--replace does not handle DCP folders yet; convert without it, check the output, then "
+                         "delete the original yourself")
 
     def convert(self, opts: ConvertOptions) -> ConvertReport:
         from ..dcp import folder  # imports torch.distributed.checkpoint: only when a folder needs it
@@ -30,8 +35,7 @@ class DcpFolder(Source):
         report = ConvertReport(self.path, self.kind, [dst], r["source_bytes"], r["output_bytes"], bits=opts.bits,
                                quantized=r["quantized"], warnings=r["warnings"])
         if original:
-            folder.check_converted(self.path, dst)
-            report.removed = original.remove([dst])
+            raise UsageError("--replace does not take DCP folders yet")
         report.seconds = time.perf_counter() - t0
         return report
 
@@ -45,19 +49,24 @@ class DcpFolder(Source):
         r = folder.expand(self.path, dst, force=opts.force)
         report = ExpandReport(self.path, self.kind, [dst], r["output_bytes"])
         if original:
-            folder.check_expanded(self.path, dst)
-            report.removed = original.remove([dst])
+            raise UsageError("--replace does not take DCP folders yet")
         report.seconds = time.perf_counter() - t0
         return report
 
     def info(self, opts: InfoOptions) -> InfoReport:
         from ..dcp import folder
 
-        return folder.info(self.path, min_size=opts.min_size, block_size=opts.block_size, bits=opts.bits)
+        r = folder.info(self.path, min_size=opts.min_size, block_size=opts.block_size)
+        report = InfoReport(self.path, self.kind, r["bytes"], type="dcp", details={"keys": r["keys"]})
+        report.row("Adam moments", 8).tensors = r["moments_8bit"]
+        report.row("Adam moments", None).tensors = r["moments_fp32"]
+        report.details["convert_would_quantize"] = r["convert_would_quantize"]
+        return report
 
 
 class DeepSpeedCheckpoint(Source):
     kind = "DeepSpeed checkpoint"
+    type = "deepspeed"
 
     def _in_place(self, output: str | None, verb: str) -> None:
         if output is not None and os.path.realpath(output) != os.path.realpath(self.path):

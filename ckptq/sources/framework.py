@@ -28,6 +28,7 @@ def _no_output_path(output: str | None, verb: str) -> None:
 
 class FrameworkFolder(Source):
     kind = "checkpoint folder"
+    type = "folder"
 
     def __init__(self, path: str, detect):
         super().__init__(path)
@@ -39,12 +40,12 @@ class FrameworkFolder(Source):
         layout = folders.for_convert(self.path)
         report = ConvertReport(self.path, f"{layout.framework} {self.kind}", bits=opts.bits)
         one = opts.with_output(None)
+        sources = [self._detect(job.src) for job in layout.jobs]
         originals = [readback.Original(job.src) for job in layout.jobs] if opts.replace else []
-        for job in layout.jobs:  # each file beside its original; no file is deleted yet
-            part = self._detect(job.src).convert(_replace_off(one.with_output(job.dst)))
-            report.add(part)
-        for job, part in zip(layout.jobs, report.parts) if opts.replace else ():
-            readback.check_converted(job.src, part.outputs, opts.trust)
+        for job, source in zip(layout.jobs, sources):  # each file beside its original; no file is deleted yet
+            report.add(source.convert(_replace_off(one.with_output(job.dst))))
+        for source, part in zip(sources, report.parts) if opts.replace else ():
+            source.check_converted(part.outputs, opts.trust)
         for original, part in zip(originals, report.parts):
             part.removed = original.remove(part.outputs)
             report.removed += part.removed
@@ -64,7 +65,7 @@ class FrameworkFolder(Source):
             else:
                 report.add(self._detect(job.src).expand(_replace_off(opts.with_output(job.dst))))
         for job in moved if opts.replace else ():
-            readback.check_expanded(job.src, job.dst, opts.trust)
+            self._detect(job.src).check_expanded([job.dst], opts.trust)
         for job in moved if opts.replace else ():
             report.removed += originals[job.src].remove([job.dst], also=folders.parts_of(job.src)[1:])
         report.seconds = time.perf_counter() - t0
@@ -87,10 +88,11 @@ class FrameworkFolder(Source):
 
     def info(self, opts: InfoOptions) -> InfoReport:
         layout = folders.for_info(self.path)
-        r = InfoReport(self.path, f"{layout.framework} {self.kind}",
-                       sum(os.path.getsize(os.path.join(self.path, n)) for n in os.listdir(self.path)
-                           if os.path.isfile(os.path.join(self.path, n))))
-        r.details["optimizer files"] = len(layout.jobs)
+        size = sum(os.path.getsize(os.path.join(self.path, n)) for n in os.listdir(self.path)
+                   if os.path.isfile(os.path.join(self.path, n)))
+        r = InfoReport(self.path, f"{layout.framework} {self.kind}", size, type=self.type,
+                       details={"framework": layout.framework})
+        r.details["optimizer_files"] = len(layout.jobs)
         for job in layout.jobs:
             r.parts.append(self._detect(job.src).info(opts))
         return r
@@ -121,6 +123,7 @@ class RunFolder(Source):
     ``convert`` converts them all (``--all``), leaving the newest ``--keep-last`` as they are for resuming."""
 
     kind = "training run folder"
+    type = "run"
 
     def __init__(self, path: str, detect, explicit: bool):
         super().__init__(path)
@@ -135,7 +138,8 @@ class RunFolder(Source):
         _no_output_path(opts.output, "convert")
         if not self._explicit:
             raise UsageError(f"{self.path} holds {self._names()}; convert them all with `ckptq convert {self.path} "
-                             "--all` (add --keep-last N to leave the newest as they are), or pass one of them")
+                             "--all` (add --keep-last N to leave the newest as they are), or pass one: ckptq convert "
+                             f"{checkpoint_folders(self.path)[-1]}")
         subs = checkpoint_folders(self.path)
         keep = subs[len(subs) - opts.keep_last:] if opts.keep_last else []
         report = ConvertReport(self.path, self.kind, bits=opts.bits, skipped=[os.path.basename(k) for k in keep])
@@ -152,12 +156,12 @@ class RunFolder(Source):
         return report
 
     def expand(self, opts: ExpandOptions) -> ExpandReport:
-        raise UsageError(f"{self.path} holds {self._names()}; expand the one to resume from: ckptq expand "
-                         f"{checkpoint_folders(self.path)[-1]}")
+        raise UsageError(f"{self.path} holds {self._names()}; expand the one to resume from, say the newest: pass "
+                         f"one: ckptq expand {checkpoint_folders(self.path)[-1]}")
 
     def info(self, opts: InfoOptions) -> InfoReport:
         subs = checkpoint_folders(self.path)
-        r = InfoReport(self.path, f"{self.kind}, {len(subs)} checkpoints")
+        r = InfoReport(self.path, f"{self.kind}, {len(subs)} checkpoints", type=self.type)
         for sub in subs:
             part = self._detect(sub).info(opts)
             r.parts.append(part)

@@ -32,6 +32,7 @@ class ConvertReport:
     kept_small: int = 0  # float states below min_size, stored exact
     kept_nonfinite: int = 0  # states holding NaN/Inf, stored exact
     kept_shared: int = 0  # states sharing storage with another tensor, stored exact
+    nonfinite_names: list[str] = field(default_factory=list)  # the states kept exact for NaN/Inf
     foreign_states: int = 0  # parameters whose state was bitsandbytes' or torchao's 8-bit state
     warnings: list[str] = field(default_factory=list)  # states kept exact, or not stored as ratios, and why
     removed: list[str] = field(default_factory=list)  # originals deleted (--replace) once the outputs checked out
@@ -49,6 +50,7 @@ class ConvertReport:
         self.outputs += part.outputs
         self.removed += part.removed
         self.warnings += part.warnings
+        self.nonfinite_names += part.nonfinite_names
         for name in ("source_bytes", "output_bytes", "optimizers", "quantized", "kept_small", "kept_nonfinite",
                      "kept_shared", "foreign_states"):
             setattr(self, name, getattr(self, name) + getattr(part, name))
@@ -124,10 +126,24 @@ class InfoReport:
     states: list[StateRow] = field(default_factory=list)  # what it holds: low-bit states by role and width, exact
     options: dict = field(default_factory=dict)  # what a converted file records, or the options convert would use
     would_write: int | None = None  # bytes ``convert`` with these options would write (inputs with fp32 moments)
+    would_store: list[StateRow] = field(default_factory=list)  # the states it would store low-bit, by role and width
     notes: list[str] = field(default_factory=list)  # what to know, and what to do next
     warnings: list[str] = field(default_factory=list)  # damage: states that cannot be stored low-bit, and why
     details: dict = field(default_factory=dict)  # what only this kind has (world size, stage, framework...)
     parts: list[InfoReport] = field(default_factory=list)
+    type: str = ""  # the kind as a short name: torch, converted, safetensors, folder, run, dcp, deepspeed
+
+    @property
+    def ratio(self) -> float | None:
+        """How much smaller the converted file is than its source; for fp32 input, than it would be."""
+        before = self.options.get("source_bytes")
+        if isinstance(before, int) and before > 0 and self.bytes:
+            return before / self.bytes
+        return self.bytes / self.would_write if self.would_write else None
+
+    def low_bit(self, role: str | None = None) -> int:
+        """How many low-bit states the input holds (of ``role``, or all)."""
+        return sum(r.tensors for r in self.states if r.bits and role in (None, r.role))
 
     def row(self, role: str, bits: int | None) -> StateRow:
         for r in self.states:
@@ -143,6 +159,9 @@ class InfoReport:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["states"] = [asdict(r) | {"fp32_bytes": r.fp32_bytes} for r in self.states]
+        d["would_store"] = [asdict(r) | {"fp32_bytes": r.fp32_bytes} for r in self.would_store]
+        d["ratio"] = self.ratio
+        d["parts"] = [p.as_dict() for p in self.parts]
         return d
 
     def text(self, indent: str = "") -> str:
@@ -158,8 +177,10 @@ class InfoReport:
                 width = f"{r.bits}-bit" if r.bits else "exact"
                 lines.append(f"{indent}  {r.role:<16}{width:>8}{r.tensors:>9}{r.elements:>14,}{mb(r.stored_bytes):>13}")
         if self.would_write is not None:
-            lines.append(f"{indent}  convert would write ~{mb(self.would_write)} "
-                         f"({ratio_words(self.details.get('convertible_bytes', self.bytes), self.would_write)})")
+            bits = self.options.get("bits", 8)
+            stored = ", ".join(f"{r.tensors} {r.role} {r.bits}-bit" for r in self.would_store)
+            lines.append(f"{indent}  convert{f' --bits {bits}' if bits != 8 else ''} would write ~{mb(self.would_write)} "
+                         f"({ratio_words(self.bytes, self.would_write)})" + (f": {stored}" if stored else ""))
         lines += [f"{indent}  note: {n}" for n in self.notes] + [f"{indent}  warning: {w}" for w in self.warnings]
         return "\n".join(lines + [p.text(indent + "  ") for p in self.parts])
 

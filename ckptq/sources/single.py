@@ -15,7 +15,7 @@ from ..format import torch_stream
 from . import outputs, readback
 from .base import Source
 from .options import ConvertOptions, ExpandOptions, InfoOptions
-from .reports import ConvertReport, ExpandReport, InfoReport
+from .reports import ConvertReport, ExpandReport, InfoReport, StateRow
 
 
 def default_output(src: str, bits: int = 8) -> str:
@@ -82,6 +82,7 @@ def _write_converted(src: str, obj: Any, opts: ConvertOptions, kind: str, t0: fl
     counts = marked.counts()
     report.__dict__.update(counts)
     report.warnings = marked.warnings()
+    report.nonfinite_names = [d.name for d in marked.kept("holds NaN/Inf")]
     if not counts["optimizers"]:
         raise InputError(f"{src}: no optimizer state dict (a dict with 'state' and 'param_groups') found; "
                          "name it with --key if it is stored differently")
@@ -97,6 +98,13 @@ def _write_converted(src: str, obj: Any, opts: ConvertOptions, kind: str, t0: fl
 
 class TorchFile(Source):
     kind = "torch.save checkpoint"
+    type = "torch"
+
+    def check_converted(self, outputs: list[str], trust: bool) -> None:
+        readback.check_converted(self.path, outputs, trust)
+
+    def check_expanded(self, outputs: list[str], trust: bool) -> None:
+        readback.check_expanded(self.path, outputs[0], trust)
 
     def convert(self, opts: ConvertOptions) -> ConvertReport:
         t0 = time.perf_counter()
@@ -105,7 +113,7 @@ class TorchFile(Source):
         original = readback.Original(self.path) if opts.replace else None
         report = _write_converted(self.path, checkpoint.load_torch(self.path, trust=opts.trust), opts, self.kind, t0)
         if original:  # the original goes only once the output reads back as what was meant
-            readback.check_converted(self.path, report.outputs, opts.trust)
+            self.check_converted(report.outputs, opts.trust)
             report.removed = original.remove(report.outputs)
         report.seconds = time.perf_counter() - t0
         return report
@@ -126,7 +134,7 @@ class TorchFile(Source):
             torch_stream.save(obj, tmp, opts.progress)
         report = ExpandReport(self.path, self.kind, [dst], os.path.getsize(dst))
         if original:
-            readback.check_expanded(self.path, dst, opts.trust)
+            self.check_expanded([dst], opts.trust)
             report.removed = original.remove([dst])
         report.seconds = time.perf_counter() - t0
         return report
@@ -135,7 +143,7 @@ class TorchFile(Source):
         """What the file holds, and what ``convert`` with these options would store (the same plan, sized
         tensor by tensor as its writer would write them; nothing is quantized)."""
         obj = checkpoint.load_torch(self.path, trust=opts.trust)
-        r = InfoReport(self.path, self.kind, os.path.getsize(self.path))
+        r = InfoReport(self.path, self.kind, os.path.getsize(self.path), type=self.type)
         held = _count_qstates(obj, r)
         for s in tree.flatten(obj)[1]:  # the tensors as stored (shared storage once), by their state key
             if s.role in ("exact", "codebook"):
@@ -175,6 +183,13 @@ def _describe_plan(r: InfoReport, obj: Any, held: int, foreign_params: int, mark
     """What convert would write (``obj`` marked by ``plan.mark``), and the notes of a torch.save file's info."""
     skeleton, stored = tree.flatten(obj)
     counts = marked.counts()
+    for d in marked.quantized:
+        row = next((w for w in r.would_store if (w.role, w.bits) == (d.key, plan.convert_width(d, opts.bits))), None)
+        if row is None:
+            row = StateRow(d.key, plan.convert_width(d, opts.bits))
+            r.would_store.append(row)
+        row.tensors, row.elements = row.tensors + 1, row.elements + d.tensor.numel()
+    r.details.update(low_bit_states=held, foreign_8bit_params=foreign_params)
     r.options = {"bits": opts.bits, "block_size": opts.block_size, "min_size": opts.min_size}
     if counts["quantized"]:
         meta = convert_info(r.path, r.bytes, counts, opts.block_size, opts.min_size, opts.bits)
@@ -193,9 +208,16 @@ def _describe_plan(r: InfoReport, obj: Any, held: int, foreign_params: int, mark
 
 class ConvertedFile(Source):
     kind = "ckptq file"
+    type = "converted"
 
     def __init__(self, path: str):
         super().__init__(path)
+
+    def check_converted(self, outputs: list[str], trust: bool) -> None:
+        readback.check_converted(self.path, outputs, trust)
+
+    def check_expanded(self, outputs: list[str], trust: bool) -> None:
+        readback.check_expanded(self.path, outputs[0], trust)
 
     def convert(self, opts: ConvertOptions) -> ConvertReport:
         """A converted file re-encoded at the other budget (8 <-> 4): its states decoded, then quantized."""
@@ -216,7 +238,7 @@ class ConvertedFile(Source):
         report = _write_converted(self.path, obj, opts, self.kind, t0)
         report.source_bytes = sum(os.path.getsize(f) for f in files)
         if original:
-            readback.check_converted(self.path, report.outputs, opts.trust)
+            self.check_converted(report.outputs, opts.trust)
             report.removed = original.remove(report.outputs, also=files[1:])
         report.seconds = time.perf_counter() - t0
         return report
@@ -237,7 +259,7 @@ class ConvertedFile(Source):
             conv.close()
         report = ExpandReport(self.path, self.kind, [dst], os.path.getsize(dst))
         if original:
-            readback.check_expanded(self.path, dst, opts.trust)
+            self.check_expanded([dst], opts.trust)
             report.removed = original.remove([dst], also=files[1:])
         report.seconds = time.perf_counter() - t0
         return report
@@ -245,7 +267,8 @@ class ConvertedFile(Source):
     def info(self, opts: InfoOptions) -> InfoReport:
         conv = tree.Converted(self.path, verify=False)
         try:
-            r = InfoReport(self.path, f"{self.kind}, format {conv.version}", sum(os.path.getsize(f) for f in conv.files))
+            r = InfoReport(self.path, f"{self.kind}, format {conv.version}", sum(os.path.getsize(f) for f in conv.files),
+                           type=self.type)
             quantized = set()
             for key, node in _quantized_nodes(conv.skeleton, None):
                 q = node["quantized"]
@@ -264,7 +287,7 @@ class ConvertedFile(Source):
             codecs = sorted({t.get("codec", {}).get("codec", "raw") for t in conv.tensors.values()})
             r.options = {k: v for k, v in conv.info.items() if k in ("block_size", "min_size", "source", "source_bytes")}
             r.details = {"created_by": conv.info.get("created_by", "ckptq"), "codecs": ", ".join(codecs),
-                         "files": len(conv.files)}
+                         "files": list(conv.files)}
         finally:
             conv.close()
         return r
@@ -295,6 +318,7 @@ class ForeignSafetensors(Source):
     """A safetensors file that ckptq did not write (a model's weights, say): described, never converted."""
 
     kind = "safetensors file not written by ckptq"
+    type = "safetensors"
 
     def _what(self) -> str:
         return (f"{self.path} is a safetensors file that ckptq did not write (model weights?); ckptq converts "
@@ -311,7 +335,7 @@ class ForeignSafetensors(Source):
 
         reader = Reader(self.path)  # validated as any input: entries tile the data, shapes are sane
         try:
-            r = InfoReport(self.path, self.kind, os.path.getsize(self.path))
+            r = InfoReport(self.path, self.kind, os.path.getsize(self.path), type=self.type)
             for e in reader.entries.values():
                 numel = 1
                 for d in e["shape"]:
