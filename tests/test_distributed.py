@@ -3,6 +3,7 @@ checkpoints that resume at another world size without changing a bit, and about 
 rank. Every rank sees the same batch, so FSDP2's averaged
 gradient equals one process's gradient and results can be compared exactly."""
 
+import json
 import os
 import re
 import subprocess
@@ -341,3 +342,18 @@ def _same(a, b) -> bool:
         return isinstance(b, torch.Tensor) and torch.equal(a, b) if not a.is_floating_point() else \
             torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
     return a == b
+
+
+def test_tensor_parallel_dim_0_shards_are_low_bit_and_dim_1_shards_keep_fp32_with_one_warning(tmp_path):
+    """2-D parallelism on a 2 x 2 mesh (torchtitan's FSDP2 over TP): a column-parallel weight is cut along
+    dim 0 only (whole rows on every rank: low-bit state), a row-parallel one along dim 1 (blocks would
+    straddle ranks: fp32 state, and one warning naming it)."""
+    out = tmp_path / "tp.json"
+    worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", worker, "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["held"]["0.weight"][0] and not got["held"]["1.weight"][0], got
+    said = [w for w in got["warnings"] if "keeps fp32 optimizer state" in w]
+    assert len(said) == 1 and "'1.weight'" in said[0] and "another dim than 0" in said[0], said

@@ -31,10 +31,13 @@ def is_dtensor(t) -> bool:
 
 
 def shardable(p) -> bool:
-    """Whether a DTensor parameter can hold low-bit state: 2 or more dims, sharded on dim 0 only."""
-    from torch.distributed.tensor import Replicate, Shard
+    """Whether a DTensor parameter can hold low-bit state: 2 or more dims, replicated or sharded on dim 0 only
+    (FSDP2's ``Shard(0)``, HSDP, and FSDP2 over tensor parallelism's dim-0 shards, ``_StridedShard(0)``): every
+    rank then holds whole rows, whatever rows they are."""
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return p.dim() >= 2 and all(isinstance(pl, Replicate) or pl == Shard(0) for pl in p.placements)
+    return p.dim() >= 2 and all(pl.is_replicate() or pl.is_shard(0) or (isinstance(pl, _StridedShard) and pl.dim == 0)
+                                for pl in p.placements)
 
 
 def local(t):

@@ -268,5 +268,7 @@ def _warn_fp32(opt, p) -> None:
     said.add(id(p))
     why = ("a 1-D parameter: its one row is split across ranks" if p.dim() < 2 else
            f"sharded along another dim than 0 ({p.placements}): blocks would straddle ranks")
-    warnings.warn(f"ckptq: a DTensor parameter of shape {tuple(p.shape)} keeps fp32 optimizer state ({why}); "
-                  "state of parameters sharded on dim 0 (FSDP2) is low-bit", RuntimeWarning, stacklevel=4)
+    names = [n for g in opt.param_groups for q, n in zip(g["params"], g.get("param_names", ())) if q is p]
+    what = f"parameter {names[0]!r}" if names else "a DTensor parameter"
+    warnings.warn(f"ckptq: {what} of shape {tuple(p.shape)} keeps fp32 optimizer state ({why}); state of "
+                  "parameters sharded on dim 0 (FSDP2) is low-bit", RuntimeWarning, stacklevel=4)
