@@ -1,13 +1,15 @@
-"""Optimizer state per rank and DCP folder size under FSDP2: torch AdamW, ckptq AdamW8bit, and torch AdamW
-saved through ckptq's SavePlanner, side by side in one run (gloo on the CPU).
+"""Optimizer state per parameter under FSDP2, by model width: torch AdamW, ckptq AdamW8bit and AdamW4bit, and
+the DCP folder of each (and of torch AdamW saved through ckptq's SavePlanner), side by side (gloo, CPU).
 
-    python tools/bench_dist.py --layers 8 --width 1024 --worlds 1,2,4
+    python tools/bench_dist.py --widths 128,200,576 --worlds 2,4
 
-For each world size the driver launches torchrun once per optimizer; every rank builds the same model
-(``--layers`` Linear(width, width) blocks, each and the whole model wrapped in ``fully_shard``), takes two
-steps, and reports the bytes of optimizer state it holds (local shards of every state tensor: codes,
-scales, fp32 moments and steps; codebooks counted once per tensor) and its peak RSS; rank 0 then saves
-model + optimizer with ``dcp.save`` and the driver measures the folder. Prints a markdown table.
+For each width and world size the driver launches torchrun once per optimizer; every rank builds the same
+model, a 4-Linear MLP of width d (d -> 4d -> d -> 4d -> d, with biases; each Linear and the whole model
+wrapped in ``fully_shard``, so dim 0 is sharded unevenly when it does not divide by the world size), takes
+two steps, and reports the bytes of optimizer state it holds for the parameters with at least 4,096
+elements (local codes, scales or fp32 moments; steps and codebooks left out), per local element of those
+parameters, the worst rank; rank 0 then saves model + optimizer with ``dcp.save`` and the driver measures
+the folder. Targets (issue #19): AdamW8bit <= 2.1 B/param, AdamW4bit <= 1.15 B/param at every width.
 """
 
 from __future__ import annotations
@@ -15,25 +17,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 
 import torch
 
-VARIANTS = ("torch-adamw", "ckptq-adamw8bit", "torch-adamw+SavePlanner")
+VARIANTS = ("torch-adamw", "ckptq-adamw8bit", "ckptq-adamw4bit", "torch-adamw+SavePlanner")
+MIN_SIZE = 4096
 
 
-def _state_bytes(opt) -> int:
-    total = 0
-    for st in opt.state.values():
-        for v in st.values():
-            for t in (v.values() if isinstance(v, dict) else [v]):
-                if isinstance(t, torch.Tensor):
+def _state_bytes(opt, params) -> tuple[int, int]:
+    """(bytes of the moments' state, local elements) over the parameters with >= MIN_SIZE elements."""
+    total = elements = 0
+    for p in params:
+        if p.numel() < MIN_SIZE:
+            continue
+        elements += (p.to_local() if hasattr(p, "to_local") else p).numel()
+        for key, v in opt.state[p].items():
+            if key == "step":
+                continue
+            for name, t in (v.items() if isinstance(v, dict) else [("", v)]):
+                if isinstance(t, torch.Tensor) and name != "qmap":
                     t = t.to_local() if hasattr(t, "to_local") else t
                     total += t.numel() * t.element_size()
-    return total
+    return total, elements
 
 
 def worker(a) -> None:
@@ -43,66 +51,68 @@ def worker(a) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import ckptq.dcp
-    from ckptq.optim import AdamW8bit
+    from ckptq.optim import AdamW4bit, AdamW8bit
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(a.width, a.width) for _ in range(a.layers)])
+    d = a.width
+    model = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d), torch.nn.Linear(d, 4 * d),
+                                torch.nn.Linear(4 * d, d))
     for block in model:
         fully_shard(block)
     fully_shard(model)
-    opt = (AdamW8bit(model.parameters(), lr=1e-3) if a.variant == "ckptq-adamw8bit"
-           else torch.optim.AdamW(model.parameters(), lr=1e-3))
+    make = {"ckptq-adamw8bit": AdamW8bit, "ckptq-adamw4bit": AdamW4bit}.get(a.variant, torch.optim.AdamW)
+    opt = make(model.parameters(), lr=1e-3)
     for _ in range(2):
-        model(torch.randn(4, a.width)).pow(2).mean().backward()
+        model(torch.randn(4, d)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
     msd, osd = get_state_dict(model, opt)
     planner = ckptq.dcp.SavePlanner() if a.variant.endswith("SavePlanner") else None
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=a.dir, planner=planner)
-    rss = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)])
-    state = torch.tensor([float(_state_bytes(opt))])
-    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
-    dist.all_reduce(state, op=dist.ReduceOp.MAX)
+    state, elements = _state_bytes(opt, list(model.parameters()))
+    per = torch.tensor([state / max(elements, 1)])
+    dist.all_reduce(per, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         params = sum(p.numel() for p in model.parameters())
-        print(json.dumps({"state": state.item(), "rss_kb": rss.item(), "params": params}))
+        print(json.dumps({"per_param": per.item(), "params": params}))
     dist.barrier()  # no rank tears gloo down while another still talks to it (SIGABRT otherwise)
     dist.destroy_process_group()
 
 
+def _launch(a, world: int, width: int, variant: str, folder: str) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", __file__,
+           "--worker", "--variant", variant, "--dir", folder, "--width", str(width)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if out.returncode:
+        sys.exit(out.stderr[-2000:])
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r["folder"] = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+    return r
+
+
 def drive(a) -> None:
-    rows = []
-    for world in [int(w) for w in a.worlds.split(",")]:
-        for variant in VARIANTS:
-            with tempfile.TemporaryDirectory() as d:
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                       __file__, "--worker", "--variant", variant, "--dir", d, "--layers", str(a.layers),
-                       "--width", str(a.width)]
-                out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-                if out.returncode:
-                    sys.exit(out.stderr[-2000:])
-                r = json.loads(out.stdout.strip().splitlines()[-1])
-                size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
-                rows.append((world, variant, r["state"], r["params"], r["rss_kb"], size))
-    params = rows[0][3]
-    print(f"{params / 1e6:.1f} M parameters ({a.layers} x Linear({a.width}, {a.width})), FSDP2, gloo, CPU\n")
-    print("| world | optimizer | state per rank | B/param per rank | x torch AdamW | peak RSS per rank | DCP folder |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
-    base = {(w, ): s for w, v, s, *_ in rows if v == "torch-adamw"}
-    for world, variant, state, _, rss, size in rows:
-        print(f"| {world} | {variant} | {state / 2**20:.1f} MB | {state / params:.3f} | {state / base[(world,)]:.3f} "
-              f"| {rss / 1024:.0f} MB | {size / 2**20:.1f} MB |")
+    print("| width | world | optimizer | state B/param (params >= 4,096, worst rank) | DCP folder | x torch AdamW's |")
+    print("|---:|---:|---|---:|---:|---:|")
+    for width in [int(w) for w in a.widths.split(",")]:
+        for world in [int(w) for w in a.worlds.split(",")]:
+            base = None
+            for variant in VARIANTS:
+                with tempfile.TemporaryDirectory() as d:
+                    r = _launch(a, world, width, variant, d)
+                base = base or r["folder"]
+                print(f"| {width} | {world} | {variant} | {r['per_param']:.3f} | {r['folder'] / 2**20:.2f} MB "
+                      f"| {r['folder'] / base:.2f}x |", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--widths", default="128,200,576")
+    ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
+    ap.add_argument("--width", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     worker(a) if a.worker else drive(a)
 
