@@ -1,7 +1,7 @@
 """What the framework integrations share, without any framework: imports stay lazy, the in-memory 8-bit
 copy of an optimizer state dict leaves the live optimizer alone, ``store_8bit`` round-trips through a
-plain ``torch.save`` and torchao's states move to ckptq's form and back exactly. The frameworks
-themselves: tests/test_integrations_{transformers,accelerate,lightning}.py."""
+plain ``torch.save``, torchao's states move to ckptq's form and back exactly, and signposts stop a stock
+load. The frameworks themselves: tests/test_integrations_{transformers,accelerate,lightning}.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import ckptq
 from ckptq.codec import checkpoint, foreign
 from ckptq.codec.qstate import count_qstates, dequantize_state, is_qstate
-from ckptq.integrations import _state
+from ckptq.integrations import _state, signpost
 from ckptq.integrations.accelerate import store_8bit
 from ckptq.optim import AdamW8bit, to_torch_state_dict
 
@@ -141,3 +141,22 @@ def test_storage_key_takes_tensor_subclasses(torchao_optim):
     opt = trained(torchao_optim.AdamW8bit)
     states = [v for s in opt.state.values() for v in s.values()]
     assert len({checkpoint.storage_key(t) for t in states}) == len(states)  # torchao's states share nothing
+
+
+def test_a_signpost_stops_torch_adamw_with_its_message(tmp_path):
+    opt = trained(torch.optim.AdamW)
+    torch.save(signpost.make(opt.state_dict(), "ckptq: resume with X"), tmp_path / "optimizer.pt")
+    assert signpost.is_signpost_file(str(tmp_path / "optimizer.pt"))  # read with torch.load(weights_only=True)
+    with pytest.raises(ValueError, match=r"^could not convert string to float: b'ckptq: resume with X'$"):
+        trained(torch.optim.AdamW, steps=0).load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+    fresh = trained(torch.optim.AdamW, steps=0).state_dict()  # no state yet: nothing to lose, nothing to stop
+    assert signpost.make(fresh, "x")["state"] == {}
+
+
+def test_unwrap_puts_lightning_states_back():
+    real = trained(torch.optim.AdamW).state_dict()
+    ckpt = {"optimizer_states": [signpost.make(real, "m"), {"state": {}, "param_groups": []}],
+            signpost.LIGHTNING_STATES: [real, None], signpost.LIGHTNING_TORCHAO: []}
+    assert signpost.unwrap(ckpt) == 1
+    assert ckpt == {"optimizer_states": [real, {"state": {}, "param_groups": []}]}
+    assert signpost.unwrap(ckpt) == 0
