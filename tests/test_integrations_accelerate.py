@@ -1,6 +1,8 @@
 """ckptq.integrations.accelerate with the real accelerate: a small MLP trains 8 steps, ``save_state`` at
 step 4; a new accelerator, model and optimizer ``load_state`` it and continue as the uninterrupted run did
-(the same losses with AdamW8bit; within 8-bit storage's error with torch's AdamW)."""
+(the same losses with AdamW8bit and torchao's 8-bit and 4-bit AdamW, whose states are stored exactly;
+within 8-bit storage's error with torch's AdamW). torchao's step runs eagerly here (see
+tests/test_integrations_transformers.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,25 @@ import torch
 accelerate = pytest.importorskip("accelerate")
 
 import ckptq  # noqa: E402
+from ckptq.codec import quant  # noqa: E402
 from ckptq import info  # noqa: E402
 from ckptq.integrations.accelerate import store_8bit  # noqa: E402
 from ckptq.optim import AdamW8bit  # noqa: E402
 from ckptq.codec.quant import count_qstates  # noqa: E402
 
 STEPS, SAVE = 8, 4
+EXACT = ("AdamW8bit", "torchao AdamW8bit", "torchao AdamW4bit")  # stored without a bit changed
+
+
+@pytest.fixture
+def eager_torchao(monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+
+
+def optimizer_class(name: str):
+    if name.startswith("torchao"):
+        return getattr(pytest.importorskip("torchao.optim"), name.split()[1])
+    return AdamW8bit if name == "AdamW8bit" else torch.optim.AdamW
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,13 +41,13 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(3 * x)
 
 
-def run(optimizer: str, save: str | None = None, load: str | None = None) -> tuple[dict, list]:
-    """Train to STEPS (from SAVE when ``load``); returns {step: loss} and each step's learning rate."""
+def run(optimizer: str, save: str | None = None, load: str | None = None, stop: int = STEPS) -> tuple[dict, list, object]:
+    """Train to ``stop`` (from SAVE when ``load``); returns {step: loss}, each step's learning rate and
+    the optimizer."""
     accelerator = accelerate.Accelerator(cpu=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
-    cls = AdamW8bit if optimizer == "AdamW8bit" else torch.optim.AdamW
-    opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = optimizer_class(optimizer)(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3) * (1 - s / (2 * STEPS)))
     model, opt, sched = accelerator.prepare(model, opt, sched)
     store_8bit(opt)
@@ -40,32 +55,39 @@ def run(optimizer: str, save: str | None = None, load: str | None = None) -> tup
     if load:
         accelerator.load_state(load)
     losses, lrs = {}, []
-    for step in range(start + 1, STEPS + 1):
+    for step in range(start + 1, stop + 1):
         x, y = batch(step)
         loss = torch.nn.functional.mse_loss(model(x), y)
         accelerator.backward(loss)
-        lrs.append(opt.param_groups[0]["lr"])
+        lrs.append(float(opt.param_groups[0]["lr"]))  # torchao keeps lr as a tensor, updated in place
         opt.step(), sched.step(), opt.zero_grad()
         losses[step] = loss.item()
         if step == SAVE and save:
             accelerator.save_state(save)
-    return losses, lrs
+    return losses, lrs, opt
 
 
-@pytest.mark.parametrize("optimizer", ["torch AdamW", "AdamW8bit"])
-def test_accelerate_save_state_stores_8bit_and_resumes(tmp_path, optimizer):
-    before, lrs = run(optimizer, save=str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("optimizer", ["torch AdamW", *EXACT])
+def test_accelerate_save_state_stores_8bit_and_resumes(tmp_path, optimizer, eager_torchao):
+    before, lrs, live = run(optimizer, save=str(tmp_path / "ckpt"))
     stored = tmp_path / "ckpt" / "optimizer.bin"
     assert count_qstates(ckptq.load(str(stored))) == 4  # both Linear weights' exp_avg and exp_avg_sq
-    assert info(str(stored))["already_8bit"] == 4  # what `ckptq info` reports
+    assert info(str(stored)).low_bit() == 4  # what `ckptq info` reports
     expanded = ckptq.expand(str(stored), str(tmp_path / "fp32.pt")).output  # torch AdamW's fp32 state
     assert os.path.getsize(stored) < os.path.getsize(expanded) / 3
 
-    after, resumed_lrs = run(optimizer, load=str(tmp_path / "ckpt"))
+    after, resumed_lrs, opt = run(optimizer, load=str(tmp_path / "ckpt"))
+    assert type(opt.optimizer) is type(live.optimizer)
     assert sorted(after) == list(range(SAVE + 1, STEPS + 1))
     assert resumed_lrs == pytest.approx(lrs[SAVE:], rel=1e-12)  # the scheduler resumed at step SAVE
     for step, loss in after.items():
-        if optimizer == "AdamW8bit":
+        if optimizer in EXACT:
             assert loss == before[step]
         else:  # 8-bit storage of fp32 moments: measured gaps <= 1.3e-5 relative; with the moments lost
             assert loss == pytest.approx(before[step], rel=2e-4)  # (zeroed) 6e-3 at step 6, 3.5e-2 at step 8
+    if optimizer.startswith("torchao"):  # torchao's own quantized state again, the codes it had saved
+        saved = torch.load(stored, weights_only=True)["state"][0]["exp_avg"]
+        inner = run(optimizer, load=str(tmp_path / "ckpt"), stop=SAVE)[2].optimizer
+        resumed = inner.state[inner.param_groups[0]["params"][0]]  # state_dict() would be 8-bit (store_8bit)
+        assert type(resumed["exp_avg"]).__name__ == optimizer.split()[1].replace("AdamW", "OptimState")
+        assert torch.equal(quant.dequantize_state(saved), resumed["exp_avg"].dequantize())

@@ -1,7 +1,9 @@
 """ckptq.integrations.lightning with the real Lightning: a small MLP trains 2 epochs of 4 steps with a
 checkpoint per epoch through ``CkptqCheckpointIO``; a new Trainer resumes from the first and must continue as
-the uninterrupted run did (the same losses with AdamW8bit, stored as is; within 8-bit storage's error
-with torch's AdamW)."""
+the uninterrupted run did (the same losses with AdamW8bit and torchao's 8-bit and 4-bit AdamW, stored
+exactly; within 8-bit storage's error with torch's AdamW). Stock Lightning given such a checkpoint stops
+with ckptq's message before it restores anything. torchao's step runs eagerly here (see
+tests/test_integrations_transformers.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +16,25 @@ import torch
 L = pytest.importorskip("lightning.pytorch")
 
 import ckptq  # noqa: E402
-from ckptq import info  # noqa: E402
+from ckptq.codec.quant import count_qstates, dequantize_state  # noqa: E402
+from ckptq.codec import signpost  # noqa: E402
 from ckptq.integrations.lightning import CkptqCheckpointIO  # noqa: E402
 from ckptq.optim import AdamW8bit  # noqa: E402
+from ckptq import info  # noqa: E402
 
 BATCHES = 4  # steps per epoch; 2 epochs
+EXACT = ("AdamW8bit", "torchao AdamW8bit", "torchao AdamW4bit")  # stored without a bit changed
+
+
+@pytest.fixture
+def eager_torchao(monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+
+
+def optimizer_class(name: str):
+    if name.startswith("torchao"):
+        return getattr(pytest.importorskip("torchao.optim"), name.split()[1])
+    return AdamW8bit if name == "AdamW8bit" else torch.optim.AdamW
 
 
 class Net(L.LightningModule):
@@ -31,12 +47,11 @@ class Net(L.LightningModule):
     def training_step(self, batch, _):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.seen[self.global_step + 1] = (loss.item(), self.optimizers().param_groups[0]["lr"])
+        self.seen[self.global_step + 1] = (loss.item(), float(self.optimizers().param_groups[0]["lr"]))
         return loss
 
     def configure_optimizers(self):
-        cls = AdamW8bit if self.optimizer == "AdamW8bit" else torch.optim.AdamW
-        opt = cls(self.parameters(), lr=1e-2, weight_decay=0.1)
+        opt = optimizer_class(self.optimizer)(self.parameters(), lr=1e-2, weight_decay=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3) * (1 - s / 16))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -55,26 +70,30 @@ def fit(optimizer: str, out: str, ckpt_path: str | None = None, plugins: tuple =
     return net
 
 
-@pytest.mark.parametrize("optimizer", ["torch AdamW", "AdamW8bit"])
-def test_lightning_ckpt_holds_8bit_state_and_resumes(tmp_path, optimizer):
-    before = fit(optimizer, str(tmp_path / "a")).seen
+@pytest.mark.parametrize("optimizer", ["torch AdamW", *EXACT])
+def test_lightning_ckpt_holds_8bit_state_and_resumes(tmp_path, optimizer, eager_torchao):
+    first = fit(optimizer, str(tmp_path / "a"))
     ckpt = str(tmp_path / "a" / f"epoch=0-step={BATCHES}.ckpt")
-    assert info(ckpt)["already_8bit"] == 4  # both Linear weights' exp_avg and exp_avg_sq
-    stored = torch.load(ckpt, weights_only=True)["optimizer_states"][0]["state"][0]
-    assert stored["exp_avg"]["ckptq"] == "blockwise" and stored["exp_avg_sq"]["codes"].dtype == torch.uint8
-    expanded = ckptq.expand(ckpt, str(tmp_path / "fp32.ckpt")).output  # Lightning's own file, fp32 moments
-    # weights 4 bytes per parameter, moments 2 instead of 8: half the fp32 checkpoint
-    assert os.path.getsize(ckpt) < 0.55 * os.path.getsize(expanded)
+    saved = torch.load(ckpt, weights_only=True)  # no torchao classes inside: no torchao needed to read it
+    assert count_qstates(saved) == 4  # both Linear weights' exp_avg and exp_avg_sq
+    if optimizer == "AdamW8bit":  # 8-bit already: left in optimizer_states, as stock Lightning keeps it
+        assert signpost.LIGHTNING_STATES not in saved and not signpost.is_signpost(saved["optimizer_states"][0])
+    else:  # stored by ckptq: a signpost in optimizer_states, the state beside it
+        assert signpost.is_signpost(saved["optimizer_states"][0])
+        assert count_qstates(saved[signpost.LIGHTNING_STATES][0]) == 4
+    state = (saved.get(signpost.LIGHTNING_STATES) or saved["optimizer_states"])[0]["state"][0]
+    if optimizer == "torchao AdamW4bit":  # torchao's codes as they were (block 128 here)
+        assert state["exp_avg"]["bits"] == 4 and state["exp_avg"]["block_size"] == 128
+    elif optimizer == "torch AdamW":  # ckptq's own 8-bit form of fp32 moments
+        assert state["exp_avg"]["transform"] == "ratio" and state["exp_avg_sq"]["codes"].dtype == torch.uint8
 
     resumed = fit(optimizer, str(tmp_path / "b"), ckpt_path=ckpt)
     opt = resumed.trainer.optimizers[0]
-    assert isinstance(opt, AdamW8bit if optimizer == "AdamW8bit" else torch.optim.AdamW)
-    dense = all(isinstance(v, torch.Tensor) for s in opt.state.values() for v in s.values())
-    assert dense == (optimizer == "torch AdamW")  # torch's AdamW got fp32 moments back, AdamW8bit its 8-bit state
-    check_continues(before, resumed.seen, rel=0.0 if optimizer == "AdamW8bit" else 2e-4)
-    # The way back to Lightning's default TorchCheckpointIO, and from AdamW8bit to torch's AdamW: the expanded file
-    stock = fit("torch AdamW", str(tmp_path / "c"), ckpt_path=expanded, plugins=())
-    check_continues(before, stock.seen, rel=2e-4 if optimizer == "torch AdamW" else None)
+    assert type(opt) is optimizer_class(optimizer)
+    kinds = {type(v).__name__ for s in opt.state.values() for k, v in s.items() if k != "step"}
+    assert kinds == {"torch AdamW": {"Tensor"}, "AdamW8bit": {"dict", "Tensor"}, "torchao AdamW8bit": {"OptimState8bit", "Tensor"},
+                     "torchao AdamW4bit": {"OptimState4bit", "Tensor"}}[optimizer]
+    check_continues(first.seen, resumed.seen, rel=0.0 if optimizer in EXACT else 2e-4)
 
 
 def check_continues(before: dict, after: dict, rel: float | None) -> None:
@@ -85,3 +104,50 @@ def check_continues(before: dict, after: dict, rel: float | None) -> None:
     for step, (loss, lr) in after.items():
         assert lr == pytest.approx(before[step][1], rel=1e-12)  # the scheduler resumed at step BATCHES
         assert loss == pytest.approx(before[step][0], rel=rel) if rel is not None else math.isfinite(loss)
+
+
+def test_stock_lightning_stops_before_restoring_a_ckptq_checkpoint(tmp_path):
+    fit("torch AdamW", str(tmp_path / "a"))
+    ckpt = str(tmp_path / "a" / f"epoch=0-step={BATCHES}.ckpt")
+    with pytest.raises(ValueError, match=r"could not convert string to float: b'ckptq: the state of optimizer 0 is "
+                                         r"stored under ckptq_optimizer_states in epoch=0-step=4\.ckpt.*CkptqCheckpointIO.*"
+                                         r"`ckptq expand epoch=0-step=4\.ckpt -o OUT\.ckpt`"):
+        fit("torch AdamW", str(tmp_path / "b"), ckpt_path=ckpt, plugins=())
+
+
+@pytest.mark.parametrize("optimizer", ["torch AdamW", "AdamW8bit"])
+def test_stock_lightning_resumes_after_ckptq_expand(tmp_path, optimizer):
+    """The way back to Lightning's default TorchCheckpointIO, and from AdamW8bit to torch's AdamW."""
+    first = fit(optimizer, str(tmp_path / "a"))
+    ckpt = str(tmp_path / "a" / f"epoch=0-step={BATCHES}.ckpt")
+    assert info(ckpt).low_bit() == 4  # `ckptq info` describes the stored states
+    expanded = ckptq.expand(ckpt, str(tmp_path / "fp32.ckpt")).output  # Lightning's own file, fp32 moments
+    # weights 4 bytes per parameter, moments 2 instead of 8: half the fp32 checkpoint
+    assert os.path.getsize(ckpt) < 0.55 * os.path.getsize(expanded)
+    stock = fit("torch AdamW", str(tmp_path / "c"), ckpt_path=expanded, plugins=())
+    check_continues(first.seen, stock.seen, rel=2e-4 if optimizer == "torch AdamW" else None)
+
+
+def test_checkpoints_of_ckptq_0_1_still_resume(tmp_path):
+    """Files written before the signposts: 8-bit states in optimizer_states, those to decode listed."""
+    first = fit("torch AdamW", str(tmp_path / "a"))
+    ckpt = tmp_path / "a" / f"epoch=0-step={BATCHES}.ckpt"
+    saved = torch.load(ckpt, weights_only=True)
+    saved["optimizer_states"] = saved.pop(signpost.LIGHTNING_STATES)
+    saved["ckptq_fp32_optimizer_states"] = [0]
+    saved.pop(signpost.LIGHTNING_TORCHAO)
+    torch.save(saved, ckpt)
+    resumed = fit("torch AdamW", str(tmp_path / "b"), ckpt_path=str(ckpt))
+    check_continues(first.seen, resumed.seen, rel=2e-4)
+
+
+def test_torchao_state_round_trips_through_the_ckpt_exactly(tmp_path, eager_torchao):
+    first = fit("torchao AdamW8bit", str(tmp_path / "a"))
+    live = first.trainer.optimizers[0].state[first.net[0].weight]
+    ckpt = str(tmp_path / "a" / f"epoch=1-step={2 * BATCHES}.ckpt")
+    stored = torch.load(ckpt, weights_only=True)[signpost.LIGHTNING_STATES][0]["state"][0]
+    assert torch.equal(stored["exp_avg"]["codes"].view(live["exp_avg"].codes.shape), live["exp_avg"].codes)
+    restored = CkptqCheckpointIO().load_checkpoint(ckpt)["optimizer_states"][0]["state"][0]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(restored[key].codes, live[key].codes) and torch.equal(restored[key].scale, live[key].scale)
+        assert torch.equal(dequantize_state(stored[key]), live[key].dequantize())

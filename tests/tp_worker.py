@@ -5,7 +5,6 @@ rank 0 saw to --out (JSON)."""
 
 import argparse
 import json
-import os
 import warnings
 
 import torch

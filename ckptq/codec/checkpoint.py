@@ -119,6 +119,10 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def storage_key(t: torch.Tensor) -> tuple:
+    """Equal for tensors that share one storage. A wrapper tensor subclass (torchao's optimizer states,
+    DTensor) has no storage of its own, so it shares none: keyed by identity."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and hasattr(t, "__tensor_flatten__"):
+        return ("wrapper", id(t))
     s = t.untyped_storage()
     return (t.device.type, s.data_ptr(), s.nbytes()) if s.nbytes() else ("empty", id(t))
 

@@ -9,6 +9,12 @@ Adam's first moment and ``state2`` its second, both stored as they are (no sqrt)
 torchao (``torchao.optim.AdamW8bit``/``4bit``/``Fp8``): ``exp_avg``/``exp_avg_sq`` are tensor subclasses
 (``OptimState8bit``...) whose ``dequantize()`` gives the fp32 values; loading such a file needs torchao
 and ``--trust`` (torch.load refuses the classes otherwise).
+
+torchao's 8-bit and 4-bit states are ckptq's blockwise codes under other names: value = qmap[code] *
+scale[i // block_size], codes flat in C order (``OptimState8bit``: one per byte; ``OptimState4bit``: two
+per byte, element 2i in the high nibble where ckptq keeps it in the low one). ``torchao_qstate`` and
+``torchao_state`` move a state between the two forms without changing a bit: what the framework
+integrations store for a torchao optimizer, readable without torchao and resumed exactly.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, policy, qstate
 from ..errors import InputError
 
 BNB_NESTED = "__bnb_optimizer_quant_state__"
@@ -31,12 +37,12 @@ def kind(pstate: Any) -> str | None:
         return None
     if isinstance(pstate.get(BNB_NESTED), dict) or "state1" in pstate:
         return "bitsandbytes"
-    if any(_is_torchao(v) for v in pstate.values()):
+    if any(is_torchao(v) for v in pstate.values()):
         return "torchao"
     return None
 
 
-def _is_torchao(t: Any) -> bool:
+def is_torchao(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and type(t).__module__.startswith("torchao") and hasattr(t, "dequantize")
 
 
@@ -81,7 +87,7 @@ def _from_bnb(pstate: dict) -> dict:
 def _from_torchao(pstate: dict) -> dict:
     out = {}
     for k, v in pstate.items():
-        out[k] = v.dequantize().float() if _is_torchao(v) else v
+        out[k] = v.dequantize().float() if is_torchao(v) else v
     return out
 
 
@@ -96,4 +102,76 @@ def to_torch(obj: Any) -> int:
             if k is not None:
                 state[pid] = _from_bnb(pstate) if k == "bitsandbytes" else _from_torchao(pstate)
                 n += 1
+    return n
+
+
+_TORCHAO_BITS = {"OptimState8bit": 8, "OptimState4bit": 4}
+
+
+def _swap_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes between torchao's packing and ckptq's (the same swap both ways)."""
+    return (codes << 4) | (codes >> 4)
+
+
+def torchao_qstate(t: Any) -> dict | None:
+    """torchao's ``OptimState8bit``/``OptimState4bit`` as a ckptq qstate dict with the same codes, scales
+    and codebook (it decodes to the same fp32 values, bit for bit); None for any other tensor, torchao's
+    ``OptimStateFp8`` included, and for block sizes ckptq does not store (``policy.BLOCK_SIZES``)."""
+    bits = _TORCHAO_BITS.get(type(t).__name__) if is_torchao(t) else None
+    if bits is None or t.block_size not in policy.BLOCK_SIZES:
+        return None
+    codes = t.codes.reshape(-1)
+    codes = _swap_nibbles(codes) if bits == 4 else codes
+    return qstate.QState(codes, t.scale.float(), t.qmap, t.block_size, "none", tuple(t.shape),
+                         str(t.dtype).removeprefix("torch."), bits).to_dict()
+
+
+def torchao_state(q: dict, like: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The torchao state that qstate ``q`` holds exactly (``torchao_qstate`` undone), or None when ``q``
+    is not in torchao's layout (codebook, width, no transform) or, given ``like`` (the zero state the
+    optimizer makes for the parameter), not in ``like``'s class, block size, codebook and shape."""
+    s = qstate.QState.from_dict(q)
+    cls = _torchao_classes().get(s.bits)
+    if cls is None or s.transform != "none":
+        return None
+    if like is not None:
+        if not (type(like) is cls and like.block_size == s.block_size and tuple(like.shape) == tuple(s.shape)
+                and torch.equal(like.qmap.cpu(), s.qmap.cpu())):
+            return None
+        signed, device, dtype = like.signed, like.device, like.dtype
+    else:
+        maps = {sign: cls.zeros(s.block_size, sign, s.block_size).qmap for sign in (True, False)}
+        signed = next((sign for sign, qmap in maps.items() if torch.equal(qmap, s.qmap.cpu())), None)
+        if signed is None:
+            return None
+        device, dtype = s.codes.device, getattr(torch, s.dtype)
+    codes, scale, qmap = s.codes.to(device), s.absmax.to(device), s.qmap.to(device)
+    if s.bits == 8:
+        return cls(codes.reshape(tuple(s.shape)), scale, qmap, signed, dtype=dtype)
+    return cls(_swap_nibbles(codes), scale, qmap, signed, tuple(s.shape), dtype=dtype)
+
+
+def _torchao_classes() -> dict:
+    """torchao's state classes by code width, imported only when a torchao state is at hand (torchao 0.11
+    moved them from ``torchao.prototype.low_bit_optim`` to ``torchao.optim``)."""
+    try:
+        from torchao.optim import subclass_4bit, subclass_8bit
+    except ImportError:
+        from torchao.prototype.low_bit_optim import subclass_4bit, subclass_8bit
+    return {8: subclass_8bit.OptimState8bit, 4: subclass_4bit.OptimState4bit}
+
+
+def torchao_to_qstates(obj: Any) -> int:
+    """Replace, in place, each torchao state in ``obj``'s optimizer state dicts that has a
+    ``torchao_qstate`` by it; returns how many. Others (``OptimStateFp8``) stay as they are."""
+    n = 0
+    for found in checkpoint.find_optimizers(obj):
+        for pstate in found.state_dict["state"].values():
+            if kind(pstate) != "torchao":
+                continue
+            for key, value in pstate.items():
+                q = torchao_qstate(value)
+                if q is not None:
+                    pstate[key] = q
+                    n += 1
     return n

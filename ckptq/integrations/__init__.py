@@ -2,9 +2,13 @@
 package imports none of them:
 
 - ``ckptq.integrations.transformers``: ``CkptqTrainer`` (or ``CkptqTrainerMixin``), a Hugging Face
-  ``Trainer`` whose ``checkpoint-N`` folders hold ``optimizer.q8.safetensors`` instead of ``optimizer.pt``.
+  ``Trainer`` whose ``checkpoint-N`` folders hold ``optimizer.q8.safetensors`` and, in place of the fp32
+  ``optimizer.pt``, a signpost that stops a stock Trainer.
 - ``ckptq.integrations.accelerate``: ``store_8bit(optimizer)``: ``accelerator.save_state`` writes the
   optimizer's Adam moments 8-bit and ``load_state`` restores them.
 - ``ckptq.integrations.lightning``: ``CkptqCheckpointIO``, a Lightning plugin that stores
   ``optimizer_states`` 8-bit inside the ``.ckpt``.
+
+torch's optimizers, ckptq's ``AdamW8bit`` and torchao's ``AdamW8bit``/``AdamW4bit`` resume with their own
+state; bitsandbytes' state is stored as bitsandbytes keeps it.
 """

@@ -1,20 +1,35 @@
-"""What the framework integrations share: an optimizer state dict with its Adam moments stored 8-bit in
-memory, and the state an optimizer loads back from it.
+"""What the framework integrations share: an optimizer state dict as ckptq stores it in memory, and the
+state an optimizer loads back from it.
 
 ``stored_8bit`` applies the plan ``ckptq convert`` applies to a file (``ckptq.plan``: which states go
 8-bit, exp_avg as a ratio to exp_avg_sq) to an in-memory state dict, returning a copy: ``state_dict()``
 of a torch optimizer shares each parameter's state dict with the live optimizer, which must not change.
 A ckptq ``AdamW8bit``/``Adam8bit`` state dict is already 8-bit and comes back as it is.
+
+torchao's ``AdamW8bit``/``AdamW4bit`` keep their moments as tensor subclasses (``OptimState8bit``,
+``OptimState4bit``), which are blockwise codes with a codebook and scales, as ckptq's are. They are
+stored as ckptq qstates holding the same codes, scales and codebook (``foreign.torchao_qstate``), and
+rebuilt as the same subclasses on resume: not a bit changes, so training continues exactly as it
+would have, with the optimizer's memory unchanged. The files need no torchao to read (torch.save of
+the subclasses is unpickled only where torchao is imported) and do not depend on torchao's class names,
+which have moved before (``torchao.prototype.low_bit_optim`` until 0.10). Decoding them to fp32 instead
+would lose: torchao's ``load_state_dict`` keeps fp32 tensors as fp32 for good (4 bytes a value instead
+of 1 or 0.5), and requantizing them rounds a second time. A torchao state without an exact qstate form
+(``OptimStateFp8``, a block size outside 64..4096) leaves its optimizer's state dict as the framework
+stores it.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
-from ..codec import checkpoint, plan, policy
+from ..codec import checkpoint, foreign, plan, policy, qstate, quant
 from ..optim import Adam8bit, AdamW8bit, to_torch_state_dict
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def _copy_containers(obj: Any) -> Any:
@@ -33,26 +48,85 @@ def _state_device(obj: Any) -> str:
 
 def stored_8bit(state_dict: Any, *, block_size: int = 256, min_size: int = policy.DEFAULT_MIN_SIZE) -> tuple[Any, int]:
     """``(copy, count)``: a copy of ``state_dict`` (an optimizer state dict, or any object holding some)
-    whose fp32 Adam moments are ckptq's 8-bit state dicts, as ``ckptq convert`` stores them, and how
-    many states were quantized (0: nothing to store 8-bit, e.g. AdamW8bit's own state or SGD's)."""
+    whose fp32 Adam moments are ckptq's 8-bit state dicts, as ``ckptq convert`` stores them, and whose
+    torchao states are their exact qstates; ``count``: how many states changed form (0: ``state_dict``
+    itself, stored as the optimizer keeps it, e.g. AdamW8bit's, SGD's or bitsandbytes' state)."""
     obj = _copy_containers(state_dict)
+    relabeled = foreign.torchao_to_qstates(obj)
+    left = sorted({type(t).__name__ for t in checkpoint.iter_tensors(obj) if foreign.is_torchao(t)})
+    if left:
+        warnings.warn(f"ckptq stores torchao's OptimState8bit and OptimState4bit exactly but not {', '.join(left)}: "
+                      "this optimizer's state is saved as the framework saves it", stacklevel=3)
+        return state_dict, 0
     marked = plan.mark(obj, None, block_size, min_size, device=_state_device(obj))
     for d in marked.quantized:
         node = obj
         for k in d.path:
             node = node[k]
         node[d.key] = node[d.key].result()  # the PendingQuant holds the exact divisor: order does not matter
-    return obj, len(marked.quantized)
+    count = len(marked.quantized) + relabeled
+    return (obj, count) if count else (state_dict, 0)
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
 
 
 def is_ckptq_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` (or the one a framework wrapper such as accelerate's holds) keeps 8-bit state."""
-    return isinstance(getattr(optimizer, "optimizer", optimizer), (AdamW8bit, Adam8bit))
+    return isinstance(_inner(optimizer), (AdamW8bit, Adam8bit))
+
+
+def is_torchao_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """torchao's low-bit Adam (``torchao.optim.AdamW8bit``...), told without importing torchao."""
+    inner = _inner(optimizer)
+    return type(inner).__module__.startswith("torchao.") and hasattr(inner, "_new_buffer")
 
 
 def for_optimizer(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """The state dict ``optimizer`` should load: ckptq's optimizers take 8-bit state as stored; any other
-    (torch's AdamW...) gets every 8-bit state decoded to fp32 (``ckptq.optim.to_torch_state_dict``)."""
-    if is_ckptq_optimizer(optimizer):
+    """The state dict ``optimizer`` should load: ckptq's optimizers take 8-bit state as stored; torchao's
+    get each moment in their own form (``_torchao_state``); any other (torch's AdamW...) gets every 8-bit
+    state decoded to fp32 (``ckptq.optim.to_torch_state_dict``)."""
+    inner = _inner(optimizer)
+    if is_ckptq_optimizer(inner):
         return state_dict
-    return to_torch_state_dict(state_dict, getattr(optimizer, "optimizer", optimizer))
+    if is_torchao_optimizer(inner):
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = dict(zip(saved_ids, (p for g in inner.param_groups for p in g["params"])))
+        state = {pid: _torchao_state(inner, params[pid], s) if pid in params and isinstance(s, dict) else s
+                 for pid, s in state_dict["state"].items()}
+        return {**state_dict, "state": state}
+    return to_torch_state_dict(state_dict, inner)
+
+
+def _torchao_state(optimizer, p: torch.Tensor, pstate: dict) -> dict:
+    """``pstate`` with each moment as the torchao ``optimizer`` keeps it for ``p`` (the zero state its
+    ``_new_buffer`` makes): the stored codes themselves where they are in that layout, else the values
+    (decoded if 8-bit) quantized into it, so that the optimizer never holds fp32 where it would not."""
+    out = dict(pstate)
+    for key in MOMENTS:
+        value = pstate.get(key)
+        if value is None:
+            continue
+        like = optimizer._new_buffer(p, key == "exp_avg")  # torchao: signed for the first moment only
+        if qstate.is_qstate(value):
+            exact = foreign.torchao_state(value, like)
+            if exact is not None:
+                out[key] = exact
+                continue
+            value = quant.dequantize_state(value, divisor=pstate.get(value.get("divisor")))
+        out[key] = like.copy_(value.to(like.device))
+    return out
+
+
+def restored(state_dict: dict, torchao: bool) -> dict:
+    """``state_dict`` as ckptq stored it, made loadable without the optimizer at hand (Lightning loads
+    the file before it builds the optimizers), in place: with ``torchao``, each qstate in torchao's layout
+    becomes torchao's state again (``foreign.torchao_state``); every other 8-bit state is decoded to fp32."""
+    if torchao:
+        for pstate in state_dict["state"].values():
+            for key, value in pstate.items() if isinstance(pstate, dict) else ():
+                exact = foreign.torchao_state(value) if qstate.is_qstate(value) else None
+                pstate[key] = value if exact is None else exact
+    quant.decode_qstates(state_dict)
+    return state_dict

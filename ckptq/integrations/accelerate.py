@@ -9,11 +9,17 @@ accelerate writes ``optimizer.bin`` with ``torch.save(optimizer.state_dict())`` 
 requires that file (removing it makes ``load_state`` fail with FileNotFoundError), and its save/load
 hooks see only the models. So the state goes 8-bit where accelerate takes it: ``store_8bit`` registers
 torch's own optimizer hooks, a ``state_dict`` post-hook that stores the fp32 Adam moments as ckptq's
-8-bit state dicts (``ckptq convert``'s plan) and a ``load_state_dict`` pre-hook that decodes them
-(``ckptq.optim.expand_on_load``). ``optimizer.bin`` stays a torch.save file that ``torch.load(weights_only=True)``
-reads, ``ckptq info`` describes and ``ckptq expand`` turns back into torch AdamW's fp32 state.
+8-bit state dicts (``ckptq convert``'s plan) and a ``load_state_dict`` pre-hook that gives the optimizer
+its own form back: fp32 for torch's optimizers, torchao's ``OptimState8bit``/``OptimState4bit`` for
+torchao's ``AdamW8bit``/``AdamW4bit``, whose states are stored as qstates with the very same codes
+(``ckptq.integrations._state`` says why), so that they resume exactly. ``optimizer.bin`` stays a
+torch.save file that ``torch.load(weights_only=True)`` reads without torchao and ``ckptq info`` describes.
 ckptq's ``AdamW8bit`` needs nothing of this: its ``state_dict`` is 8-bit already. No import of accelerate
 is needed here; anything that saves ``optimizer.state_dict()`` (a plain ``torch.save`` loop) gets the same.
+
+Back to plain accelerate (no ``store_8bit`` when loading): ``ckptq expand ckpt --replace`` rewrites
+``optimizer.bin`` with fp32 moments under the same name. Without that, an optimizer without the hook
+loads the 8-bit dicts as they are and fails at its first step (``'dict' object has no attribute 'lerp_'``).
 """
 
 from __future__ import annotations
@@ -21,7 +27,6 @@ from __future__ import annotations
 import torch
 
 from ..codec import policy
-from ..optim import expand_on_load
 from . import _state
 
 
@@ -29,11 +34,12 @@ def store_8bit(optimizer: torch.optim.Optimizer, *, block_size: int = 256,
                min_size: int = policy.DEFAULT_MIN_SIZE) -> torch.optim.Optimizer:
     """From now on ``optimizer.state_dict()`` holds its Adam moments 8-bit (states with at least
     ``min_size`` elements, blocks of ``block_size``) and ``optimizer.load_state_dict`` takes such state
-    back, decoded to fp32. Call it on the prepared optimizer (or the one it wraps); returns ``optimizer``.
-    A ckptq ``AdamW8bit``/``Adam8bit`` is returned unchanged (its state is 8-bit already)."""
+    back in the optimizer's own form (``_state.for_optimizer``: fp32, or torchao's). Call it on the
+    prepared optimizer (or the one it wraps); returns ``optimizer``. A ckptq ``AdamW8bit``/``Adam8bit`` is
+    returned unchanged (its state is 8-bit already)."""
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
     if not _state.is_ckptq_optimizer(inner):
         inner.register_state_dict_post_hook(
             lambda opt, state_dict: _state.stored_8bit(state_dict, block_size=block_size, min_size=min_size)[0])
-        expand_on_load(inner)
+        inner.register_load_state_dict_pre_hook(_state.for_optimizer)
     return optimizer

@@ -4,19 +4,28 @@
     trainer = lightning.Trainer(..., plugins=[CkptqCheckpointIO()])
     trainer.fit(model, data, ckpt_path="last")           # resumes from the 8-bit state
 
-Saving, each fp32 Adam moment of ``checkpoint["optimizer_states"]`` becomes ckptq's 8-bit state dict
-(``ckptq convert``'s plan: codes, scales and codebook tensors beside PyTorch's state keys), which
-``torch.save`` writes and ``torch.load(weights_only=True)`` reads; a ckptq ``AdamW8bit``'s state is 8-bit
-already and is written as it is. The checkpoint records which optimizers were fp32
-(``ckptq_fp32_optimizer_states``), and loading decodes exactly those back to fp32, so torch's AdamW
-resumes with fp32 moments (8-bit storage is lossy) and ``AdamW8bit`` with its own state (exact).
-``ckptq info run.ckpt`` describes such a file and ``ckptq expand run.ckpt -o run.fp32.ckpt`` turns it into
-a checkpoint that Lightning's default ``TorchCheckpointIO`` resumes; that is also the way to move an
-``AdamW8bit`` run's checkpoint to torch's AdamW.
+Saving, each fp32 Adam moment of an optimizer state becomes ckptq's 8-bit state dict (``ckptq
+convert``'s plan: codes, scales and codebook tensors beside PyTorch's state keys), and each state of
+torchao's ``AdamW8bit``/``AdamW4bit`` a qstate holding its very codes (``ckptq.integrations._state``
+says why); ``torch.save`` writes them and ``torch.load(weights_only=True)`` reads them, without torchao.
+Such an optimizer's state goes under ``ckptq_optimizer_states`` and a signpost takes its place in
+``optimizer_states`` (``ckptq.codec.signpost``); loading puts it back: torch's AdamW resumes with
+fp32 moments (8-bit storage is lossy), torchao's optimizers with their own states, bit for bit. An
+optimizer whose state ckptq keeps as it is (ckptq's ``AdamW8bit``, whose state is 8-bit already; SGD)
+stays in ``optimizer_states`` unchanged, and stock Lightning resumes it as well.
+
+Stock Lightning (``TorchCheckpointIO``) given such a ``.ckpt`` stops while restoring, before it prints
+"Restored all states" (torch's AdamW: ``ValueError: could not convert string to float: b'ckptq: ...'``,
+naming the two ways on; torchao's optimizers at their first step), where it used to load the 8-bit dicts
+and fail at the first step with ``'dict' object has no attribute 'lerp_'``. The way back to stock
+Lightning, and to another optimizer class: ``ckptq expand run.ckpt -o run.fp32.ckpt``, which puts the
+states back under ``optimizer_states``, fp32 (``signpost.unwrap``). ``ckptq info run.ckpt`` describes
+the file.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 try:
@@ -24,10 +33,12 @@ try:
 except ImportError as e:
     raise ImportError(f"ckptq.integrations.lightning needs Lightning ({e}); pip install lightning") from e
 
-from ..codec import policy, quant
+from ..codec import foreign, policy, quant, signpost
+from ..codec.checkpoint import iter_tensors
 from . import _state
 
-FP32_KEY = "ckptq_fp32_optimizer_states"  # indices into optimizer_states: stored 8-bit from fp32, decoded on load
+# Files of ckptq 0.1 kept the 8-bit states in optimizer_states and listed here those to decode on load.
+FP32_KEY = "ckptq_fp32_optimizer_states"
 
 
 class CkptqCheckpointIO(TorchCheckpointIO):
@@ -40,17 +51,35 @@ class CkptqCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if checkpoint.get("optimizer_states"):  # a weights-only checkpoint has none
-            stored, fp32 = [], []
-            for i, state_dict in enumerate(checkpoint["optimizer_states"]):
-                state_dict, count = _state.stored_8bit(state_dict, block_size=self.block_size, min_size=self.min_size)
-                stored.append(state_dict)
-                if count:
-                    fp32.append(i)
-            checkpoint = {**checkpoint, "optimizer_states": stored, FP32_KEY: fp32}
+            checkpoint = {**checkpoint, **self._stored(checkpoint["optimizer_states"], os.path.basename(str(path)))}
         super().save_checkpoint(checkpoint, path, storage_options)
+
+    def _stored(self, states: list, name: str) -> dict:
+        """``optimizer_states`` with a signpost for each state stored in another form, and those states."""
+        shown, stored, torchao = [], [], []
+        for i, state_dict in enumerate(states):
+            copy, count = _state.stored_8bit(state_dict, block_size=self.block_size, min_size=self.min_size)
+            stored.append(copy if count else None)
+            shown.append(signpost.make(copy, _signpost_message(i, name)) if count else state_dict)
+            if count and any(foreign.is_torchao(t) for t in iter_tensors(state_dict["state"])):
+                torchao.append(i)
+        if not any(s is not None for s in stored):
+            return {"optimizer_states": shown}
+        return {"optimizer_states": shown, signpost.LIGHTNING_STATES: stored, signpost.LIGHTNING_TORCHAO: torchao}
 
     def load_checkpoint(self, path, *args, **kwargs) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(path, *args, **kwargs)
+        torchao = set(checkpoint.get(signpost.LIGHTNING_TORCHAO, ()))
+        for i, state_dict in enumerate(checkpoint.get(signpost.LIGHTNING_STATES, ())):
+            if state_dict is not None:
+                _state.restored(state_dict, torchao=i in torchao)
+        signpost.unwrap(checkpoint)
         for i in checkpoint.pop(FP32_KEY, ()):
             quant.decode_qstates(checkpoint["optimizer_states"][i])
         return checkpoint
+
+
+def _signpost_message(index: int, name: str) -> str:
+    return (f"ckptq: the state of optimizer {index} is stored under ckptq_optimizer_states in {name}, not in "
+            "optimizer_states; resume with plugins=[ckptq.integrations.lightning.CkptqCheckpointIO()], or run "
+            f"`ckptq expand {name} -o OUT.ckpt` for a checkpoint that Lightning resumes without ckptq")

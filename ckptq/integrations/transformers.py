@@ -4,11 +4,23 @@
     trainer = CkptqTrainer(model=model, args=args, train_dataset=ds)   # Trainer's arguments, unchanged
     trainer.train(resume_from_checkpoint=True)
 
-Each ``checkpoint-N`` then holds ``optimizer.q8.safetensors`` (ckptq's format, ~2 bytes per parameter)
-and no ``optimizer.pt`` (8 bytes per parameter for torch's AdamW); resuming reads it back: into torch's
-AdamW decoded to fp32 (8-bit storage is lossy, the optimizer stays fp32), into ckptq's ``AdamW8bit`` as
-stored (exact). A checkpoint that has only ``optimizer.pt`` (a stock Trainer's) resumes as Trainer
-resumes it. For a Trainer subclass (TRL's ``SFTTrainer``...): ``class T(CkptqTrainerMixin, SFTTrainer)``.
+With an optimizer that keeps fp32 Adam moments (torch's AdamW, Trainer's default), each ``checkpoint-N``
+holds ``optimizer.q8.safetensors`` (ckptq's format, ~2 bytes per parameter instead of 8) and resuming
+reads it back, decoded to fp32 (8-bit storage is lossy, the optimizer stays fp32). With torchao's
+``AdamW8bit``/``AdamW4bit`` (``optim="adamw_torch_8bit"``/``"adamw_torch_4bit"``) the file holds
+torchao's own codes, scales and codebooks as ckptq qstates, and resuming rebuilds the very same states:
+training continues exactly (``ckptq.integrations._state`` says why this form). With an optimizer whose
+state ckptq stores as it is (ckptq's ``AdamW8bit``, bitsandbytes', SGD) the folder holds Trainer's own
+``optimizer.pt``, which a stock Trainer resumes too. A checkpoint that has only ``optimizer.pt`` (a
+stock Trainer's) resumes as Trainer resumes it. For a Trainer subclass (TRL's ``SFTTrainer``...):
+``class T(CkptqTrainerMixin, SFTTrainer)``.
+
+Beside ``optimizer.q8.safetensors`` lies an ``optimizer.pt`` signpost (``ckptq.codec.signpost``):
+a stock Trainer that resumes the folder loads it and stops (torch's AdamW: ``ValueError: could not
+convert string to float: b'ckptq: ...'``, naming the two ways on) instead of starting a fresh optimizer
+and scheduler without a word, which is what it does when ``optimizer.pt`` is missing. The way back to a
+stock Trainer: ``ckptq expand checkpoint-N --force`` writes the fp32 ``optimizer.pt`` over the signpost
+(``--replace`` also deletes ``optimizer.q8.safetensors``).
 
 Why a Trainer subclass and not a ``TrainerCallback``: Trainer loads ``optimizer.pt`` in
 ``_load_optimizer_and_scheduler`` before any callback event of the resumed run, and no callback learns
@@ -31,6 +43,7 @@ except ImportError as e:
     raise ImportError(f"ckptq.integrations.transformers needs transformers ({e}); pip install transformers") from e
 
 from ..sources import api
+from ..codec import signpost
 from . import _state
 
 OPTIMIZER_8BIT_NAME = "optimizer.q8.safetensors"
@@ -49,11 +62,15 @@ class CkptqTrainerMixin:
             return super()._save_optimizer_and_scheduler(output_dir)
         if not self.args.should_save:  # DDP: the main process writes, as Trainer does
             return
-        state, _ = _state.stored_8bit(self.optimizer.state_dict())
-        api.save(state, os.path.join(output_dir, OPTIMIZER_8BIT_NAME), force=True)
-        stale = os.path.join(output_dir, OPTIMIZER_NAME)  # a folder saved over keeps no fp32 copy beside it
-        if os.path.isfile(stale):
-            os.remove(stale)
+        state, count = _state.stored_8bit(self.optimizer.state_dict())
+        stored, plain = os.path.join(output_dir, OPTIMIZER_8BIT_NAME), os.path.join(output_dir, OPTIMIZER_NAME)
+        if count:
+            api.save(state, stored, force=True)
+            torch.save(signpost.make(state, _signpost_message(output_dir)), plain)
+        else:  # stored as the optimizer keeps it: Trainer's own file, which a stock Trainer resumes
+            torch.save(state, plain)
+            if os.path.isfile(stored):  # a folder saved over keeps no stale 8-bit copy, which resuming would prefer
+                os.remove(stored)
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -65,5 +82,13 @@ class CkptqTrainerMixin:
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
 
+def _signpost_message(output_dir: str) -> str:
+    folder = os.path.basename(os.path.normpath(output_dir))
+    return (f"ckptq: the optimizer state of {folder} is in {OPTIMIZER_8BIT_NAME} (ckptq format); this optimizer.pt is "
+            "a signpost that keeps a stock Trainer from starting a fresh optimizer. Resume with "
+            f"ckptq.integrations.transformers.CkptqTrainer, or run `ckptq expand {folder} --force` to write the "
+            "fp32 optimizer.pt that a stock Trainer reads")
+
+
 class CkptqTrainer(CkptqTrainerMixin, Trainer):
-    """``transformers.Trainer`` whose checkpoints hold ``optimizer.q8.safetensors`` instead of ``optimizer.pt``."""
+    """``transformers.Trainer`` whose checkpoints hold the optimizer state 8-bit (``optimizer.q8.safetensors``)."""

@@ -20,7 +20,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ..codec import checkpoint, quant, tree
+from ..codec import checkpoint, quant, signpost, tree
 from .. import format
 from ..errors import CkptqError, InputError, UsageError
 
@@ -40,6 +40,7 @@ class Job:
     src: str
     dst: str
     in_place: bool = False  # expand: an 8-bit torch.save file rewritten as fp32 under its own name
+    over_signpost: bool = False  # expand: the output replaces ckptq's signpost (CkptqTrainer's optimizer.pt)
 
 
 @dataclass
@@ -108,7 +109,8 @@ def _sources(folder: str) -> list[str]:
     out = []
     for n in sorted(os.listdir(folder)):
         p = os.path.join(folder, n)
-        if os.path.isfile(p) and (n == "optimizer.pt" or _ACCELERATE_FILE.fullmatch(n) or n.endswith(".ckpt")):
+        if os.path.isfile(p) and (n == "optimizer.pt" or _ACCELERATE_FILE.fullmatch(n) or n.endswith(".ckpt")) \
+                and not signpost.is_signpost_file(p):
             out.append(p)
         elif _ACCELERATE_DCP.fullmatch(n) and checkpoint.is_dcp_folder(p):
             out.append(p)
@@ -196,7 +198,10 @@ def for_expand(folder: str, replace: bool) -> Layout:
     found = _converted(folder)
     if found:
         _one_checkpoint(folder, found, "expand")
-        return Layout(folder, _framework(folder), [Job(p, _restored_name(folder, p)) for p in found])
+        jobs = [Job(p, dst) for p in found for dst in [_restored_name(folder, p)]]
+        for job in jobs:
+            job.over_signpost = signpost.is_signpost_file(job.dst)
+        return Layout(folder, _framework(folder), jobs)
     eight = [p for p in _sources(folder) if os.path.isfile(p) and _holds_8bit(p)]
     if not eight:
         _subcheckpoints(folder, "expand")

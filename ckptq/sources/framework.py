@@ -9,6 +9,7 @@ and checked; any failure before that deletes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -63,7 +64,8 @@ class FrameworkFolder(Source):
             if job.in_place:
                 report.add(self._expand_in_place(job.src, opts))
             else:
-                report.add(self._detect(job.src).expand(_replace_off(opts.with_output(job.dst))))
+                part = _replace_off(opts.with_output(job.dst))
+                report.add(self._detect(job.src).expand(dataclasses.replace(part, force=True) if job.over_signpost else part))
         for job in moved if opts.replace else ():
             self._detect(job.src).check_expanded([job.dst], opts.trust)
         for job in moved if opts.replace else ():

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from .. import __version__, format
-from ..codec import checkpoint, foreign, plan, policy, qstate, quant, tree
+from ..codec import checkpoint, foreign, plan, policy, qstate, quant, signpost, tree
 from ..errors import InputError
 from ..format import torch_stream
 from . import outputs, readback
@@ -100,6 +100,14 @@ class TorchFile(Source):
     kind = "torch.save checkpoint"
     type = "torch"
 
+    def _load(self, trust: bool) -> tuple[Any, int]:
+        """(the file's contents, how many states of a Lightning checkpoint were put back from under ckptq's
+        signposts); InputError for a signpost itself, which holds no state."""
+        obj = checkpoint.load_torch(self.path, trust=trust)
+        if signpost.is_signpost(obj):
+            raise InputError(f"{self.path} is a signpost, not optimizer state: {obj[signpost.SIGNPOST_KEY]}")
+        return obj, signpost.unwrap(obj)
+
     def check_converted(self, outputs: list[str], trust: bool) -> None:
         readback.check_converted(self.path, outputs, trust)
 
@@ -111,7 +119,7 @@ class TorchFile(Source):
         opts = opts.with_output(opts.output or default_output(self.path, opts.bits))
         outputs.check_separate([self.path], opts.output)
         original = readback.Original(self.path) if opts.replace else None
-        report = _write_converted(self.path, checkpoint.load_torch(self.path, trust=opts.trust), opts, self.kind, t0)
+        report = _write_converted(self.path, self._load(opts.trust)[0], opts, self.kind, t0)
         if original:  # the original goes only once the output reads back as what was meant
             self.check_converted(report.outputs, opts.trust)
             report.removed = original.remove(report.outputs)
@@ -125,8 +133,8 @@ class TorchFile(Source):
         dst = opts.output or default_expanded(self.path)
         outputs.check_separate([self.path], dst)
         original = readback.Original(self.path) if opts.replace else None
-        obj = checkpoint.load_torch(self.path, trust=opts.trust)
-        if not quant.count_qstates(obj) + foreign.to_torch(obj):
+        obj, restored = self._load(opts.trust)
+        if not quant.count_qstates(obj) + foreign.to_torch(obj) + restored:
             raise InputError(f"{self.path} is a torch.save checkpoint without 8-bit states (ckptq, bitsandbytes or "
                              "torchao): it is already expanded (torch.load reads it; `ckptq convert` shrinks it)")
         quant.decode_qstates(obj)
@@ -144,6 +152,10 @@ class TorchFile(Source):
         tensor by tensor as its writer would write them; nothing is quantized)."""
         obj = checkpoint.load_torch(self.path, trust=opts.trust)
         r = InfoReport(self.path, self.kind, os.path.getsize(self.path), type=self.type)
+        if signpost.is_signpost(obj):  # a stock framework stops here; ckptq's file is beside it
+            r.kind, r.notes = "ckptq signpost (no optimizer state)", [obj[signpost.SIGNPOST_KEY]]
+            return r
+        signpost.unwrap(obj)
         held = _count_qstates(obj, r)
         for s in tree.flatten(obj)[1]:  # the tensors as stored (shared storage once), by their state key
             if s.role in ("exact", "codebook"):
