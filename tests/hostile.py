@@ -10,7 +10,9 @@ original: the damage provably changed nothing), "wrong" (loads, differs: silentl
 from __future__ import annotations
 
 import collections
+import copy
 import os
+import pickle
 import random
 import shutil
 import struct
@@ -321,9 +323,242 @@ def _mutate_indexes(trials: int, rng: random.Random, workdir: str, counts, examp
             examples.append(f"sharded index {key}: {detail}")
 
 
-if __name__ == "__main__":
+# --- DCP folders and DeepSpeed checkpoints (issue #21) ------------------------------------------------------
+# Outcomes of one trial, over every command that reads the input (info, convert, expand): "refused" (each
+# a one-line CkptqError), "loaded" (some succeeded: damaged data bytes carry no checksum in DCP or
+# DeepSpeed files), and what must never happen: "ran code" (a marker folder appeared), "wrote unsafe" (an
+# expanded DeepSpeed file names a global outside DeepSpeed's list), "hung", "traceback".
+
+class Runs:
+    """Unpickling it creates the folder ``path`` through ``how``: the proof that a pickle ran code."""
+
+    def __init__(self, path: str, how: str = "mkdir"):
+        self.path, self.how = str(path), how
+
+    def __reduce__(self):
+        code = f"__import__('os').mkdir({self.path!r})"
+        return {"mkdir": (os.mkdir, (self.path,)), "exec": (exec, (code,)), "eval": (eval, (code,)),
+                "system": (os.system, (f"mkdir '{self.path}'",))}[self.how]
+
+
+def nested(depth: int, inner=None) -> list:
+    out = [] if inner is None else [inner]
+    for _ in range(depth - 1):
+        out = [out]
+    return out
+
+
+def dcp_folder(path, lr=1e-3, quantized: bool = False):
+    """A one-process DCP folder of torch AdamW state: two moments convert stores 8-bit (``quantized``:
+    stored 8-bit already, by ``ckptq.dcp.SavePlanner``), ``lr`` saved as a byte entry."""
+    import torch.distributed.checkpoint as dcp
+    import ckptq.dcp
+
+    g = torch.Generator().manual_seed(0)
+    m, v = torch.randn(16, 256, generator=g) * 1e-3, torch.rand(16, 256, generator=g) * 1e-6
+    groups = [{"lr": lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": ["w"]}]
+    sd = {"model": {"w": torch.randn(16, 256, generator=g)},
+          "optimizer": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": m, "exp_avg_sq": v}}, "param_groups": groups}}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20_000))  # a deeply nested lr pickles only with a deeper stack
+    try:
+        planner = ckptq.dcp.SavePlanner(min_size=4096) if quantized else None
+        dcp.save(sd, checkpoint_id=str(path), planner=planner, no_dist=True)
+    finally:
+        sys.setrecursionlimit(limit)
+    return path
+
+
+class _Hung(Exception):
+    pass
+
+
+def _alarm(*_):
+    raise _Hung()
+
+
+def trial_outcome(calls, marker: str, seconds: int = 60) -> tuple[str, str]:
+    """(outcome, detail) of running ``calls`` (each under a time limit) on one damaged input."""
+    import signal
+
+    refusals, old = 0, signal.signal(signal.SIGALRM, _alarm)
+    try:
+        for call in calls:
+            signal.alarm(seconds)
+            try:
+                call()
+            except _Hung:
+                return "hung", ""
+            except CkptqError as e:
+                if "\n" in str(e):
+                    return "traceback", "multi-line message: " + str(e)[:200]
+                refusals += 1
+            except Exception as e:  # noqa: BLE001 - this is what the campaign measures
+                return "traceback", f"{type(e).__name__}: {str(e)[:200]}"
+            finally:
+                signal.alarm(0)
+            if os.path.exists(marker):
+                return "ran code", ""
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    return ("refused" if refusals == len(calls) else "loaded"), ""
+
+
+def _flip_or_cut(files: list[str], rng: random.Random, cut: bool) -> str:
+    path = rng.choice(files)
+    size = os.path.getsize(path)
+    if cut:
+        os.truncate(path, rng.randrange(size))
+        return f"{os.path.basename(path)} truncated"
+    pos, bit = rng.randrange(size), rng.randrange(8)
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([b ^ (1 << bit)]))
+    return f"{os.path.basename(path)} byte {pos} bit {bit}"
+
+
+_SIZES = [torch.Size([-1, 256]), torch.Size([2**40]), torch.Size([2**25, 2**24]), torch.Size([16, 512]),
+          torch.Size([]), torch.Size([0]), torch.Size([8, 256]), torch.Size([16]), torch.Size([16, 256, 1])]
+_ODD_DCP = _ODD + _SIZES + ["/etc/passwd", "../x.distcp", ".", "sub/x", "__0_0.distcp", ["stream.zstd"],
+                            torch.float64, torch.int8, torch.bool, torch.strided, (1, 2), {"k": [1, {2: 3}]}]
+
+
+def _metadata_slots(md) -> list[tuple]:
+    """(holder, field) pairs of a DCP Metadata that a crafted file can set: its own fields, each entry,
+    each tensor's size, chunks and dtype, each chunk's offsets and sizes, each stored item's location."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = [(md, f) for f in ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")]
+    for key, m in md.state_dict_metadata.items():
+        out.append((md.state_dict_metadata, key))
+        if isinstance(m, TensorStorageMetadata):
+            out += [(m, "size"), (m, "chunks"), (m, "properties"), (m.properties, "dtype")]
+            out += [(c, f) for c in m.chunks for f in ("offsets", "sizes")]
+    for index, info in md.storage_data.items():
+        out += [(md.storage_data, index)] + [(info, f) for f in ("relative_path", "offset", "length",
+                                                                 "transform_descriptors")]
+    return out
+
+
+def _set(holder, field, value) -> None:
+    if isinstance(holder, dict):
+        holder[field] = value
+    else:
+        setattr(holder, field, value)
+
+
+def edit_metadata(folder: str, edit) -> None:
+    """Rewrite a DCP folder's ``.metadata`` after ``edit(metadata)`` (plain pickle: for our own files only)."""
+    path = os.path.join(folder, ".metadata")
+    with open(path, "rb") as f:
+        md = pickle.load(f)  # the campaign's own clean file
+    edit(md)
+    with open(path, "wb") as f:
+        pickle.dump(md, f)
+
+
+_GLOBALS = ["posix.system", "builtins.eval", "builtins.getattr", "torch.load", "torch.distributed.checkpoint.metadata.os",
+            "torch.distributed.checkpoint.filesystem.pickle", "torch.serialization.load", "pathlib.Path.write_text",
+            "collections.OrderedDict.fromkeys", "torch.Size\nposix", "torch.distributed.checkpoint.metadata.Metadata2"]
+
+
+def _crafted_metadata(folder: str, rng: random.Random, marker: str) -> str:
+    if rng.random() < 0.3:  # a bare global, called with no arguments: GLOBAL (text lines) or STACK_GLOBAL
+        name = rng.choice(_GLOBALS + ["posix\nsystem.x", "torch.distributed.checkpoint.metadata.Metadata\n"])
+        module, _, attr = name.rpartition(".")
+        text = [s.encode() for s in (module, attr)]
+        op = b"\x80\x02c" + b"\n".join(text) + b"\n" if rng.random() < 0.5 else \
+            b"\x80\x04" + b"".join(b"\x8c" + bytes([len(t)]) + t for t in text) + b"\x93"
+        with open(os.path.join(folder, ".metadata"), "wb") as f:
+            f.write(op + b")R.")
+        return f"GLOBAL {name!r}"
+    how = rng.choice(["mkdir", "exec", "eval", "system"])
+    where = []
+    edit_metadata(folder, lambda md: where.append(_put(md, rng, Runs(marker, how))))
+    return f"{how} at {where[0]}"
+
+
+def _put(md, rng: random.Random, value) -> str:
+    holder, field = rng.choice(_metadata_slots(md))
+    _set(holder, field, value)
+    return f"{type(holder).__name__}.{str(field)[:60]}"
+
+
+def _fifo(folder: str, rng: random.Random) -> str:
+    """A data file, a symlink to one, or a companion in a subfolder replaced by a FIFO."""
+    how = rng.choice(["data", "symlink", "companion"])
+    data = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))
+    if how == "companion":
+        os.makedirs(os.path.join(folder, "extra"), exist_ok=True)
+        os.mkfifo(os.path.join(folder, "extra", "pipe"))
+    elif how == "data":
+        os.unlink(os.path.join(folder, data[0]))
+        os.mkfifo(os.path.join(folder, data[0]))
+    else:
+        os.unlink(os.path.join(folder, data[0]))
+        os.mkfifo(os.path.join(folder, "pipe"))
+        os.symlink("pipe", os.path.join(folder, data[0]))
+    return f"FIFO as {how}"
+
+
+def _dcp_damage(kind: str, trial: str, rng: random.Random, marker: str, quantized: bool) -> str:
+    files_ = sorted(os.path.join(trial, n) for n in os.listdir(trial))
+    if kind in ("flip", "truncate"):
+        return _flip_or_cut(files_, rng, kind == "truncate")
+    if kind == "metadata":
+        where = []
+        value = rng.choice(_ODD_DCP)
+        edit_metadata(trial, lambda md: where.append(_put(md, rng, copy.deepcopy(value))))
+        return f"{where[0]} = {value!r:.60}"
+    if kind == "pickle":
+        return _crafted_metadata(trial, rng, marker)
+    if kind == "fifo":
+        return _fifo(trial, rng)
+    shutil.rmtree(trial)  # "entry": a byte entry that runs code or nests too deep
+    lr = Runs(marker, rng.choice(["mkdir", "exec", "eval", "system"])) if rng.random() < 0.5 \
+        else nested(rng.randrange(101, 3000))
+    dcp_folder(trial, lr=lr, quantized=quantized)
+    return f"lr = {type(lr).__name__}"
+
+
+DCP_KINDS = ("flip", "truncate", "metadata", "pickle", "entry", "fifo")
+
+
+def dcp_campaign(trials: int, seed: int, workdir: str) -> dict:
+    """``trials`` damaged or crafted DCP folders per kind (half plain, half 8-bit): {kind: Counter,
+    "examples": [what must not happen]}."""
+    rng = random.Random(seed)
+    clean = {q: dcp_folder(os.path.join(workdir, f"clean-{q}"), quantized=q) for q in (False, True)}
+    marker, trial, out = (os.path.join(workdir, n) for n in ("RAN", "trial", "out"))
+    results, examples = {}, []
+    for kind in DCP_KINDS:
+        counts = collections.Counter()
+        for _ in range(trials):
+            quantized = rng.random() < 0.5
+            shutil.rmtree(trial, ignore_errors=True)
+            shutil.copytree(clean[quantized], trial)
+            what = _dcp_damage(kind, trial, rng, marker, quantized)
+            outcome, detail = trial_outcome([lambda: ckptq.info(trial), lambda: ckptq.convert(trial, out, force=True),
+                                             lambda: ckptq.expand(trial, out, force=True)], marker)
+            counts[outcome] += 1
+            if outcome not in ("refused", "loaded"):
+                examples.append(f"dcp {kind}: {what}: {outcome}: {detail}")
+            shutil.rmtree(marker, ignore_errors=True)
+        results[kind] = counts
+    results["examples"] = examples
+    return results
+
+
+if __name__ == "__main__":  # python tests/hostile.py [trials] [seed] [files|dcp]
+    import tempfile
+
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 200
-    res = campaign(n, int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    which = sys.argv[3] if len(sys.argv) > 3 else "files"
+    with tempfile.TemporaryDirectory(prefix="ckptq-campaign-") as work:
+        res = {"files": lambda: campaign(n, seed), "dcp": lambda: dcp_campaign(n, seed, work)}[which]()
     for line in res.pop("examples")[:40]:
         print(line)
     for kind, counts in res.items():

@@ -22,35 +22,27 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ..format import files
 from ..codec import plan, qstate, sharded
 from ..errors import InputError, OutputExistsError
+from . import safe_reader
 
 _MOMENT = re.compile(r"^(?P<opt>.+)\.state\.(?P<fqn>.+)\.(?P<key>exp_avg|exp_avg_sq|max_exp_avg_sq)$")
 _PARTS = ("codes", "absmax", "qmap")
 
 
 def read_metadata(path: str):
-    try:
-        return FileSystemReader(path).read_metadata()
-    except Exception as e:  # a damaged .metadata raises pickle, EOF and attribute errors
-        raise InputError(f"{path}/.metadata is not readable DCP metadata: {str(e).splitlines()[0][:200]}") from None
+    """The checked metadata of the DCP folder ``path``, read without running code (``safe_reader``)."""
+    return safe_reader.load_metadata(path)
 
 
 def _read(path: str, items: dict) -> dict:
-    """Read ``items`` ({key: template}) from the folder in this process only (no collectives)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(items, storage_reader=FileSystemReader(path), no_dist=True)
-    except (Exception, CheckpointException) as e:  # a missing or short .distcp file, a key the files lack
-        last = [line for line in str(e).splitlines() if line.strip()][-1:] or [type(e).__name__]
-        raise InputError(f"{path}: cannot read {', '.join(map(str, list(items)[:3]))}: {last[0].strip()[:200]}") from None
-    return items
+    """Read ``items`` ({key: template}) from the folder in this process only (no collectives), safely."""
+    return safe_reader.read_items(path, items)
 
 
 @dataclass
@@ -241,14 +233,17 @@ def _mine(keys: list) -> list:
 
 def _copy_companions(src: str, dst: str) -> None:
     """Files beside the DCP data that the framework reads too (Lightning's ``meta.pt``), copied as they are."""
-    for name in os.listdir(src):
-        path = os.path.join(src, name)
-        if name == ".metadata" or name.endswith(".distcp") or os.path.islink(path):
-            continue
-        if os.path.isdir(path):
-            shutil.copytree(path, os.path.join(dst, name), symlinks=True)
-        elif os.path.isfile(path):
-            shutil.copy2(path, os.path.join(dst, name))
+    for name, kind in safe_reader.companions(src):
+        source, target = os.path.join(src, name), os.path.join(dst, name)
+        if kind == "folder":
+            os.mkdir(target)
+            shutil.copymode(source, target)
+        elif kind == "link":
+            os.symlink(os.readlink(source), target)
+        else:
+            with files.open_regular(source, "companion file") as f, open(target, "wb") as out:
+                shutil.copyfileobj(f, out)
+            shutil.copystat(source, target)
 
 
 def write_folder(dst: str, state: dict, producers: dict, force: bool, src: str | None = None) -> None:
@@ -264,8 +259,12 @@ def write_folder(dst: str, state: dict, producers: dict, force: bool, src: str |
     if not distributed or dist.get_rank() == 0:
         files.remove_path(tmp)
         os.makedirs(tmp)
-        if src:
-            _copy_companions(src, tmp)
+        try:
+            if src:
+                _copy_companions(src, tmp)
+        except BaseException:
+            files.remove_path(tmp)
+            raise
     if distributed:
         dist.barrier()
     writer = FileSystemWriter(tmp, single_file_per_rank=True, thread_count=1, sync_files=True)
