@@ -143,6 +143,19 @@ def write_index(path: str, index: dict) -> None:
     open(path, "wb").write(bytes(raw))
 
 
+class CraftingPickler(pickle._Pickler):
+    """Writes a DeepSpeed stand-in class as whatever name it carries, unchecked, and any other global as
+    Python would: what a crafted file holds (``ckptq.deepspeed.objects.Pickler`` refuses both)."""
+
+    def save_global(self, obj, name=None):
+        ref = getattr(obj, "_ckptq_global", "") if isinstance(obj, type) else ""
+        if not ref:
+            return super().save_global(obj, name)
+        module, _, qualname = ref.rpartition(".")
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+        self.memoize(obj)
+
+
 def _same(a, b) -> bool:
     try:
         assert_same(a, b)
@@ -551,14 +564,166 @@ def dcp_campaign(trials: int, seed: int, workdir: str) -> dict:
     return results
 
 
-if __name__ == "__main__":  # python tests/hostile.py [trials] [seed] [files|dcp]
+ZERO = os.path.join(os.path.dirname(__file__), "fixtures", "zero", "zero2")  # 2 ranks, ZeRO stage 2
+_NAMES = ["posix.system", "builtins.eval", "deepspeed.runtime.engine.DeepSpeedEngine", "deepspeed.runtime.zero.config",
+          "deepspeed.runtime.zero.config.ZeroStageEnum\nposix\nsystem", "deepspeed.utils.tensor_fragment.fragment_addres",
+          "deepspeed.runtime.fp16.loss_scaler.LossScaler ", "deepspeed..x", "torch.load", "argparse.Namespace"]
+
+
+def _odd_value(rng: random.Random):
+    from ckptq.deepspeed import objects as zero_pickle
+
+    return rng.choice(_ODD + [torch.device("cpu"), torch.Size([2]), {1, 2}, bytearray(b"x"), complex(1, 2),
+                              {"not a name": 1}, zero_pickle._standin("deepspeed.runtime.zero.config.ZeroStageEnum")(2),
+                              (torch.zeros(2),), nested(rng.randrange(90, 2000))])
+
+
+def _standins(obj, found: list) -> list:
+    from ckptq.deepspeed import objects as zero_pickle
+
+    if isinstance(obj, zero_pickle._Standin):
+        found.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _standins(v, found)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _standins(v, found)
+    return found
+
+
+def _crafted_rank_file(kind: str, path: str, rng: random.Random) -> str:
+    """A rank file saved again with odd DeepSpeed objects, foreign globals or deep nesting in it."""
+    from ckptq.deepspeed import objects as zero_pickle
+    from ckptq.format import torch_stream
+
+    obj = zero_pickle.load(path)
+    if kind == "objects":
+        target = rng.choice(_standins(obj, []))
+        value = _odd_value(rng)
+        field = rng.choice(["_args", "_state"])
+        setattr(target, field, (value,) if field == "_args" else value)
+        what = f"{target._ckptq_global}.{field} = {type(value).__name__}"
+    elif kind == "globals":
+        name = rng.choice(_NAMES)
+        cls = zero_pickle._standin(name)
+        obj["optimizer_state_dict"][rng.choice(["zero_stage", "extra"])] = cls.__new__(cls)
+        what = f"global {name!r}"
+    else:
+        loop: list = []
+        loop.append(loop)
+        obj["optimizer_state_dict"]["deep"] = loop if rng.random() < 0.2 else nested(rng.randrange(101, 3000))
+        what = "nesting"
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20_000))
+    try:
+        torch_stream.save(obj, path + ".new", pickler=CraftingPickler)  # obj's tensors map ``path``: write beside it
+    finally:
+        sys.setrecursionlimit(limit)
+    os.replace(path + ".new", path)
+    return what
+
+
+def _crafted_converted(q8: str, rng: random.Random) -> str:
+    """A converted rank file whose DeepSpeed objects (MARK dicts in the skeleton) say something else,
+    sealed again as a writer would."""
+    import json
+
+    from ckptq.deepspeed.objects import MARK
+
+    what = []
+
+    def edit(sk):
+        marks = [n for n in _json_nodes(sk) if isinstance(n, dict) and "dict" in n and n["dict"][:1]
+                 and n["dict"][0][0] == MARK]
+        pairs = rng.choice(marks)["dict"]
+        i = rng.randrange(len(pairs))
+        pairs[i][1] = rng.choice([rng.choice(_NAMES), {"device": "cpu"}, {"size": [2]}, {"list": [{"dtype": "F32"}]},
+                                  None, True, 7, "x", {"dict": [["a b", 1]]}, {"list": [{"float": "nan"}]}])
+        what.append(f"{pairs[i][0]} = {json.dumps(pairs[i][1])[:60]}")
+        return sk
+
+    edit_skeleton(q8, edit)
+    return what[0]
+
+
+def _json_nodes(value):
+    yield value
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _json_nodes(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _json_nodes(v)
+
+
+def _unsafe_outputs(save: str) -> list[str]:
+    """Globals outside DeepSpeed's list in the rank files expand wrote (DeepSpeed unpickles them fully)."""
+    from ckptq.deepspeed.objects import DEEPSPEED_GLOBALS
+
+    step = os.path.join(save, "global_step3")
+    return [g for n in sorted(os.listdir(step)) if n.endswith("_optim_states.pt")
+            for g in torch.serialization.get_unsafe_globals_in_checkpoint(os.path.join(step, n))
+            if g not in DEEPSPEED_GLOBALS]
+
+
+ZERO_KINDS = ("flip", "truncate", "objects", "globals", "nesting", "latest", "converted")
+_LATEST = ["..", ".", "/etc", "global_step3/..", "..\\global_step3", "global_step3\0", "", " ", "x" * 5000,
+           "global_step3\n..", "../zero2/global_step3"]
+
+
+def zero_campaign(trials: int, seed: int, workdir: str) -> dict:
+    """``trials`` damaged or crafted DeepSpeed ZeRO checkpoints per kind (info, convert; expand of converted
+    ones): {kind: Counter, "examples": [what must not happen]}."""
+    rng = random.Random(seed)
+    clean, conv = os.path.join(workdir, "zero-clean"), os.path.join(workdir, "zero-converted")
+    shutil.copytree(ZERO, clean)
+    shutil.copytree(ZERO, conv)
+    ckptq.convert(conv, min_size=256)
+    marker, save = os.path.join(workdir, "RAN"), os.path.join(workdir, "zero-trial")
+    results, examples = {}, []
+    for kind in ZERO_KINDS:
+        counts = collections.Counter()
+        for _ in range(trials):
+            shutil.rmtree(save, ignore_errors=True)
+            shutil.copytree(conv if kind == "converted" else clean, save)
+            step = os.path.join(save, "global_step3")
+            ranks = sorted(os.path.join(step, n) for n in os.listdir(step) if n.endswith("_optim_states.pt"))
+            if kind in ("flip", "truncate"):
+                what = _flip_or_cut(ranks + [os.path.join(step, "mp_rank_00_model_states.pt")], rng, kind == "truncate")
+            elif kind == "latest":
+                tag = rng.choice(_LATEST)
+                with open(os.path.join(save, "latest"), "w") as f:
+                    f.write(tag)
+                what = repr(tag[:40])
+            elif kind == "converted":
+                for p in ranks:
+                    os.unlink(p)
+                what = _crafted_converted(rng.choice(sorted(p[:-3] + ".q8.safetensors" for p in ranks)), rng)
+            else:
+                what = _crafted_rank_file(kind, rng.choice(ranks), rng)
+            calls = [lambda: ckptq.info(save, min_size=256),
+                     lambda: ckptq.expand(save, force=True) if kind == "converted" else ckptq.convert(save, min_size=256, force=True)]
+            outcome, detail = trial_outcome(calls, marker)
+            if outcome == "loaded" and kind == "converted" and _unsafe_outputs(save):
+                outcome, detail = "wrote unsafe", str(_unsafe_outputs(save))[:200]
+            counts[outcome] += 1
+            if outcome not in ("refused", "loaded"):
+                examples.append(f"zero {kind}: {what}: {outcome}: {detail}")
+        results[kind] = counts
+    results["examples"] = examples
+    return results
+
+
+if __name__ == "__main__":  # python tests/hostile.py [trials] [seed] [files|dcp|zero]
     import tempfile
 
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 200
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     which = sys.argv[3] if len(sys.argv) > 3 else "files"
     with tempfile.TemporaryDirectory(prefix="ckptq-campaign-") as work:
-        res = {"files": lambda: campaign(n, seed), "dcp": lambda: dcp_campaign(n, seed, work)}[which]()
+        res = {"files": lambda: campaign(n, seed), "dcp": lambda: dcp_campaign(n, seed, work),
+               "zero": lambda: zero_campaign(n, seed, work)}[which]()
     for line in res.pop("examples")[:40]:
         print(line)
     for kind, counts in res.items():
