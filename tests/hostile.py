@@ -361,11 +361,12 @@ def nested(depth: int, inner=None) -> list:
     return out
 
 
-def dcp_folder(path, lr=1e-3, quantized: bool = False):
+def dcp_folder(path, lr=1e-3, quantized: bool = False, edit=None):
     """A one-process DCP folder of torch AdamW state: two moments convert stores 8-bit (``quantized``:
-    stored 8-bit already, by ``ckptq.dcp.SavePlanner``), ``lr`` saved as a byte entry."""
+    stored 8-bit already, as ``ckptq.dcp.SavePlanner`` stores them, after ``edit(the 8-bit state)``), ``lr``
+    saved as a byte entry."""
     import torch.distributed.checkpoint as dcp
-    import ckptq.dcp
+    from ckptq.dcp.planners import quantized_copy
 
     g = torch.Generator().manual_seed(0)
     m, v = torch.randn(16, 256, generator=g) * 1e-3, torch.rand(16, 256, generator=g) * 1e-6
@@ -375,8 +376,11 @@ def dcp_folder(path, lr=1e-3, quantized: bool = False):
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20_000))  # a deeply nested lr pickles only with a deeper stack
     try:
-        planner = ckptq.dcp.SavePlanner(min_size=4096) if quantized else None
-        dcp.save(sd, checkpoint_id=str(path), planner=planner, no_dist=True)
+        if quantized:  # what SavePlanner.set_up_planner does, with a chance to craft the result
+            sd = quantized_copy(sd, min_size=4096)
+            if edit:
+                edit(sd["optimizer"]["state"]["w"])
+        dcp.save(sd, checkpoint_id=str(path), no_dist=True)
     finally:
         sys.setrecursionlimit(limit)
     return path
@@ -529,6 +533,17 @@ def _dcp_damage(kind: str, trial: str, rng: random.Random, marker: str, quantize
         return _crafted_metadata(trial, rng, marker)
     if kind == "fifo":
         return _fifo(trial, rng)
+    if kind == "qstate":  # an 8-bit state's scalars or parts replaced by odd values
+        shutil.rmtree(trial)
+        where = []
+
+        def edit(pstate):
+            role = rng.choice(["exp_avg", "exp_avg_sq"])
+            field = rng.choice(sorted(pstate[role]))
+            pstate[role] = {**pstate[role], field: copy.deepcopy(rng.choice(_ODD_DCP + [torch.zeros(3), "nope"]))}
+            where.append(f"{role}.{field} = {pstate[role][field]!r:.40}")
+        dcp_folder(trial, quantized=True, edit=edit)
+        return where[0]
     shutil.rmtree(trial)  # "entry": a byte entry that runs code or nests too deep
     lr = Runs(marker, rng.choice(["mkdir", "exec", "eval", "system"])) if rng.random() < 0.5 \
         else nested(rng.randrange(101, 3000))
@@ -536,7 +551,7 @@ def _dcp_damage(kind: str, trial: str, rng: random.Random, marker: str, quantize
     return f"lr = {type(lr).__name__}"
 
 
-DCP_KINDS = ("flip", "truncate", "metadata", "pickle", "entry", "fifo")
+DCP_KINDS = ("flip", "truncate", "metadata", "pickle", "entry", "qstate", "fifo")
 
 
 def dcp_campaign(trials: int, seed: int, workdir: str) -> dict:

@@ -260,6 +260,18 @@ def test_data_beyond_the_end_of_its_file_is_refused(tmp_path):
     all_commands_refuse(folder, "beyond the end", tmp_path)
 
 
+@pytest.mark.parametrize("field, value", [("shape", "x"), ("shape", [-1, 256]), ("shape", [2**40]), ("shape", None),
+                                          ("shape", [16.5, 2]), ("divisor", "nope")])
+def test_crafted_8bit_state_scalars_are_one_line_input_errors(tmp_path, field, value):
+    """expand allocates an 8-bit state's output by its shape and pairs a ratio with its divisor before any
+    decoder checks them: odd values were TypeError / RuntimeError tracebacks or a 4 TiB allocation."""
+    def edit(pstate):
+        pstate["exp_avg"] = {**pstate["exp_avg"], field: value}
+    folder = dcp_folder(tmp_path / "src", quantized=True, edit=edit)
+    refused_by_cli(["expand", folder, "-o", tmp_path / "fp32"], "it is damaged or crafted")
+    assert not (tmp_path / "fp32").exists()
+
+
 def test_honest_folder_info_convert_expand_still_work(tmp_path):
     folder = dcp_folder(tmp_path / "src")
     r = cli("info", folder, "--json")
@@ -273,7 +285,8 @@ def test_honest_folder_info_convert_expand_still_work(tmp_path):
 
 def test_dcp_campaign_runs_no_code_never_hangs_and_refuses_in_one_line(tmp_path):
     """Bit flips and truncations of .metadata and .distcp, crafted metadata values, crafted pickles in
-    .metadata and in byte entries, FIFOs: 25 folders of each kind, in a child with a time limit."""
+    .metadata and in byte entries, odd 8-bit state fields, FIFOs: 25 folders of each kind, in a child
+    with a time limit."""
     code = (f"import json, logging, sys, warnings; sys.path.insert(0, {HERE!r}); import hostile; "
             "warnings.filterwarnings('ignore'); logging.disable(logging.CRITICAL); "
             f"print(json.dumps(hostile.dcp_campaign(25, 2026, {str(tmp_path)!r})))")

@@ -13,6 +13,7 @@ of the keys and ``dcp.save`` merges them into one folder.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -65,11 +66,22 @@ class Plan:
 
 
 def _scalars(path: str, md) -> dict:
-    """Every small non-tensor entry (steps, param_groups) as Python values."""
+    """Every small non-tensor entry (steps, param_groups) as Python values; the shape and divisor of each
+    8-bit state checked, since expand allocates and pairs by them before any decoder looks."""
     keys = {k: None for k, m in md.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)}
     steps = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
              if k.endswith(".step") and isinstance(m, TensorStorageMetadata)}
-    return _read(path, {**keys, **steps}) if keys or steps else {}
+    scalars = _read(path, {**keys, **steps}) if keys or steps else {}
+    qkeys = set(_quantized_keys(md.state_dict_metadata))
+    for key in qkeys:
+        shape, divisor = scalars.get(f"{key}.shape"), scalars.get(f"{key}.divisor")
+        codes = md.state_dict_metadata[f"{key}.codes"]
+        most = codes.size.numel() * 8 // min(qstate.SUPPORTED_BITS) if isinstance(codes, TensorStorageMetadata) else 0
+        if not (isinstance(shape, (list, tuple)) and all(type(d) is int and d >= 0 for d in shape)
+                and math.prod(shape) <= most and (divisor is None or f"{key.rpartition('.')[0]}.{divisor}" in qkeys)):
+            raise InputError(f"{path}: quantized state {key} has shape {shape!r:.60} for {most} elements at most, "
+                             f"divisor {divisor!r:.40}; it is damaged or crafted")
+    return scalars
 
 
 def _group_value(scalars: dict, opt: str, fqn: str, name: str, default):
