@@ -194,6 +194,34 @@ def test_self_containing_list_in_a_rank_file_is_one_line(tmp_path):
     refused(["convert", save, "--min-size", MIN], "contains itself")
 
 
+def _universal(tmp_path, name, obj):
+    """zero2's universal checkpoint with zero/0.weight/``name`` replaced by ``obj`` (torch.save)."""
+    uni = shutil.copytree(os.path.join(FIXTURES, "zero2", "global_step3_universal"), tmp_path / "uni")
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)  # a deeply nested object pickles only with a deeper stack
+    try:
+        torch.save(obj, uni / "zero" / "0.weight" / name)
+    finally:
+        sys.setrecursionlimit(limit)
+    return uni
+
+
+def test_deeply_nested_universal_moment_file_is_one_line(tmp_path):
+    deep: list = []
+    for _ in range(600):
+        deep = [deep]
+    moment = torch.load(os.path.join(FIXTURES, "zero2", "global_step3_universal", "zero", "0.weight", "exp_avg.pt"),
+                        weights_only=True)
+    uni = _universal(tmp_path, "exp_avg.pt", {**moment, "deep": deep})
+    refused(["info", uni, "--min-size", 16], "nested more than 100 levels deep")
+    refused(["convert", uni, "--min-size", 16], "nested more than 100 levels deep")
+
+
+def test_universal_parameter_file_that_is_not_a_dict_is_one_line(tmp_path):
+    uni = _universal(tmp_path, "fp32.pt", [1])
+    refused(["info", uni, "--min-size", 16], "is not a universal checkpoint parameter file")
+
+
 def test_honest_fixtures_still_convert_and_expand(tmp_path):
     for name in ("zero1", "zero3", "zero2_bf16"):
         save = copy(tmp_path, name)
