@@ -156,6 +156,17 @@ def test_rank_file_objects_with_values_of_other_types_are_refused(tmp_path, fiel
     assert rank_files(save, ".q8.safetensors") == []
 
 
+def test_zero_stage_called_with_a_list_is_no_stage_not_a_traceback(tmp_path):
+    """Found by the campaign: info put ZeroStageEnum's argument into a set of stages (TypeError)."""
+    save = copy(tmp_path)
+    for path in rank_files(save):
+        obj = zero_pickle.load(str(path))
+        obj["optimizer_state_dict"]["zero_stage"]._args = ([2],)
+        rewrite(path, obj)
+    r = cli("info", save, "--min-size", MIN, "--json")
+    assert r.exit_code == 0 and json.loads(r.output)["stage"] is None, r.output
+
+
 # --- item 10: latest, deep nesting ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tag", ["..", ".", "/etc", "global_step3/..", "..\\global_step3", "global_step3\0"])

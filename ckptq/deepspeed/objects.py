@@ -140,12 +140,13 @@ def _impure(obj: Any) -> str | None:
 
 
 def stage_of(obj: Any) -> int | None:
-    """The value of a ``ZeroStageEnum`` stand-in (or a plain int)."""
-    if isinstance(obj, _Standin) and len(obj._args) == 1 and isinstance(obj._args[0], int):
-        return obj._args[0]
-    if isinstance(obj, dict) and obj.get(MARK) and len(obj.get("args", ())) == 1:
-        return obj["args"][0]
-    return obj if isinstance(obj, int) else None
+    """The value of a ``ZeroStageEnum`` stand-in, its plain form, or a plain int; None for anything else
+    (a crafted enum called with a list must not reach the report as a stage)."""
+    if isinstance(obj, _Standin) and len(obj._args) == 1:
+        obj = obj._args[0]
+    elif isinstance(obj, dict) and obj.get(MARK) and isinstance(obj.get("args"), list) and len(obj["args"]) == 1:
+        obj = obj["args"][0]
+    return obj if type(obj) is int else None
 
 
 def fields_of(obj: Any) -> dict:
