@@ -34,9 +34,10 @@ from ..format import files, torch_stream
 MARK = "__deepspeed_object__"  # the key of a plain dict that stands for a DeepSpeed object
 _NOT_BUILT = object()
 
-# The globals DeepSpeed pickles into its checkpoints (DeepSpeed 0.7 to 0.18: ``state_dict()`` of
-# runtime/zero/stage_1_and_2.py, stage3.py and bf16_optimizer.py): the loss scaler (static or dynamic),
-# ``zero_stage``, and one fragment_address per parameter slice (``param_slice_mappings``).
+# The globals DeepSpeed pickles into its checkpoints: ``state_dict()`` of runtime/zero/stage_1_and_2.py,
+# stage3.py and bf16_optimizer.py (DeepSpeed master, 2026-08) holds the loss scaler (static or dynamic,
+# runtime/fp16/loss_scaler.py), ``zero_stage`` and one fragment_address per parameter slice
+# (``param_slice_mappings``); the fixtures (DeepSpeed 0.19.8) hold three of them.
 DEEPSPEED_GLOBALS = frozenset({
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
