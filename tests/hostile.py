@@ -10,7 +10,9 @@ original: the damage provably changed nothing), "wrong" (loads, differs: silentl
 from __future__ import annotations
 
 import collections
+import copy
 import os
+import pickle
 import random
 import shutil
 import struct
@@ -139,6 +141,19 @@ def write_index(path: str, index: dict) -> None:
     raw = bytearray(json.dumps(index, indent=1, separators=(",", ":")).encode())
     integrity.seal(raw)
     open(path, "wb").write(bytes(raw))
+
+
+class CraftingPickler(pickle._Pickler):
+    """Writes a DeepSpeed stand-in class as whatever name it carries, unchecked, and any other global as
+    Python would: what a crafted file holds (``ckptq.deepspeed.objects.Pickler`` refuses both)."""
+
+    def save_global(self, obj, name=None):
+        ref = getattr(obj, "_ckptq_global", "") if isinstance(obj, type) else ""
+        if not ref:
+            return super().save_global(obj, name)
+        module, _, qualname = ref.rpartition(".")
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+        self.memoize(obj)
 
 
 def _same(a, b) -> bool:
@@ -321,9 +336,409 @@ def _mutate_indexes(trials: int, rng: random.Random, workdir: str, counts, examp
             examples.append(f"sharded index {key}: {detail}")
 
 
-if __name__ == "__main__":
+# --- DCP folders and DeepSpeed checkpoints (issue #21) ------------------------------------------------------
+# Outcomes of one trial, over every command that reads the input (info, convert, expand): "refused" (each
+# a one-line CkptqError), "loaded" (some succeeded: damaged data bytes carry no checksum in DCP or
+# DeepSpeed files), and what must never happen: "ran code" (a marker folder appeared), "wrote unsafe" (an
+# expanded DeepSpeed file names a global outside DeepSpeed's list), "hung", "traceback".
+
+class Runs:
+    """Unpickling it creates the folder ``path`` through ``how``: the proof that a pickle ran code."""
+
+    def __init__(self, path: str, how: str = "mkdir"):
+        self.path, self.how = str(path), how
+
+    def __reduce__(self):
+        code = f"__import__('os').mkdir({self.path!r})"
+        return {"mkdir": (os.mkdir, (self.path,)), "exec": (exec, (code,)), "eval": (eval, (code,)),
+                "system": (os.system, (f"mkdir '{self.path}'",))}[self.how]
+
+
+def nested(depth: int, inner=None) -> list:
+    out = [] if inner is None else [inner]
+    for _ in range(depth - 1):
+        out = [out]
+    return out
+
+
+def dcp_folder(path, lr=1e-3, quantized: bool = False, edit=None):
+    """A one-process DCP folder of torch AdamW state: two moments convert stores 8-bit (``quantized``:
+    stored 8-bit already, as ``ckptq.dcp.SavePlanner`` stores them, after ``edit(the 8-bit state)``), ``lr``
+    saved as a byte entry."""
+    import torch.distributed.checkpoint as dcp
+    from ckptq.dcp.planners import quantized_copy
+
+    g = torch.Generator().manual_seed(0)
+    m, v = torch.randn(16, 256, generator=g) * 1e-3, torch.rand(16, 256, generator=g) * 1e-6
+    groups = [{"lr": lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": ["w"]}]
+    sd = {"model": {"w": torch.randn(16, 256, generator=g)},
+          "optimizer": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": m, "exp_avg_sq": v}}, "param_groups": groups}}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20_000))  # a deeply nested lr pickles only with a deeper stack
+    try:
+        if quantized:  # what SavePlanner.set_up_planner does, with a chance to craft the result
+            sd = quantized_copy(sd, min_size=4096)
+            if edit:
+                edit(sd["optimizer"]["state"]["w"])
+        dcp.save(sd, checkpoint_id=str(path), no_dist=True)
+    finally:
+        sys.setrecursionlimit(limit)
+    return path
+
+
+class _Hung(Exception):
+    pass
+
+
+def _alarm(*_):
+    raise _Hung()
+
+
+def trial_outcome(calls, marker: str, seconds: int = 60) -> tuple[str, str]:
+    """(outcome, detail) of running ``calls`` (each under a time limit) on one damaged input."""
+    import signal
+
+    refusals, old = 0, signal.signal(signal.SIGALRM, _alarm)
+    try:
+        for call in calls:
+            signal.alarm(seconds)
+            try:
+                call()
+            except _Hung:
+                return "hung", ""
+            except CkptqError as e:
+                if "\n" in str(e):
+                    return "traceback", "multi-line message: " + str(e)[:200]
+                refusals += 1
+            except Exception as e:  # noqa: BLE001 - this is what the campaign measures
+                return "traceback", f"{type(e).__name__}: {str(e)[:200]}"
+            finally:
+                signal.alarm(0)
+            if os.path.exists(marker):
+                return "ran code", ""
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    return ("refused" if refusals == len(calls) else "loaded"), ""
+
+
+def _flip_or_cut(files: list[str], rng: random.Random, cut: bool) -> str:
+    path = rng.choice(files)
+    size = os.path.getsize(path)
+    if cut:
+        os.truncate(path, rng.randrange(size))
+        return f"{os.path.basename(path)} truncated"
+    pos, bit = rng.randrange(size), rng.randrange(8)
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([b ^ (1 << bit)]))
+    return f"{os.path.basename(path)} byte {pos} bit {bit}"
+
+
+_SIZES = [torch.Size([-1, 256]), torch.Size([2**40]), torch.Size([2**25, 2**24]), torch.Size([16, 512]),
+          torch.Size([]), torch.Size([0]), torch.Size([8, 256]), torch.Size([16]), torch.Size([16, 256, 1])]
+_ODD_DCP = _ODD + _SIZES + ["/etc/passwd", "../x.distcp", ".", "sub/x", "__0_0.distcp", ["stream.zstd"],
+                            torch.float64, torch.int8, torch.bool, torch.strided, (1, 2), {"k": [1, {2: 3}]}]
+
+
+def _metadata_slots(md) -> list[tuple]:
+    """(holder, field) pairs of a DCP Metadata that a crafted file can set: its own fields, each entry,
+    each tensor's size, chunks and dtype, each chunk's offsets and sizes, each stored item's location."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = [(md, f) for f in ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")]
+    for key, m in md.state_dict_metadata.items():
+        out.append((md.state_dict_metadata, key))
+        if isinstance(m, TensorStorageMetadata):
+            out += [(m, "size"), (m, "chunks"), (m, "properties"), (m.properties, "dtype")]
+            out += [(c, f) for c in m.chunks for f in ("offsets", "sizes")]
+    for index, info in md.storage_data.items():
+        out += [(md.storage_data, index)] + [(info, f) for f in ("relative_path", "offset", "length",
+                                                                 "transform_descriptors")]
+    return out
+
+
+def _set(holder, field, value) -> None:
+    if isinstance(holder, dict):
+        holder[field] = value
+    else:
+        setattr(holder, field, value)
+
+
+def edit_metadata(folder: str, edit) -> None:
+    """Rewrite a DCP folder's ``.metadata`` after ``edit(metadata)`` (plain pickle: for our own files only)."""
+    path = os.path.join(folder, ".metadata")
+    with open(path, "rb") as f:
+        md = pickle.load(f)  # the campaign's own clean file
+    edit(md)
+    with open(path, "wb") as f:
+        pickle.dump(md, f)
+
+
+_GLOBALS = ["posix.system", "builtins.eval", "builtins.getattr", "torch.load", "torch.distributed.checkpoint.metadata.os",
+            "torch.distributed.checkpoint.filesystem.pickle", "torch.serialization.load", "pathlib.Path.write_text",
+            "collections.OrderedDict.fromkeys", "torch.Size\nposix", "torch.distributed.checkpoint.metadata.Metadata2"]
+
+
+def _crafted_metadata(folder: str, rng: random.Random, marker: str) -> str:
+    if rng.random() < 0.3:  # a bare global, called with no arguments: GLOBAL (text lines) or STACK_GLOBAL
+        name = rng.choice(_GLOBALS + ["posix\nsystem.x", "torch.distributed.checkpoint.metadata.Metadata\n"])
+        module, _, attr = name.rpartition(".")
+        text = [s.encode() for s in (module, attr)]
+        op = b"\x80\x02c" + b"\n".join(text) + b"\n" if rng.random() < 0.5 else \
+            b"\x80\x04" + b"".join(b"\x8c" + bytes([len(t)]) + t for t in text) + b"\x93"
+        with open(os.path.join(folder, ".metadata"), "wb") as f:
+            f.write(op + b")R.")
+        return f"GLOBAL {name!r}"
+    how = rng.choice(["mkdir", "exec", "eval", "system"])
+    where = []
+    edit_metadata(folder, lambda md: where.append(_put(md, rng, Runs(marker, how))))
+    return f"{how} at {where[0]}"
+
+
+def _put(md, rng: random.Random, value) -> str:
+    holder, field = rng.choice(_metadata_slots(md))
+    _set(holder, field, value)
+    return f"{type(holder).__name__}.{str(field)[:60]}"
+
+
+def _fifo(folder: str, rng: random.Random) -> str:
+    """A data file, a symlink to one, or a companion in a subfolder replaced by a FIFO."""
+    how = rng.choice(["data", "symlink", "companion"])
+    data = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))
+    if how == "companion":
+        os.makedirs(os.path.join(folder, "extra"), exist_ok=True)
+        os.mkfifo(os.path.join(folder, "extra", "pipe"))
+    elif how == "data":
+        os.unlink(os.path.join(folder, data[0]))
+        os.mkfifo(os.path.join(folder, data[0]))
+    else:
+        os.unlink(os.path.join(folder, data[0]))
+        os.mkfifo(os.path.join(folder, "pipe"))
+        os.symlink("pipe", os.path.join(folder, data[0]))
+    return f"FIFO as {how}"
+
+
+def _dcp_damage(kind: str, trial: str, rng: random.Random, marker: str, quantized: bool) -> str:
+    files_ = sorted(os.path.join(trial, n) for n in os.listdir(trial))
+    if kind in ("flip", "truncate"):
+        return _flip_or_cut(files_, rng, kind == "truncate")
+    if kind == "metadata":
+        where = []
+        value = rng.choice(_ODD_DCP)
+        edit_metadata(trial, lambda md: where.append(_put(md, rng, copy.deepcopy(value))))
+        return f"{where[0]} = {value!r:.60}"
+    if kind == "pickle":
+        return _crafted_metadata(trial, rng, marker)
+    if kind == "fifo":
+        return _fifo(trial, rng)
+    if kind == "qstate":  # an 8-bit state's scalars or parts replaced by odd values
+        shutil.rmtree(trial)
+        where = []
+
+        def edit(pstate):
+            role = rng.choice(["exp_avg", "exp_avg_sq"])
+            field = rng.choice(sorted(pstate[role]))
+            pstate[role] = {**pstate[role], field: copy.deepcopy(rng.choice(_ODD_DCP + [torch.zeros(3), "nope"]))}
+            where.append(f"{role}.{field} = {pstate[role][field]!r:.40}")
+        dcp_folder(trial, quantized=True, edit=edit)
+        return where[0]
+    shutil.rmtree(trial)  # "entry": a byte entry that runs code or nests too deep
+    lr = Runs(marker, rng.choice(["mkdir", "exec", "eval", "system"])) if rng.random() < 0.5 \
+        else nested(rng.randrange(101, 3000))
+    dcp_folder(trial, lr=lr, quantized=quantized)
+    return f"lr = {type(lr).__name__}"
+
+
+DCP_KINDS = ("flip", "truncate", "metadata", "pickle", "entry", "qstate", "fifo")
+
+
+def dcp_campaign(trials: int, seed: int, workdir: str) -> dict:
+    """``trials`` damaged or crafted DCP folders per kind (half plain, half 8-bit): {kind: Counter,
+    "examples": [what must not happen]}."""
+    rng = random.Random(seed)
+    clean = {q: dcp_folder(os.path.join(workdir, f"clean-{q}"), quantized=q) for q in (False, True)}
+    marker, trial, out = (os.path.join(workdir, n) for n in ("RAN", "trial", "out"))
+    results, examples = {}, []
+    for kind in DCP_KINDS:
+        counts = collections.Counter()
+        for _ in range(trials):
+            quantized = rng.random() < 0.5
+            shutil.rmtree(trial, ignore_errors=True)
+            shutil.copytree(clean[quantized], trial)
+            what = _dcp_damage(kind, trial, rng, marker, quantized)
+            outcome, detail = trial_outcome([lambda: ckptq.info(trial), lambda: ckptq.convert(trial, out, force=True),
+                                             lambda: ckptq.expand(trial, out, force=True)], marker)
+            counts[outcome] += 1
+            if outcome not in ("refused", "loaded"):
+                examples.append(f"dcp {kind}: {what}: {outcome}: {detail}")
+            shutil.rmtree(marker, ignore_errors=True)
+        results[kind] = counts
+    results["examples"] = examples
+    return results
+
+
+ZERO = os.path.join(os.path.dirname(__file__), "fixtures", "zero", "zero2")  # 2 ranks, ZeRO stage 2
+_NAMES = ["posix.system", "builtins.eval", "deepspeed.runtime.engine.DeepSpeedEngine", "deepspeed.runtime.zero.config",
+          "deepspeed.runtime.zero.config.ZeroStageEnum\nposix\nsystem", "deepspeed.utils.tensor_fragment.fragment_addres",
+          "deepspeed.runtime.fp16.loss_scaler.LossScaler ", "deepspeed..x", "torch.load", "argparse.Namespace"]
+
+
+def _odd_value(rng: random.Random):
+    from ckptq.deepspeed import objects as zero_pickle
+
+    return rng.choice(_ODD + [torch.device("cpu"), torch.Size([2]), {1, 2}, bytearray(b"x"), complex(1, 2),
+                              {"not a name": 1}, zero_pickle._standin("deepspeed.runtime.zero.config.ZeroStageEnum")(2),
+                              (torch.zeros(2),), nested(rng.randrange(90, 2000))])
+
+
+def _standins(obj, found: list) -> list:
+    from ckptq.deepspeed import objects as zero_pickle
+
+    if isinstance(obj, zero_pickle._Standin):
+        found.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _standins(v, found)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _standins(v, found)
+    return found
+
+
+def _crafted_rank_file(kind: str, path: str, rng: random.Random) -> str:
+    """A rank file saved again with odd DeepSpeed objects, foreign globals or deep nesting in it."""
+    from ckptq.deepspeed import objects as zero_pickle
+    from ckptq.format import torch_stream
+
+    obj = zero_pickle.load(path)
+    if kind == "objects":
+        target = rng.choice(_standins(obj, []))
+        value = _odd_value(rng)
+        field = rng.choice(["_args", "_state"])
+        setattr(target, field, (value,) if field == "_args" else value)
+        what = f"{target._ckptq_global}.{field} = {type(value).__name__}"
+    elif kind == "globals":
+        name = rng.choice(_NAMES)
+        cls = zero_pickle._standin(name)
+        obj["optimizer_state_dict"][rng.choice(["zero_stage", "extra"])] = cls.__new__(cls)
+        what = f"global {name!r}"
+    else:
+        loop: list = []
+        loop.append(loop)
+        obj["optimizer_state_dict"]["deep"] = loop if rng.random() < 0.2 else nested(rng.randrange(101, 3000))
+        what = "nesting"
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20_000))
+    try:
+        torch_stream.save(obj, path + ".new", pickler=CraftingPickler)  # obj's tensors map ``path``: write beside it
+    finally:
+        sys.setrecursionlimit(limit)
+    os.replace(path + ".new", path)
+    return what
+
+
+def _crafted_converted(q8: str, rng: random.Random) -> str:
+    """A converted rank file whose DeepSpeed objects (MARK dicts in the skeleton) say something else,
+    sealed again as a writer would."""
+    import json
+
+    from ckptq.deepspeed.objects import MARK
+
+    what = []
+
+    def edit(sk):
+        marks = [n for n in _json_nodes(sk) if isinstance(n, dict) and "dict" in n and n["dict"][:1]
+                 and n["dict"][0][0] == MARK]
+        pairs = rng.choice(marks)["dict"]
+        i = rng.randrange(len(pairs))
+        pairs[i][1] = rng.choice([rng.choice(_NAMES), {"device": "cpu"}, {"size": [2]}, {"list": [{"dtype": "F32"}]},
+                                  None, True, 7, "x", {"dict": [["a b", 1]]}, {"list": [{"float": "nan"}]}])
+        what.append(f"{pairs[i][0]} = {json.dumps(pairs[i][1])[:60]}")
+        return sk
+
+    edit_skeleton(q8, edit)
+    return what[0]
+
+
+def _json_nodes(value):
+    yield value
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _json_nodes(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _json_nodes(v)
+
+
+def _unsafe_outputs(save: str) -> list[str]:
+    """Globals outside DeepSpeed's list in the rank files expand wrote (DeepSpeed unpickles them fully)."""
+    from ckptq.deepspeed.objects import DEEPSPEED_GLOBALS
+
+    step = os.path.join(save, "global_step3")
+    return [g for n in sorted(os.listdir(step)) if n.endswith("_optim_states.pt")
+            for g in torch.serialization.get_unsafe_globals_in_checkpoint(os.path.join(step, n))
+            if g not in DEEPSPEED_GLOBALS]
+
+
+ZERO_KINDS = ("flip", "truncate", "objects", "globals", "nesting", "latest", "converted")
+_LATEST = ["..", ".", "/etc", "global_step3/..", "..\\global_step3", "global_step3\0", "", " ", "x" * 5000,
+           "global_step3\n..", "../zero2/global_step3"]
+
+
+def zero_campaign(trials: int, seed: int, workdir: str) -> dict:
+    """``trials`` damaged or crafted DeepSpeed ZeRO checkpoints per kind (info, convert; expand of converted
+    ones): {kind: Counter, "examples": [what must not happen]}."""
+    rng = random.Random(seed)
+    clean, conv = os.path.join(workdir, "zero-clean"), os.path.join(workdir, "zero-converted")
+    shutil.copytree(ZERO, clean)
+    shutil.copytree(ZERO, conv)
+    ckptq.convert(conv, min_size=256)
+    marker, save = os.path.join(workdir, "RAN"), os.path.join(workdir, "zero-trial")
+    results, examples = {}, []
+    for kind in ZERO_KINDS:
+        counts = collections.Counter()
+        for _ in range(trials):
+            shutil.rmtree(save, ignore_errors=True)
+            shutil.copytree(conv if kind == "converted" else clean, save)
+            step = os.path.join(save, "global_step3")
+            ranks = sorted(os.path.join(step, n) for n in os.listdir(step) if n.endswith("_optim_states.pt"))
+            if kind in ("flip", "truncate"):
+                what = _flip_or_cut(ranks + [os.path.join(step, "mp_rank_00_model_states.pt")], rng, kind == "truncate")
+            elif kind == "latest":
+                tag = rng.choice(_LATEST)
+                with open(os.path.join(save, "latest"), "w") as f:
+                    f.write(tag)
+                what = repr(tag[:40])
+            elif kind == "converted":
+                for p in ranks:
+                    os.unlink(p)
+                what = _crafted_converted(rng.choice(sorted(p[:-3] + ".q8.safetensors" for p in ranks)), rng)
+            else:
+                what = _crafted_rank_file(kind, rng.choice(ranks), rng)
+            calls = [lambda: ckptq.info(save, min_size=256),
+                     lambda: ckptq.expand(save, force=True) if kind == "converted" else ckptq.convert(save, min_size=256, force=True)]
+            outcome, detail = trial_outcome(calls, marker)
+            if outcome == "loaded" and kind == "converted" and _unsafe_outputs(save):
+                outcome, detail = "wrote unsafe", str(_unsafe_outputs(save))[:200]
+            counts[outcome] += 1
+            if outcome not in ("refused", "loaded"):
+                examples.append(f"zero {kind}: {what}: {outcome}: {detail}")
+        results[kind] = counts
+    results["examples"] = examples
+    return results
+
+
+if __name__ == "__main__":  # python tests/hostile.py [trials] [seed] [files|dcp|zero]
+    import tempfile
+
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 200
-    res = campaign(n, int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    which = sys.argv[3] if len(sys.argv) > 3 else "files"
+    with tempfile.TemporaryDirectory(prefix="ckptq-campaign-") as work:
+        res = {"files": lambda: campaign(n, seed), "dcp": lambda: dcp_campaign(n, seed, work),
+               "zero": lambda: zero_campaign(n, seed, work)}[which]()
     for line in res.pop("examples")[:40]:
         print(line)
     for kind, counts in res.items():

@@ -140,10 +140,12 @@ def test_a_single_rank_file_converts_alone_and_expands_back(tmp_path):
 
 
 def rewrite(path, obj):
-    """Save ``obj`` (loaded memory-mapped from ``path``) over ``path``: beside it first, then renamed."""
+    """Save ``obj`` (loaded memory-mapped from ``path``) over ``path``: beside it first, then renamed. The
+    pickler writes any global, as a crafted file would (ckptq's own writes only those DeepSpeed writes)."""
     from ckptq.format import torch_stream
+    from hostile import CraftingPickler
 
-    torch_stream.save(obj, f"{path}.new", pickler=zero_pickle.Pickler)
+    torch_stream.save(obj, f"{path}.new", pickler=CraftingPickler)
     os.replace(f"{path}.new", path)
 
 

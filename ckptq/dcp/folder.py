@@ -13,6 +13,7 @@ of the keys and ``dcp.save`` merges them into one folder.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -22,35 +23,27 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ..format import files
 from ..codec import plan, policy, qstate, quant
 from ..errors import InputError, OutputExistsError, UsageError
+from . import safe_reader
 
 _MOMENT = re.compile(r"^(?P<opt>.+)\.state\.(?P<fqn>.+)\.(?P<key>exp_avg|exp_avg_sq|max_exp_avg_sq)$")
 _PARTS = ("codes", "absmax", "qmap")
 
 
 def read_metadata(path: str):
-    try:
-        return FileSystemReader(path).read_metadata()
-    except Exception as e:  # a damaged .metadata raises pickle, EOF and attribute errors
-        raise InputError(f"{path}/.metadata is not readable DCP metadata: {str(e).splitlines()[0][:200]}") from None
+    """The checked metadata of the DCP folder ``path``, read without running code (``safe_reader``)."""
+    return safe_reader.load_metadata(path)
 
 
 def _read(path: str, items: dict) -> dict:
-    """Read ``items`` ({key: template}) from the folder in this process only (no collectives)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(items, storage_reader=FileSystemReader(path), no_dist=True)
-    except (Exception, CheckpointException) as e:  # a missing or short .distcp file, a key the files lack
-        last = [line for line in str(e).splitlines() if line.strip()][-1:] or [type(e).__name__]
-        raise InputError(f"{path}: cannot read {', '.join(map(str, list(items)[:3]))}: {last[0].strip()[:200]}") from None
-    return items
+    """Read ``items`` ({key: template}) from the folder in this process only (no collectives), safely."""
+    return safe_reader.read_items(path, items)
 
 
 @dataclass
@@ -73,11 +66,22 @@ class Plan:
 
 
 def _scalars(path: str, md) -> dict:
-    """Every small non-tensor entry (steps, param_groups) as Python values."""
+    """Every small non-tensor entry (steps, param_groups) as Python values; the shape and divisor of each
+    8-bit state checked, since expand allocates and pairs by them before any decoder looks."""
     keys = {k: None for k, m in md.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)}
     steps = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
              if k.endswith(".step") and isinstance(m, TensorStorageMetadata)}
-    return _read(path, {**keys, **steps}) if keys or steps else {}
+    scalars = _read(path, {**keys, **steps}) if keys or steps else {}
+    qkeys = set(_quantized_keys(md.state_dict_metadata))
+    for key in qkeys:
+        shape, divisor = scalars.get(f"{key}.shape"), scalars.get(f"{key}.divisor")
+        codes = md.state_dict_metadata[f"{key}.codes"]
+        most = codes.size.numel() * 8 // min(qstate.SUPPORTED_BITS) if isinstance(codes, TensorStorageMetadata) else 0
+        if not (isinstance(shape, (list, tuple)) and all(type(d) is int and d >= 0 for d in shape)
+                and math.prod(shape) <= most and (divisor is None or f"{key.rpartition('.')[0]}.{divisor}" in qkeys)):
+            raise InputError(f"{path}: quantized state {key} has shape {shape!r:.60} for {most} elements at most, "
+                             f"divisor {divisor!r:.40}; it is damaged or crafted")
+    return scalars
 
 
 def _group_value(scalars: dict, opt: str, fqn: str, name: str, default):
@@ -241,14 +245,17 @@ def _mine(keys: list) -> list:
 
 def _copy_companions(src: str, dst: str) -> None:
     """Files beside the DCP data that the framework reads too (Lightning's ``meta.pt``), copied as they are."""
-    for name in os.listdir(src):
-        path = os.path.join(src, name)
-        if name == ".metadata" or name.endswith(".distcp") or os.path.islink(path):
-            continue
-        if os.path.isdir(path):
-            shutil.copytree(path, os.path.join(dst, name), symlinks=True)
-        elif os.path.isfile(path):
-            shutil.copy2(path, os.path.join(dst, name))
+    for name, kind in safe_reader.companions(src):
+        source, target = os.path.join(src, name), os.path.join(dst, name)
+        if kind == "folder":
+            os.mkdir(target)
+            shutil.copymode(source, target)
+        elif kind == "link":
+            os.symlink(os.readlink(source), target)
+        else:
+            with files.open_regular(source, "companion file") as f, open(target, "wb") as out:
+                shutil.copyfileobj(f, out)
+            shutil.copystat(source, target)
 
 
 def write_folder(dst: str, state: dict, producers: dict, force: bool, src: str | None = None) -> None:
@@ -264,8 +271,12 @@ def write_folder(dst: str, state: dict, producers: dict, force: bool, src: str |
     if not distributed or dist.get_rank() == 0:
         files.remove_path(tmp)
         os.makedirs(tmp)
-        if src:
-            _copy_companions(src, tmp)
+        try:
+            if src:
+                _copy_companions(src, tmp)
+        except BaseException:
+            files.remove_path(tmp)
+            raise
     if distributed:
         dist.barrier()
     writer = FileSystemWriter(tmp, single_file_per_rank=True, thread_count=1, sync_files=True)

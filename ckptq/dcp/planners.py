@@ -20,11 +20,12 @@ import re
 from collections import Counter
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..codec import checkpoint, plan, policy, qstate, quant, sharded
 from ..errors import StateMismatchError
+from .safe_reader import SafeLoadPlanner
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 def _group_of(osd: dict, fqn) -> dict:
@@ -116,9 +117,12 @@ class SavePlanner(DefaultSavePlanner):
         super().set_up_planner(quantized, storage_meta, is_coordinator)
 
 
-class LoadPlanner(DefaultLoadPlanner):
+class LoadPlanner(SafeLoadPlanner):
     """``DefaultLoadPlanner`` that reads 8-bit Adam moments into fp32 templates (torch AdamW) and fp32 moments
-    into 8-bit templates (``AdamW8bit``: they stay fp32 in the state dict for ``load_state_dict`` to quantize)."""
+    into 8-bit templates (``AdamW8bit``: they stay fp32 in the state dict for ``load_state_dict`` to quantize).
+    Byte entries are read with ``torch.load(weights_only=True)``; for a folder someone else wrote, pass
+    ``storage_reader=ckptq.dcp.SafeFileSystemReader(path)`` too: ``.metadata`` is read by the storage reader,
+    before any planner runs (docs/security.md)."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self._pending: dict = {}  # owner -> ({key: (fp32 target, qstate template)}, put)

@@ -26,7 +26,7 @@ from ..codec import tree
 from ..format import files, torch_stream
 from . import objects as zero_pickle
 from .plan import INFO_KEY, Q8, Planned, converted_meta, plan_tree, report, write_all
-from ..errors import InputError
+from ..errors import FormatError, InputError
 
 _RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states(\.pt|\.q8\.safetensors)$")
 
@@ -66,8 +66,11 @@ def tag_folder(path: str) -> str:
         return path
     with files.open_regular(latest) as f:
         tag = f.read(4096).decode("utf-8", "replace").strip()
+    if tag in ("", ".", "..") or any(c in tag for c in "/\\\0") or os.path.isabs(tag):
+        raise InputError(f"{latest} names tag {tag[:80]!r}, which is not a folder name; a tag names a folder "
+                         "beside it (e.g. global_step100): pass the global_stepN folder to use")
     folder = os.path.join(path, tag)
-    if not tag or os.sep in tag or not os.path.isdir(folder):
+    if not os.path.isdir(folder):
         raise InputError(f"{latest} names tag {tag[:80]!r}, but {path} has no such folder; pass the "
                          "global_stepN folder to use")
     return folder
@@ -186,7 +189,10 @@ def expand(src: str, *, force: bool = False, verify: bool = True, progress=None)
     with files.atomic_outputs([p.pt for p in parts], force, "torch") as tmps:
         for p, tmp in zip(parts, tmps):
             conv = tree.Converted(p.q8, verify)
-            obj = zero_pickle.from_plain(conv.read(dequantize=True, lazy=True))
+            try:
+                obj = zero_pickle.from_plain(conv.read(dequantize=True, lazy=True))
+            except FormatError as e:
+                raise FormatError(f"{p.q8}: {e}") from None
             torch_stream.save(obj, tmp, progress, pickler=zero_pickle.Pickler)
             conv.close()
     out = parts[0].folder if os.path.isdir(src) else parts[0].pt

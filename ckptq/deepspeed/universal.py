@@ -47,17 +47,32 @@ def _group(path: str) -> dict:
     return {"params": [0], "eps": first.get("eps", 1e-8), "betas": tuple(first.get("betas", (0.9, 0.999)))}
 
 
+def _load(path: str):
+    """A file of the universal checkpoint (``weights_only``), its nesting checked: plan and the flattener
+    walk it recursively."""
+    obj = checkpoint.load_torch(path)
+    files.check_nesting(obj, path)
+    return obj
+
+
 def _moment_file(folder: str, name: str) -> dict:
-    obj = checkpoint.load_torch(os.path.join(folder, name + ".pt"))
+    obj = _load(os.path.join(folder, name + ".pt"))
     if not isinstance(obj, dict) or not isinstance(obj.get("param"), torch.Tensor):
         raise InputError(f"{folder}/{name}.pt is not a universal checkpoint moment file (a dict with 'param')")
     return obj
 
 
+def _param_numel(folder: str) -> int:
+    obj = _load(os.path.join(folder, "fp32.pt"))
+    if not isinstance(obj, dict) or not isinstance(obj.get("param"), torch.Tensor):
+        raise InputError(f"{folder}/fp32.pt is not a universal checkpoint parameter file (a dict with 'param')")
+    return obj["param"].numel()
+
+
 def plan_param(folder: str, group: dict, block_size: int, min_size: int) -> Planned:
     m, v = (_moment_file(folder, n) for n in MOMENT_FILES)
     step_path = os.path.join(folder, "step.pt")
-    step = checkpoint.load_torch(step_path) if os.path.isfile(step_path) else 0
+    step = _load(step_path) if os.path.isfile(step_path) else 0
     obj = {"state": {0: {"step": step, "exp_avg": m["param"], "exp_avg_sq": v["param"]}}, "param_groups": [group],
            "files": {n: {k: (None if k == "param" else x) for k, x in f.items()} for n, f in zip(MOMENT_FILES, (m, v))}}
     return plan_tree(obj, os.path.join(folder, "exp_avg.pt"), block_size, min_size,
@@ -125,7 +140,7 @@ def info(path: str, *, block_size: int, min_size: int) -> dict:
     metas = [converted_meta(p) for p in q8]
     fp32_bytes = sum(os.path.getsize(os.path.join(f, n + ".pt")) for f in fp32 for n in MOMENT_FILES)
     would = sum(format.planned_bytes(pl.skeleton, pl.stored, pl.meta) for pl in planned)
-    params = sum(int(checkpoint.load_torch(os.path.join(f, "fp32.pt"))["param"].numel()) for f in folders)
+    params = sum(_param_numel(f) for f in folders)
     return {"kind": "zero_universal", "path": path, "parameters": len(folders), "params": params,
             "moment_bytes": sum(pl.moment_bytes for pl in planned) + sum(m[INFO_KEY]["moment_bytes"] for m in metas),
             "fp32_bytes": fp32_bytes, "q8_bytes": sum(os.path.getsize(p) for p in q8),

@@ -165,3 +165,41 @@ def atomic_outputs(finals: list[str], force: bool, kind: str) -> Iterator[list[s
                 if os.path.exists(leftover):
                     os.unlink(leftover)
         raise
+
+
+
+MAX_NESTING = 100  # containers in a checkpoint nest a few levels; each level of a recursive walk takes stack
+
+
+def _parts(node, inner) -> tuple | None:
+    if isinstance(node, dict):
+        return (*node.keys(), *node.values())
+    if isinstance(node, (list, tuple, set, frozenset)):
+        return tuple(node)
+    return inner(node) if inner else None
+
+
+def check_nesting(obj, what: str, limit: int = MAX_NESTING, inner=None) -> None:
+    """InputError if containers in ``obj`` nest more than ``limit`` deep or one contains itself: an
+    unpickler builds such objects without recursing, but the walks that follow (conversion, saving,
+    ``torch.save``) recurse and would end in a RecursionError. ``inner(node)`` gives the parts of other
+    objects to walk (None for a leaf). Iterative; each container is walked once, its height remembered."""
+    heights: dict[int, int] = {}  # id -> levels of containers from it down, once finished
+    on_path: set[int] = set()
+    stack = [(obj, 1, False)]  # (node, its level, leaving)
+    while stack:
+        node, level, leaving = stack.pop()
+        parts = _parts(node, inner)
+        if parts is None:
+            continue
+        if leaving:
+            on_path.discard(id(node))
+            heights[id(node)] = 1 + max((heights.get(id(p), 0) for p in parts), default=0)
+        elif id(node) in on_path:
+            raise InputError(f"{what} holds a container that contains itself; ckptq refuses it (crafted or damaged)")
+        elif level + heights.get(id(node), 1) - 1 > limit:
+            raise InputError(f"{what} is nested more than {limit} levels deep; ckptq refuses it (crafted or damaged)")
+        elif id(node) not in heights:
+            on_path.add(id(node))
+            stack.append((node, level, True))
+            stack.extend((p, level + 1, False) for p in parts)
