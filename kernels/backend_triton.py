@@ -18,10 +18,9 @@ import triton.language as tl
 from . import memo
 from . import triton_blocks as tb
 from .contract import StepFlags, StepState, is_flat, layout_rows, num_blocks
-from .triton_group import adam_dense_group, adam_step_group
 
 ROWS = True  # quantize, dequantize and adam_step take rows that are not whole blocks
-__all__ = ["ROWS", "quantize", "dequantize", "adam_step", "adam_step_group", "adam_dense_group"]
+__all__ = ["ROWS", "quantize", "dequantize", "adam_step"]
 
 
 @triton.jit

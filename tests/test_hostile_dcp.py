@@ -275,7 +275,7 @@ def test_crafted_8bit_state_scalars_are_one_line_input_errors(tmp_path, field, v
 def test_honest_folder_info_convert_expand_still_work(tmp_path):
     folder = dcp_folder(tmp_path / "src")
     r = cli("info", folder, "--json")
-    assert r.exit_code == 0 and json.loads(r.output)["convert_would_quantize"] == 2, r.output
+    assert r.exit_code == 0 and sum(w["tensors"] for w in json.loads(r.output)["would_store"]) == 2, r.output
     assert cli("convert", folder, "-o", tmp_path / "q8").exit_code == 0
     assert cli("expand", tmp_path / "q8", "-o", tmp_path / "fp32").exit_code == 0
     back = {"optimizer": {"state": {"w": {"exp_avg": torch.empty(16, 256)}}}}

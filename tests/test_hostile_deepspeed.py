@@ -164,7 +164,7 @@ def test_zero_stage_called_with_a_list_is_no_stage_not_a_traceback(tmp_path):
         obj["optimizer_state_dict"]["zero_stage"]._args = ([2],)
         rewrite(path, obj)
     r = cli("info", save, "--min-size", MIN, "--json")
-    assert r.exit_code == 0 and json.loads(r.output)["stage"] is None, r.output
+    assert r.exit_code == 0 and json.loads(r.output)["details"]["stage"] is None, r.output
 
 
 # --- item 10: latest, deep nesting ------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from test_triton_group import ALIGNED_SHAPES, SHAPES, _codebooks, _dense, _hyper
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 if torch.cuda.is_available():
-    from ckptq.kernels import backend_triton
+    from ckptq.kernels import backend_triton, triton_group  # noqa: F401
 
 WIDTHS, BLOCK = (6, 2, 4), 64
 
@@ -53,9 +53,9 @@ def test_a_captured_grouped_step_replays_as_the_eager_one():
 
     def step(which, quantized, dense):
         grads = [s.mul(1.0) for s in sources]  # under capture: new tensors in the graph's pool
-        backend_triton.adam_step_group(_step_group(quantized, grads, hyper, seeds, books, caches[which]))
+        triton_group.adam_step_group(_step_group(quantized, grads, hyper, seeds, books, caches[which]))
         dense_grads = [s.mul(1.0) for s in dense_sources]
-        backend_triton.adam_dense_group(DenseGroup(tuple(dense[0]), tuple(dense_grads), tuple(dense[1]), dense_hyper,
+        triton_group.adam_dense_group(DenseGroup(tuple(dense[0]), tuple(dense_grads), tuple(dense[1]), dense_hyper,
                                                    False, caches["dense " + which]))
 
     _fill(sources + dense_sources, hyper, seeds, 1, gen)
@@ -96,9 +96,9 @@ def test_no_grouped_step_waits_for_the_device(where):
                 hyper, seeds, dense_hyper = (t.to("cuda", non_blocking=True) for t in (hyper.pin_memory(),
                                              seeds.pin_memory(), dense_hyper.pin_memory()))
             grads = [torch.randn(m.p.numel(), device="cuda") for m in members]
-            backend_triton.adam_step_group(_step_group(members, grads, hyper, seeds, books, cache))
+            triton_group.adam_step_group(_step_group(members, grads, hyper, seeds, books, cache))
             dense_grads = [torch.randn(p.numel(), device="cuda", dtype=torch.bfloat16) for p in params]
-            backend_triton.adam_dense_group(DenseGroup(tuple(params), tuple(dense_grads), tuple(moments), dense_hyper,
+            triton_group.adam_dense_group(DenseGroup(tuple(params), tuple(dense_grads), tuple(moments), dense_hyper,
                                                        False, dense_cache))
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -117,17 +117,17 @@ def test_eager_steps_between_replays_read_their_own_gradients():
     books, reference_cache, cache = _codebooks(WIDTHS, True, "cuda"), {}, {}
     for k in range(1, 7):  # 1: eager (builds the cache), then replay, eager, replay, eager, replay
         _fill(sources, hyper, seeds, k, gen)
-        backend_triton.adam_step_group(_step_group(eager, [s.clone() for s in sources], hyper, seeds, books,
+        triton_group.adam_step_group(_step_group(eager, [s.clone() for s in sources], hyper, seeds, books,
                                                    reference_cache))
         if k % 2:
             for g, s in zip(kept, sources):
                 g.copy_(s)
-            backend_triton.adam_step_group(_step_group(graphed, kept, hyper, seeds, books, cache))
+            triton_group.adam_step_group(_step_group(graphed, kept, hyper, seeds, books, cache))
         else:
             if k == 2:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    backend_triton.adam_step_group(_step_group(graphed, [s.mul(1.0) for s in sources], hyper, seeds,
+                    triton_group.adam_step_group(_step_group(graphed, [s.mul(1.0) for s in sources], hyper, seeds,
                                                                books, cache))
             graph.replay()
         _assert_equal(eager, graphed)

@@ -1,4 +1,4 @@
-"""The grouped Triton steps (``backend_triton.adam_step_group`` / ``adam_dense_group``: one launch over a
+"""The grouped Triton steps (``triton_group.adam_step_group`` / ``adam_dense_group``: one launch over a
 chunk table of many parameters) against the reference, which steps the members one by one
 (``backend_torch.adam_step_group`` / ``adam_dense_group``): params, codes and scales equal bit for bit, over
 members of mixed sizes and row layouts (flat, whole blocks, short last blocks, a single element, an empty
@@ -21,7 +21,7 @@ from test_triton_rows import MAPS, row_states
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton runs here only under TRITON_INTERPRET=1 (set by conftest.py)", allow_module_level=True)
 pytest.importorskip("triton")
-from ckptq.kernels import backend_triton  # noqa: E402  (imports triton)
+from ckptq.kernels import backend_triton, triton_group  # noqa: E402, F401  (imports triton)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 64
@@ -115,7 +115,7 @@ def test_grouped_step_equals_the_members_stepped_one_by_one(widths, pdtype, gdty
                 d.copy_(g)
         hyper = _hyper(len(members), step, decoupled=step != 2)
         backend_torch.adam_step_group(_group(ref, grads, hyper, seeds, widths, amsgrad, maximize, "cpu", {}))
-        backend_triton.adam_step_group(_group(out, dev_grads, hyper, seeds, widths, amsgrad, maximize, DEVICE, cache))
+        triton_group.adam_step_group(_group(out, dev_grads, hyper, seeds, widths, amsgrad, maximize, DEVICE, cache))
         _assert_members_equal(ref, out)
         assert cache["triton"]["grad_key"] == tuple(g.data_ptr() for g in dev_grads)
     kinds = [aligned for _, _, aligned in cache["triton"]["launches"]]  # vectorizing members, then the others
@@ -137,7 +137,7 @@ def test_grouped_step_tiles_short_rows_narrowly():
     hyper = _hyper(2, 4)
     group = _group(ref, grads, hyper, None, (4, 2), False, False, "cpu", {})._replace(block_size=256)
     backend_torch.adam_step_group(group)
-    backend_triton.adam_step_group(group._replace(members=tuple(out), grads=tuple(g.to(DEVICE) for g in grads),
+    triton_group.adam_step_group(group._replace(members=tuple(out), grads=tuple(g.to(DEVICE) for g in grads),
                                                   hyper=hyper.to(DEVICE), codebooks=_codebooks((4, 2), False, DEVICE),
                                                   cache=cache))
     _assert_members_equal(ref, out)
@@ -164,7 +164,7 @@ def test_dense_group_equals_adam_dense_step_on_each(pdtype, gdtype, amsgrad, max
         grads = [torch.randn(p.numel(), generator=gen).to(gdtype) for p in params]
         hyper = _hyper(len(params), step, decoupled=step == 1)
         backend_torch.adam_dense_group(DenseGroup(tuple(params), tuple(grads), tuple(moments), hyper, maximize, {}))
-        backend_triton.adam_dense_group(DenseGroup(tuple(out_p), tuple(g.to(DEVICE) for g in grads), tuple(out_m),
+        triton_group.adam_dense_group(DenseGroup(tuple(out_p), tuple(g.to(DEVICE) for g in grads), tuple(out_m),
                                                    hyper.to(DEVICE), maximize, cache))
         for p, q, ms, qs in zip(params, out_p, moments, out_m):
             _assert_same(p, q.cpu())
@@ -184,7 +184,7 @@ def test_dense_group_handles_special_values():
     out_p, out_m = [p.to(DEVICE, copy=True) for p in params], [tuple(t.to(DEVICE, copy=True) for t in ms) for ms in moments]
     hyper = _hyper(len(params), 3)
     backend_torch.adam_dense_group(DenseGroup(tuple(params), tuple(g), tuple(moments), hyper, False, {}))
-    backend_triton.adam_dense_group(DenseGroup(tuple(out_p), tuple(x.to(DEVICE) for x in g), tuple(out_m),
+    triton_group.adam_dense_group(DenseGroup(tuple(out_p), tuple(x.to(DEVICE) for x in g), tuple(out_m),
                                                hyper.to(DEVICE), False, {}))
     assert bool(torch.isnan(params[1]).any()) and bool(torch.isinf(moments[2][1]).any())
     for p, q, ms, qs in zip(params, out_p, moments, out_m):

@@ -83,17 +83,18 @@ def test_info_describes_the_checkpoint_and_predicts_convert_to_the_byte(name, tm
     stage, bf16 = CASES[name]
     save = copy(name, tmp_path)
     r = info(str(save), min_size=MIN)
-    assert (r["kind"], r["stage"], r["world_size"], r["bf16"], r["params"]) == ("zero", stage, 2, bf16, 1928)
-    assert r["folder"] == str(save / "global_step3") and len(r["ranks"]) == 2
+    d = r.details
+    assert (r.type, d["stage"], d["world_size"], d["bf16"], d["params"]) == ("deepspeed", stage, 2, bf16, 1928)
+    assert d["rank_files"] == 2
     loaded = [zero_pickle.load(str(p)) for p in rank_files(save)]
     moments = sum(t.numel() * t.element_size() for o in loaded for st in inner_state(o)["state"].values()
                   for k, t in st.items() if k in MOMENTS)
-    assert r["moment_bytes"] == moments > 0
+    assert sum(row.stored_bytes for row in r.states if row.bits is None and row.role in MOMENTS) == moments > 0
     report = ckptq.convert(str(save), min_size=MIN)
-    assert report.output_bytes == r["convert_would_write"]
-    assert report.quantized == 4  # two moments on each of two ranks
+    assert report.output_bytes == r.would_write
+    assert report.quantized == 4 == sum(row.tensors for row in r.would_store)  # two moments on each of two ranks
     after = info(str(save / "global_step3"), min_size=MIN)
-    assert after["q8_bytes"] == report.output_bytes and all(row["q8_file"] for row in after["ranks"])
+    assert after.details["converted_bytes"] == report.output_bytes and after.low_bit() == 4
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -225,7 +226,7 @@ def test_outputs_need_force_and_stay_beside_the_partitions(tmp_path):
         ckptq.expand(str(save))  # the fp32 files are still there
     with pytest.raises(UsageError, match="expanded beside its partition files"):
         ckptq.expand(str(save), str(tmp_path / "elsewhere"))
-    with pytest.raises(InputError, match="no Adam moment to store 8-bit"):
+    with pytest.raises(InputError, match="no Adam moment to store low-bit"):
         ckptq.convert(str(save), force=True)  # 964 elements per rank: below the default min size
     assert ckptq.convert(str(save), min_size=MIN, force=True).quantized == 4
     plain = tmp_path / "plain.q8.safetensors"
@@ -240,14 +241,15 @@ def test_cli_info_convert_expand(tmp_path):
     save = copy("zero3", tmp_path)
     run = CliRunner().invoke
     res = run(main, ["info", str(save), "--min-size", str(MIN)], catch_exceptions=False)
-    assert res.exit_code == 0 and "DeepSpeed ZeRO stage 3 checkpoint" in res.output and "1,928 parameters" in res.output
+    assert res.exit_code == 0 and "DeepSpeed ZeRO stage 3 checkpoint" in res.output and "params: 1928" in res.output
     res = run(main, ["convert", str(save), "--min-size", str(MIN), "--json"], catch_exceptions=False)
     assert res.exit_code == 0 and json.loads(res.output)["quantized"] == 4
     for p in rank_files(save):
         os.unlink(p)
     res = run(main, ["info", str(save), "--json"], catch_exceptions=False)
     r = json.loads(res.output)
-    assert r["fp32_bytes"] == 0 and r["q8_bytes"] > 0 and r["convert_would_write"] is None
+    assert r["details"]["converted_bytes"] == r["bytes"] > 0 and r["would_write"] is None
+    assert sum(row["tensors"] for row in r["states"] if row["bits"] == 8) == 4
     res = run(main, ["expand", str(save)], catch_exceptions=False)
     assert res.exit_code == 0 and len(rank_files(save)) == 2
 
@@ -259,15 +261,17 @@ def test_universal_folder_converts_per_parameter_and_expands_back(tmp_path):
     originals = {p: torch.load(p, weights_only=True) for p in moment_files}
     untouched = {p: digest(p) for p in sorted(uni.glob("zero/*/fp32.pt")) + sorted(uni.glob("zero/*/step.pt"))}
     before = info(str(uni), min_size=16)
-    assert (before["kind"], before["parameters"], before["params"]) == ("zero_universal", 8, 1928)
-    assert before["moment_bytes"] == sum(t["param"].numel() * 4 for t in originals.values())
+    assert (before.kind, before.details["parameters"], before.details["params"]) == \
+        ("DeepSpeed universal checkpoint", 8, 1928)
+    assert sum(row.stored_bytes for row in before.states if row.role in MOMENTS) == \
+        sum(t["param"].numel() * 4 for t in originals.values())
     report = ckptq.convert(str(uni), min_size=16)
-    assert report.output_bytes == before["convert_would_write"] and len(report.outputs) == 8
+    assert report.output_bytes == before.would_write and len(report.outputs) == 8
     assert report.quantized == 14 and report.kept_small == 2  # 5.bias has 8 elements
     for p in moment_files:
         os.unlink(p)
     res = CliRunner().invoke(main, ["info", str(uni)], catch_exceptions=False)
-    assert res.exit_code == 0 and "DeepSpeed universal checkpoint, 8 parameter tensors" in res.output
+    assert res.exit_code == 0 and "(DeepSpeed universal checkpoint)" in res.output and "parameters: 8" in res.output
     ckptq.expand(str(uni))
     for p, o in originals.items():
         r = torch.load(p, weights_only=True)

@@ -103,17 +103,17 @@ class Setup:
 
 
 def _grouped(setup: Setup, bits: int):
-    from ckptq.kernels import backend_triton
+    from ckptq.kernels import triton_group
 
     def run():
-        backend_triton.adam_step_group(setup.groups[bits])
+        triton_group.adam_step_group(setup.groups[bits])
         if setup.small:
-            backend_triton.adam_dense_group(setup.dense)
+            triton_group.adam_dense_group(setup.dense)
     return run
 
 
 def _per_param(setup: Setup):
-    from ckptq.kernels import backend_triton
+    from ckptq.kernels import backend_triton, triton_group
     from ckptq.kernels.contract import StepFlags, StepState
 
     group, hyper = setup.groups[8], setup.groups[8].hyper.cpu()
@@ -124,7 +124,7 @@ def _per_param(setup: Setup):
                            for c, a, cb in zip(m.codes, m.absmax, group.codebooks))
             backend_triton.adam_step(m.p, g, states, hyper[k], StepFlags(group.block_size, True, False, None, m.row_len))
         if setup.small:
-            backend_triton.adam_dense_group(setup.dense)
+            triton_group.adam_dense_group(setup.dense)
     return run
 
 

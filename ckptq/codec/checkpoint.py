@@ -11,6 +11,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import InputError, UsageError
+from ..format import files
 
 QUANTIZABLE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -21,12 +22,14 @@ def load_torch(path: str, trust: bool = False) -> Any:
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=not trust, mmap=zipfile.is_zipfile(path))
+        obj = torch.load(path, map_location="cpu", weights_only=not trust, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as e:
         raise InputError(_unsafe_message(path, e)) from None
     except Exception as e:  # torch raises many types for damaged files (RuntimeError, KeyError, EOFError...)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
         raise InputError(f"{path} is not a readable torch checkpoint (truncated or not made by torch.save): {first}") from None
+    files.check_nesting(obj, path)  # what walks it next recurses: refuse absurd nesting in one line
+    return obj
 
 
 def _unsafe_message(path: str, e: Exception) -> str:

@@ -58,7 +58,14 @@ def _check_call(group: StepGroup) -> None:
 
 
 def _backend(group_device: torch.device, dtypes: Sequence[torch.dtype], thresholds, flat: bool, backend: str):
-    return ops._implementation(ops.resolve_backend(backend, group_device), dtypes, thresholds, flat)
+    """The module that steps a group: Triton's grouped kernels, the C backend (its grouped call), or the
+    reference, as ``ops`` would pick for one of its members."""
+    impl = ops._implementation(ops.resolve_backend(backend, group_device), dtypes, thresholds, flat)
+    if impl.__name__.endswith("backend_triton"):
+        from ..kernels import triton_group
+
+        return triton_group
+    return impl
 
 
 def step_group(group: StepGroup, backend: str = "auto") -> None:

@@ -182,33 +182,22 @@ def make_plan(obj: Any, key: str | None, min_size: int) -> Plan:
         adam = _check_groups(f)
         groups = {pid: g for g in f.state_dict["param_groups"] for pid in g["params"]}
         for pid, pstate in f.state_dict["state"].items():
-            if not isinstance(pstate, dict):
-                continue
-            decisions = {}
-            for name, t in pstate.items():
-                if isinstance(t, torch.Tensor) and name != "step" and t.is_floating_point():
-                    decisions[name] = Decision(f.path + ("state", pid), name, t,
-                                               exact_reason(name, t, adam, min_size, shared))
-            _pair_ratio(decisions, groups.get(pid, {}), pstate.get("step", 0))
-            plan.decisions += decisions.values()
+            if isinstance(pstate, dict):
+                plan.decisions += decide(f.path + ("state", pid), pstate, groups.get(pid, {}), min_size, adam, shared)
     return plan
 
 
-def mark(obj: Any, key: str | None, block_size: int, min_size: int, bits: int = 8, backend: str = "auto",
-         device: str = "cpu") -> Plan:
-    """The plan for ``obj``, applied: each state it stores low-bit replaced, in place, by a lazy
-    ``tree.PendingQuant`` (quantized when a writer reaches it, on ``device``), in the row layout at the width
-    ``convert_width`` gives it under the budget ``bits``. ``convert`` writes the result; ``info`` sizes it."""
-    from .tree import PendingQuant
-
-    p = make_plan(obj, key, min_size)
-    for d in p.quantized:
-        node = obj
-        for k in d.path:
-            node = node[k]
-        node[d.key] = PendingQuant(d.tensor, d.key, block_size, backend, divisor=d.divisor, device=device,
-                                   bits=convert_width(d, bits))
-    return p
+def decide(path: tuple, pstate: dict, group: dict, min_size: int, adam: bool = True, shared: set = frozenset()) \
+        -> list[Decision]:
+    """One parameter's decisions: each float state tensor in ``pstate`` (its state dict, or the moments a DCP
+    folder holds for it) stored low-bit or kept exact and why, the first moment stored as a ratio where it
+    fits; ``group``: its param group (eps, betas), ``path``: where the state dict sits."""
+    decisions = {}
+    for name, t in pstate.items():
+        if isinstance(t, torch.Tensor) and name != "step" and t.is_floating_point():
+            decisions[name] = Decision(path, name, t, exact_reason(name, t, adam, min_size, shared))
+    _pair_ratio(decisions, group, pstate.get("step", 0))
+    return list(decisions.values())
 
 
 def convert_width(d: Decision, bits: int) -> int:

@@ -81,6 +81,16 @@ def quantize_ratio(m: torch.Tensor, v: torch.Tensor, eps: float, block_size: int
                   eps=float(eps), divisor=divisor_key, layout=layout).to_dict()
 
 
+def quantize_as(t: torch.Tensor, key: str, block_size: int, bits: int, divisor: tuple | None = None,
+                backend: str = "auto", layout: str = "rows") -> dict:
+    """The one moment quantizer behind every writer: state ``t`` (key ``key``) on its own, or, with
+    ``divisor`` = (its second moment's key, that exact tensor, eps'), as the ratio to it."""
+    if divisor is None:
+        return quantize_state(t, key, block_size, backend, bits, layout)
+    divisor_key, v, eps = divisor
+    return quantize_ratio(t, v.to(t.device), eps, block_size, backend, divisor_key, bits, layout)
+
+
 def _decode(q: QState, backend: str, span: tuple | None = None, transform: str | None = None) -> torch.Tensor:
     """The stored values, fp32 (sqrt undone unless ``transform`` says otherwise): all of them, or those of
     ``span`` (start, stop, row length) from ``_spans``."""

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import policy, qstate, quant, skeleton
+from . import plan, policy, qstate, quant, skeleton
 from .checkpoint import storage_key
 from ..format.dtypes import SAFETENSORS_NAMES, dtype_from_name, dtype_name
 from ..format.container import Container
@@ -41,13 +41,8 @@ class PendingQuant:
 
     def result(self) -> dict:
         if self._result is None:
-            t = self.tensor.to(self.device)
-            if self.divisor is None:
-                self._result = quant.quantize_state(t, self.key, self.block_size, self.backend, self.bits, self.layout)
-            else:
-                key, v, eps = self.divisor
-                self._result = quant.quantize_ratio(t, v.to(self.device), eps, self.block_size, self.backend, key,
-                                                     self.bits, self.layout)
+            self._result = quant.quantize_as(self.tensor.to(self.device), self.key, self.block_size, self.bits,
+                                             self.divisor, self.backend, self.layout)
         return self._result
 
     def take(self, part: str) -> torch.Tensor:
@@ -55,6 +50,21 @@ class PendingQuant:
         if part == "absmax":  # absmax is written after codes: free the memo
             self._result = None
         return out.cpu()
+
+
+def mark(obj: Any, key: str | None, block_size: int, min_size: int, bits: int = 8, backend: str = "auto",
+         device: str = "cpu") -> plan.Plan:
+    """The plan for ``obj``, applied: each state it stores low-bit replaced, in place, by a lazy
+    ``PendingQuant`` (quantized when a writer reaches it, on ``device``), in the row layout at the width
+    ``convert_width`` gives it under the budget ``bits``. ``convert`` writes the result; ``info`` sizes it."""
+    p = plan.make_plan(obj, key, min_size)
+    for d in p.quantized:
+        node = obj
+        for k in d.path:
+            node = node[k]
+        node[d.key] = PendingQuant(d.tensor, d.key, block_size, backend, divisor=d.divisor, device=device,
+                                   bits=plan.convert_width(d, bits))
+    return p
 
 
 def _join(path: str, key: Any) -> str:
@@ -332,6 +342,20 @@ class Converted(Container):
             self.close()
             raise
 
+    def states(self):
+        """(role, code width or None, elements, stored bytes) of every quantized state (its role: its state
+        key) and of every other stored tensor (role "exact", or "codebooks")."""
+        quantized, codebooks = set(), set()
+        for key, q in _quantized_specs(self.skeleton, None):
+            numel = math.prod(int(d) for d in q["shape"])
+            yield str(key), q["bits"], numel, self.stored_bytes(q["codes"]) + self.stored_bytes(q["absmax"])
+            quantized |= {q["codes"], q["absmax"]}
+            codebooks.add(q["qmap"])
+        for name, row in self.tensors.items():
+            if name not in quantized:
+                numel = math.prod(int(d) for d in row.get("shape", []))
+                yield ("codebooks" if name in codebooks else "exact"), None, numel, self.stored_bytes(name)
+
     def read(self, dequantize: bool = False, lazy: bool = False) -> Any:
         """The checkpoint object; quantized states as qstate dicts, or decoded with ``dequantize``; with
         ``lazy``, tensors are produced when a writer reaches them (``unflatten``)."""
@@ -341,3 +365,19 @@ class Converted(Container):
             # check_skeleton admits only what decodes; this is the backstop that keeps it one line
             raise FormatError(f"{self.path}: the skeleton does not decode ({type(e).__name__}: "
                               f"{str(e)[:100]}); the file is corrupt") from None
+
+
+def _quantized_specs(node: Any, key: Any):
+    """(state key, spec) of every quantized node of a skeleton."""
+    if isinstance(node, dict):
+        if "quantized" in node:
+            yield key, node["quantized"]
+            return
+        if "tensor" in node:
+            return
+        for kind in ("dict", "odict"):
+            for k, v in node.get(kind, []):
+                yield from _quantized_specs(v, k)
+        for kind in ("list", "tuple"):
+            for v in node.get(kind, []):
+                yield from _quantized_specs(v, key)

@@ -1,9 +1,18 @@
 """``torch.distributed.checkpoint`` (DCP) with ckptq: ``SavePlanner`` / ``LoadPlanner`` store and read Adam
-moments 8-bit inside a user's own ``dcp.save`` / ``dcp.load`` (``planners``); ``SafeFileSystemReader`` reads
-a folder someone else wrote without running its pickles (``safe_reader``); ``folder`` converts and expands
-whole DCP folders for the CLI."""
+moments low-bit inside a user's own ``dcp.save`` / ``dcp.load`` (``planners``), ``SafeFileSystemReader``
+reads folders someone else wrote without running their code (``safe_reader``); ``folder``, ``writer`` and
+``source`` convert and expand whole DCP folders for the CLI. Names are looked up on first use (PEP 562), so
+the CLI imports torch.distributed.checkpoint only for a DCP folder."""
 
-from .planners import LoadPlanner, SavePlanner
-from .safe_reader import SafeFileSystemReader
+import importlib
 
-__all__ = ["SavePlanner", "LoadPlanner", "SafeFileSystemReader"]
+_NAMES = {"SavePlanner": "planners", "LoadPlanner": "planners", "SafeFileSystemReader": "safe_reader"}
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name not in _NAMES:
+        raise AttributeError(f"module 'ckptq.dcp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"ckptq.dcp.{_NAMES[name]}"), name)
+    globals()[name] = value
+    return value

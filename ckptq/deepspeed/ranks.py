@@ -7,33 +7,32 @@ DeepSpeed saves each data-parallel rank's share of the optimizer in its own file
 (``base_optimizer_state``, or the inner ``optimizer_state_dict`` in stage 3) whose ``exp_avg`` /
 ``exp_avg_sq`` are flat 1-D partitions of the same length. DeepSpeed resumes only from these files as
 they are, at the world size that wrote them, so convert keeps each one's layout and turns it into
-``<same name>.q8.safetensors`` beside it: the moments blockwise 8-bit (the codec and rules of a
-single-file convert, ``ckptq.plan``), everything else exact, DeepSpeed's own objects as data
-(``ckptq.zero_pickle``). Blocks run along the flat partition, so a block may straddle two parameters'
+``<same name>.q8.safetensors`` (``.q4`` at 4 bits) beside it: the moments low-bit (the codec and rules of a
+single-file convert), everything else exact, DeepSpeed's own objects as data (``ckptq.deepspeed.objects``). Blocks run along the flat partition, so a block may straddle two parameters'
 slices; the ratio encoding of the first moment keeps each element's update error at 8-bit level anyway.
 ``expand`` writes the ``.pt`` files back: fp32 master weights bit for bit, the moments decoded, and
-DeepSpeed's ``engine.load_checkpoint`` resumes from them. Model states files are never touched.
+DeepSpeed's ``engine.load_checkpoint`` resumes from them. Model states files are never touched. This module
+finds and reads the files; ``ckptq.deepspeed.source`` converts, expands and describes them.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import time
 from dataclasses import dataclass
 
-from ..codec import tree
-from ..format import files, torch_stream
+from ..errors import InputError
+from ..format import files
 from . import objects as zero_pickle
-from .plan import INFO_KEY, Q8, Planned, converted_meta, plan_tree, report, write_all
-from ..errors import FormatError, InputError
 
-_RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states(\.pt|\.q8\.safetensors)$")
+INFO_KEY = "deepspeed_zero"  # the ckptq.info entry that marks a file converted from a DeepSpeed checkpoint
+SUFFIXES = {8: ".q8.safetensors", 4: ".q4.safetensors"}  # a converted file beside its .pt, by budget
+_RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states(\.pt|\.q[48]\.safetensors)$")
 
 
 @dataclass
 class Partition:
-    """One rank's optimizer file, in fp32 (``.pt``), 8-bit (``.q8.safetensors``) or both."""
+    """One rank's optimizer file, in fp32 (``.pt``), low-bit (``.q8.safetensors`` / ``.q4``) or both."""
 
     folder: str
     stem: str  # e.g. zero_pp_rank_1_mp_rank_00_optim_states
@@ -44,9 +43,13 @@ class Partition:
     def pt(self) -> str:
         return os.path.join(self.folder, self.stem + ".pt")
 
+    def converted(self, bits: int) -> str:
+        return os.path.join(self.folder, self.stem + SUFFIXES[bits])
+
     @property
-    def q8(self) -> str:
-        return os.path.join(self.folder, self.stem + Q8)
+    def q8(self) -> str | None:
+        """Its converted file (8 or 4 bits), or None."""
+        return next((p for p in map(self.converted, SUFFIXES) if os.path.isfile(p)), None)
 
 
 def is_rank_checkpoint(path: str) -> bool:
@@ -142,60 +145,36 @@ def check_world(parts: list[Partition], sizes: dict) -> int:
     return world
 
 
-def plan_partition(part: Partition, obj: dict, block_size: int, min_size: int) -> Planned:
+def describe(part: Partition, obj: dict) -> dict:
+    """What a converted file records of its rank file (``INFO_KEY``)."""
     osd = obj["optimizer_state_dict"]
-    described = {"rank": part.rank, "mp_rank": part.mp_rank, "world_size": world_size_of(osd),
-                 "stage": zero_pickle.stage_of(osd.get("zero_stage"))}
-    return plan_tree(obj, part.pt, block_size, min_size, described)
+    return {"rank": part.rank, "mp_rank": part.mp_rank, "world_size": world_size_of(osd),
+            "stage": zero_pickle.stage_of(osd.get("zero_stage"))}
 
 
-def _fp32_parts(src: str) -> tuple[list[Partition], list[dict]]:
+def fp32_parts(src: str) -> tuple[list[Partition], list[dict]]:
+    """The rank files of ``src`` that have their fp32 ``.pt``, loaded; a folder's world size checked."""
     every = partitions(src)
     parts = [p for p in every if os.path.isfile(p.pt)]
     if not parts:
         raise InputError(f"{src}: no fp32 ZeRO optimizer files (*_optim_states.pt) to convert; "
-                         "its partitions are 8-bit already (`ckptq expand` restores the .pt files)")
+                         "its partitions are low-bit already (`ckptq expand` restores the .pt files)")
     objs = [load_partition(p.pt) for p in parts]
     if os.path.isdir(src):
         check_world(every, {p.pt: world_size_of(o["optimizer_state_dict"]) for p, o in zip(parts, objs)})
     return parts, objs
 
 
-def convert(src: str, *, block_size: int, min_size: int, force: bool = False, progress=None) -> dict:
-    """Convert every rank's optimizer file of a ZeRO checkpoint to ``<name>.q8.safetensors`` beside it;
-    all of them or none. Returns the fields of ``pipeline.ConvertReport``."""
-    t0 = time.perf_counter()
-    parts, objs = _fp32_parts(src)
-    planned = [plan_partition(p, o, block_size, min_size) for p, o in zip(parts, objs)]
-    empty = [p.pt for p, pl in zip(parts, planned) if not pl.quantized]
-    if empty:
-        raise InputError(f"{empty[0]}: no Adam moment to store 8-bit (a flat partition below --min-size "
-                         f"{min_size}, or no exp_avg/exp_avg_sq); lower --min-size")
-    write_all([p.q8 for p in parts], planned, force, progress)
-    return report(src, [p.q8 for p in parts], [p.pt for p in parts], planned, time.perf_counter() - t0)
-
-
-def expand(src: str, *, force: bool = False, verify: bool = True, progress=None) -> dict:
-    """Write each rank's ``.pt`` back from its ``.q8.safetensors`` (all or none), where DeepSpeed reads it.
-    Returns the fields of ``pipeline.ExpandReport``."""
-    t0 = time.perf_counter()
-    every = partitions(src)
-    parts = [p for p in every if os.path.isfile(p.q8)]
-    if not parts:
-        raise InputError(f"{src}: no converted DeepSpeed ZeRO optimizer files (*_optim_states.q8.safetensors) to expand")
-    metas = [converted_meta(p.q8) for p in parts]
-    if os.path.isdir(src):
-        check_world(every, {p.q8: m[INFO_KEY].get("world_size") for p, m in zip(parts, metas)})
-    with files.atomic_outputs([p.pt for p in parts], force, "torch") as tmps:
-        for p, tmp in zip(parts, tmps):
-            conv = tree.Converted(p.q8, verify)
-            try:
-                obj = zero_pickle.from_plain(conv.read(dequantize=True, lazy=True))
-            except FormatError as e:
-                raise FormatError(f"{p.q8}: {e}") from None
-            torch_stream.save(obj, tmp, progress, pickler=zero_pickle.Pickler)
-            conv.close()
-    out = parts[0].folder if os.path.isdir(src) else parts[0].pt
-    return {"source": src, "output": out, "output_bytes": sum(os.path.getsize(p.pt) for p in parts),
-            "seconds": time.perf_counter() - t0}
-
+def param_count(folder: str, mp_rank: int) -> int | None:
+    """Parameters of the model, from ``param_shapes`` in its model states file (None if unreadable)."""
+    for name in (f"mp_rank_{mp_rank:02d}_model_states.pt", f"zero_pp_rank_0_mp_rank_{mp_rank:02d}_model_states.pt"):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            shapes = zero_pickle.load(path).get("param_shapes")
+        except (InputError, AttributeError):
+            return None
+        groups = shapes if isinstance(shapes, (list, tuple)) else [shapes]
+        return sum(int(s.numel()) for g in groups if isinstance(g, dict) for s in g.values())
+    return None

@@ -1,12 +1,23 @@
 """The ckptq file format at the byte level (spec: docs/FORMAT.md): safetensors files and shard sets with
-their index, checksums, the optional zstd stage, atomic outputs, torch.save streaming and the one dtype
-table. Nothing here knows about codecs or kernels: the skeleton is opaque JSON at this level
-(``ckptq.codec.tree`` encodes and decodes it)."""
+their index (``container``, ``safetensors_io``, ``reader``, ``index``), checksums (``integrity``), the
+optional zstd stage (``compress``), atomic outputs (``files``), torch.save streaming (``torch_stream``) and
+the one dtype table (``dtypes``). Nothing here knows about codecs or kernels: the skeleton is opaque JSON
+at this level (``ckptq.codec.tree`` encodes and decodes it).
 
-from .container import (Compression, Container, FORMAT_VERSION, READS_VERSIONS, is_safetensors, parse_size,
-                        planned_bytes, write)
-from .files import atomic_outputs
-from .index import INDEX_SUFFIX, SUFFIX
+The names below are looked up on first use (PEP 562): importing one submodule imports only what it needs.
+"""
 
-__all__ = ["Compression", "Container", "FORMAT_VERSION", "READS_VERSIONS", "INDEX_SUFFIX", "SUFFIX",
-           "atomic_outputs", "is_safetensors", "parse_size", "planned_bytes", "write"]
+import importlib
+
+_NAMES = {"Compression": "container", "Container": "container", "FORMAT_VERSION": "container",
+          "READS_VERSIONS": "container", "is_safetensors": "container", "planned_bytes": "container",
+          "write": "container", "atomic_outputs": "files", "INDEX_SUFFIX": "index", "SUFFIX": "index"}
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name not in _NAMES:
+        raise AttributeError(f"module 'ckptq.format' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"ckptq.format.{_NAMES[name]}"), name)
+    globals()[name] = value
+    return value

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import index, integrity, safetensors_io
+from . import index, integrity, reader, safetensors_io
 from ..errors import FormatError
 from .dtypes import FROM_SAFETENSORS
 from .files import atomic_outputs, open_regular
@@ -140,7 +140,7 @@ class Container:
 
     def __init__(self, path: str, verify: bool = True):
         self.path, self.verify = path, verify
-        self.readers: list[safetensors_io.Reader] = []
+        self.readers: list[reader.Reader] = []
         try:
             self._open(index.resolve(path))
         except BaseException:
@@ -150,10 +150,10 @@ class Container:
     def _open(self, path: str) -> None:
         if path.endswith(".json"):
             meta, wmap, files = index.read_index(path)
-            self.readers = [safetensors_io.Reader(f) for f in files]
+            self.readers = [reader.Reader(f) for f in files]
             self.files = [path, *files]
         else:
-            self.readers = [safetensors_io.Reader(path)]
+            self.readers = [reader.Reader(path)]
             meta, self.files = self.readers[0].metadata, [path]
         self.version = _version(meta, path)
         for r in self.readers:  # every shard is tagged and, from version 2, sealed too

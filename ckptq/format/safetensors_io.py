@@ -24,7 +24,6 @@ from typing import Callable
 import torch
 
 from . import integrity
-from .reader import NAMES_TO_DTYPES, Reader  # noqa: F401 - the reader lives beside the writer
 from .dtypes import SAFETENSORS_NAMES
 
 _BIG = 10**15  # placeholder width for offsets/sizes while reserving header space

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from ..codec import checkpoint, foreign, plan, policy, qstate, quant
-from ..optim import Adam8bit, AdamW8bit, to_torch_state_dict
+from ..codec import checkpoint, foreign, policy, qstate, quant, tree
+from ..optim.optimizer import Adam8bit, AdamW8bit
+from ..optim.state_io import to_torch_state_dict
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -58,7 +59,7 @@ def stored_8bit(state_dict: Any, *, block_size: int = 256, min_size: int = polic
         warnings.warn(f"ckptq stores torchao's OptimState8bit and OptimState4bit exactly but not {', '.join(left)}: "
                       "this optimizer's state is saved as the framework saves it", stacklevel=3)
         return state_dict, 0
-    marked = plan.mark(obj, None, block_size, min_size, device=_state_device(obj))
+    marked = tree.mark(obj, None, block_size, min_size, device=_state_device(obj))
     for d in marked.quantized:
         node = obj
         for k in d.path:

@@ -19,7 +19,7 @@ import torch
 
 from ..codec import ops, plan, qstate, quant, sharded
 from . import args as optim_args
-from .adam import MOMENT_KEYS
+from ..codec.policy import MOMENT_KEYS
 from ..errors import ArgumentError, FormatError, StateMismatchError, UsageError
 from .args import GROUP_FLAGS, IMPL_FLAGS
 

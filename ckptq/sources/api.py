@@ -14,7 +14,6 @@ from ..codec import checkpoint, policy, quant, tree
 from ..errors import InputError
 from . import folders
 from .base import Source
-from .distributed import DcpFolder, DeepSpeedCheckpoint
 from .framework import FrameworkFolder, RunFolder, checkpoint_folders
 from .options import DEFAULT_MAX_SHARD_SIZE, ConvertOptions, ExpandOptions, InfoOptions, Progress
 from .reports import ConvertReport, ExpandReport, InfoReport
@@ -83,7 +82,7 @@ def _is_ckptq_safetensors(path: str) -> bool:
 def detect(path: str, *, run: bool = False) -> Source:
     """The source at ``path``; ``run``: a folder of checkpoint folders, taken as a whole (``convert --all``).
     InputError for what is nothing ckptq reads."""
-    from ..deepspeed import zero
+    from ..deepspeed.source import DeepSpeedCheckpoint, is_zero_checkpoint
 
     if not os.path.lexists(path):
         raise InputError(f"{path}: no such file or folder")
@@ -92,10 +91,12 @@ def detect(path: str, *, run: bool = False) -> Source:
             raise InputError(f"{path} holds no checkpoint folders (checkpoint-N/, global_stepN/, step-N/) to convert "
                              "with --all; pass a checkpoint folder or file")
         return RunFolder(path, detect, explicit=True)
-    if zero.is_zero_checkpoint(path):
+    if is_zero_checkpoint(path):
         return DeepSpeedCheckpoint(path)
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, ".metadata")):
+            from ..dcp.source import DcpFolder  # imports torch.distributed.checkpoint: only for a DCP folder
+
             return DcpFolder(path)
         if not folders.is_checkpoint_folder(path):  # a folder holding one ckptq shard set
             return ConvertedFile(path)

@@ -77,7 +77,7 @@ def _write_converted(src: str, obj: Any, opts: ConvertOptions, kind: str, t0: fl
     """Plan and write ``obj`` (loaded from ``src``) as a converted file at ``opts.output``."""
     report = ConvertReport(src, kind, source_bytes=os.path.getsize(src), bits=opts.bits)
     report.foreign_states = foreign.to_torch(obj)  # bitsandbytes / torchao 8-bit state, decoded first
-    marked = plan.mark(obj, opts.key, opts.block_size, opts.min_size, opts.bits, opts.backend,
+    marked = tree.mark(obj, opts.key, opts.block_size, opts.min_size, opts.bits, opts.backend,
                        quant_device(opts.device))
     counts = marked.counts()
     report.__dict__.update(counts)
@@ -163,7 +163,7 @@ class TorchFile(Source):
                 r.count(role if role in policy.MOMENT_KEYS or role == "codebooks" else "other", None,
                         int(s.nbytes // s.dtype.itemsize), s.nbytes)
         foreign_params = foreign.to_torch(obj)
-        marked = plan.mark(obj, opts.key, opts.block_size, opts.min_size, opts.bits)
+        marked = tree.mark(obj, opts.key, opts.block_size, opts.min_size, opts.bits)
         r.details["optimizers"] = ", ".join("/".join(map(str, f.path)) or "<root>" for f in marked.optimizers) or \
             "no optimizer state dict found"
         _describe_plan(r, obj, held, foreign_params, marked, opts)
@@ -192,7 +192,7 @@ def _count_qstates(obj: Any, r: InfoReport) -> int:
 
 
 def _describe_plan(r: InfoReport, obj: Any, held: int, foreign_params: int, marked, opts: InfoOptions) -> None:
-    """What convert would write (``obj`` marked by ``plan.mark``), and the notes of a torch.save file's info."""
+    """What convert would write (``obj`` marked by ``tree.mark``), and the notes of a torch.save file's info."""
     skeleton, stored = tree.flatten(obj)
     counts = marked.counts()
     for d in marked.quantized:
@@ -238,7 +238,7 @@ class ConvertedFile(Source):
         conv = tree.Converted(self.path)
         try:
             outputs.check_separate(conv.files, opts.output)
-            if policy.budget_of(_widths(conv.skeleton)) == opts.bits:
+            if policy.budget_of(_widths(conv)) == opts.bits:
                 other = 4 if opts.bits == 8 else 8
                 raise InputError(f"{self.path} already holds {opts.bits}-bit states; `ckptq convert --bits {other}` "
                                  f"re-encodes them at {other} bits, `ckptq expand` turns them back into fp32")
@@ -281,21 +281,8 @@ class ConvertedFile(Source):
         try:
             r = InfoReport(self.path, f"{self.kind}, format {conv.version}", sum(os.path.getsize(f) for f in conv.files),
                            type=self.type)
-            quantized = set()
-            for key, node in _quantized_nodes(conv.skeleton, None):
-                q = node["quantized"]
-                numel = 1
-                for d in q["shape"]:
-                    numel *= int(d)
-                r.count(str(key), q["bits"], numel, conv.stored_bytes(q["codes"]) + conv.stored_bytes(q["absmax"]))
-                quantized |= {q["codes"], q["absmax"], q["qmap"]}
-            for name, row in conv.tensors.items():
-                role = "codebooks" if name in quantized else "exact"
-                if name not in quantized or name.startswith("codebooks/"):
-                    numel = 1
-                    for d in row.get("shape", []):
-                        numel *= int(d)
-                    r.count(role, None, numel, conv.stored_bytes(name))
+            for role, bits, numel, stored in conv.states():
+                r.count(role, bits, numel, stored)
             codecs = sorted({t.get("codec", {}).get("codec", "raw") for t in conv.tensors.values()})
             r.options = {k: v for k, v in conv.info.items() if k in ("block_size", "min_size", "source", "source_bytes")}
             r.details = {"created_by": conv.info.get("created_by", "ckptq"), "codecs": ", ".join(codecs),
@@ -305,25 +292,9 @@ class ConvertedFile(Source):
         return r
 
 
-def _widths(node: Any) -> set:
-    """The code widths of the quantized nodes in a converted file's skeleton."""
-    return {n["quantized"].get("bits") for _, n in _quantized_nodes(node, None)}
-
-
-def _quantized_nodes(node: Any, key: Any):
-    """(state key, node) of every quantized node of a skeleton."""
-    if isinstance(node, dict):
-        if "quantized" in node:
-            yield key, node
-            return
-        if "tensor" in node:
-            return
-        for kind in ("dict", "odict"):
-            for k, v in node.get(kind, []):
-                yield from _quantized_nodes(v, k)
-        for kind in ("list", "tuple"):
-            for i, v in enumerate(node.get(kind, [])):
-                yield from _quantized_nodes(v, key)
+def _widths(conv) -> set:
+    """The code widths of a converted file's quantized states."""
+    return {bits for _, bits, _, _ in conv.states() if bits}
 
 
 class ForeignSafetensors(Source):
