@@ -356,6 +356,10 @@ class Converted(Container):
                 numel = math.prod(int(d) for d in row.get("shape", []))
                 yield ("codebooks" if name in codebooks else "exact"), None, numel, self.stored_bytes(name)
 
+    def block_sizes(self) -> list[int]:
+        """The block sizes its quantized states use."""
+        return sorted({q["block_size"] for _, q in _quantized_specs(self.skeleton, None)})
+
     def read(self, dequantize: bool = False, lazy: bool = False) -> Any:
         """The checkpoint object; quantized states as qstate dicts, or decoded with ``dequantize``; with
         ``lazy``, tensors are produced when a writer reaches them (``unflatten``)."""

@@ -9,8 +9,8 @@ each one's converted file is called, in both directions.
 - Lightning: ``*.ckpt`` files (``epoch=0-step=100.ckpt``, ``last.ckpt``), torch.save files whose
   ``optimizer_states`` list holds the optimizer state dicts.
 
-Converted files go beside the originals: ``optimizer.pt`` -> ``optimizer.q8.safetensors``,
-``optimizer_0/`` -> ``optimizer_0.q8/``; every other file is left alone. Expand writes back the name the
+Converted files go beside the originals: ``optimizer.pt`` -> ``optimizer.q8.safetensors`` (``.q4`` at 4
+bits), ``optimizer_0/`` -> ``optimizer_0.q8/``; every other file is left alone. Expand writes back the name the
 framework's resume reads: the source name recorded in the converted file, else the framework's name.
 """
 
@@ -28,7 +28,9 @@ TRAINER_MARKER = "trainer_state.json"
 _ACCELERATE_FILE = re.compile(r"optimizer(_\d+)?\.bin")
 _ACCELERATE_DCP = re.compile(r"optimizer(_\d+)?")
 _OPTIMIZER_STEM = re.compile(r"optimizer(_\d+)?")  # one checkpoint may hold several of these (accelerate)
-_CONVERTED = (".q8" + format.SUFFIX, ".q8" + format.INDEX_SUFFIX)  # one file, a sharded set's index
+# one file, a sharded set's index; at 8 or 4 bits
+_CONVERTED = tuple(f".q{bits}{suffix}" for suffix in (format.SUFFIX, format.INDEX_SUFFIX) for bits in (8, 4))
+_WIDTH_MARKS = (".q8", ".q4")
 _DEEPSPEED = re.compile(r"(.*_optim_states\.pt|mp_rank_\d+_model_states\.pt|zero_pp_rank_.*\.pt)")
 _CHECKPOINT_DIR = re.compile(r"checkpoint-\d+|global_step\d+")
 _LOOKED_FOR = ("optimizer.pt (Trainer), optimizer.bin / optimizer_N.bin / optimizer_N/ (accelerate), "
@@ -62,7 +64,7 @@ def is_checkpoint_folder(path: str) -> bool:
         return True
     return any(n in ("optimizer.pt", TRAINER_MARKER, "latest") or n.endswith(".ckpt") or _ACCELERATE_FILE.fullmatch(n)
                or n.startswith("random_states_") or _DEEPSPEED.fullmatch(n) or _CHECKPOINT_DIR.fullmatch(n)
-               or n.endswith(_CONVERTED[0]) or _framework_source(os.path.join(path, n)) for n in names)
+               or n.endswith(_CONVERTED[:2]) or _framework_source(os.path.join(path, n)) for n in names)
 
 
 def _recorded_source(path: str) -> str | None:
@@ -78,7 +80,7 @@ def _recorded_source(path: str) -> str | None:
 
 def _framework_source(path: str) -> bool:
     """A converted shard set's index whose source was a framework's optimizer file."""
-    if not path.endswith(_CONVERTED[1]) or not os.path.isfile(path):
+    if not path.endswith(_CONVERTED[2:]) or not os.path.isfile(path):
         return False
     source = _recorded_source(path) or ""
     return source == "optimizer.pt" or bool(_ACCELERATE_FILE.fullmatch(source)) or source.endswith(".ckpt")
@@ -140,29 +142,34 @@ def _nothing(folder: str, what: str) -> InputError:
                       f"(looked for {_LOOKED_FOR}; found {held}); pass the file that holds the optimizer state")
 
 
-def for_convert(folder: str) -> Layout:
-    """The optimizer files of a checkpoint folder and where their converted files go."""
+def for_convert(folder: str, bits: int = 8) -> Layout:
+    """The optimizer files of a checkpoint folder and where their converted files go (``.q8`` or ``.q4``)."""
     found = _sources(folder)
     if not found:
         _subcheckpoints(folder, "convert")
+        done = [os.path.basename(p) for p in _converted(folder)]
+        if done:
+            raise InputError(f"{folder} holds its optimizer state converted already ({', '.join(done)}); "
+                             f"`ckptq expand {folder}` turns it back into the framework's files")
         raise _nothing(folder, "optimizer file")
     _one_checkpoint(folder, found, "convert")
-    jobs = [Job(p, p + ".q8" if os.path.isdir(p) else _converted_name(p)) for p in found]
+    jobs = [Job(p, p + f".q{bits}" if os.path.isdir(p) else _converted_name(p, bits)) for p in found]
     return Layout(folder, _framework(folder), jobs)
 
 
-def _converted_name(path: str) -> str:
+def _converted_name(path: str, bits: int = 8) -> str:
     base = os.path.basename(path)
-    return os.path.join(os.path.dirname(path), base.rsplit(".", 1)[0] + ".q8" + format.SUFFIX)
+    return os.path.join(os.path.dirname(path), base.rsplit(".", 1)[0] + f".q{bits}" + format.SUFFIX)
 
 
 def _converted(folder: str) -> list[str]:
-    """Converted optimizer files in a folder: single files, shard sets (by their index), DCP ``.q8`` folders."""
+    """Converted optimizer files in a folder: single files, shard sets (by their index), DCP ``.q8``/``.q4``
+    folders."""
     out = []
     for n in sorted(os.listdir(folder)):
         p = os.path.join(folder, n)
         if (os.path.isfile(p) and _converted_stem(n) is not None) or (
-                n.endswith(".q8") and _ACCELERATE_DCP.fullmatch(n[:-3]) and checkpoint.is_dcp_folder(p)):
+                n.endswith(_WIDTH_MARKS) and _ACCELERATE_DCP.fullmatch(n[:-3]) and checkpoint.is_dcp_folder(p)):
             out.append(p)
     return out
 
@@ -178,7 +185,7 @@ def _restored_name(folder: str, path: str) -> str:
     """The file the framework's resume reads, for the converted file ``path``: the source name the file
     records (``optimizer.pt``, ``optimizer.bin``, ``last.ckpt``), else the name the folder's framework uses."""
     if os.path.isdir(path):
-        return path[: -len(".q8")]
+        return path[: -len(".q8")]  # .q8 or .q4
     stem = _converted_stem(os.path.basename(path))
     source = _recorded_source(path)
     if source and source.rsplit(".", 1)[0] == stem:
@@ -205,7 +212,8 @@ def for_expand(folder: str, replace: bool) -> Layout:
     eight = [p for p in _sources(folder) if os.path.isfile(p) and _holds_8bit(p)]
     if not eight:
         _subcheckpoints(folder, "expand")
-        raise _nothing(folder, "8-bit optimizer state (*.q8.safetensors, or a framework file holding 8-bit state)")
+        raise _nothing(folder, "low-bit optimizer state (*.q8.safetensors, *.q4.safetensors, or a framework file "
+                               "holding ckptq's state)")
     _one_checkpoint(folder, eight, "expand")
     if not replace:
         names = ", ".join(os.path.basename(p) for p in eight)

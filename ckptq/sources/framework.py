@@ -38,7 +38,7 @@ class FrameworkFolder(Source):
     def convert(self, opts: ConvertOptions) -> ConvertReport:
         t0 = time.perf_counter()
         _no_output_path(opts.output, "convert")
-        layout = folders.for_convert(self.path)
+        layout = folders.for_convert(self.path, opts.bits)
         report = ConvertReport(self.path, f"{layout.framework} {self.kind}", bits=opts.bits)
         one = opts.with_output(None)
         sources = [self._detect(job.src) for job in layout.jobs]

@@ -285,6 +285,8 @@ class ConvertedFile(Source):
                 r.count(role, bits, numel, stored)
             codecs = sorted({t.get("codec", {}).get("codec", "raw") for t in conv.tensors.values()})
             r.options = {k: v for k, v in conv.info.items() if k in ("block_size", "min_size", "source", "source_bytes")}
+            if conv.block_sizes() and "block_size" not in r.options:  # saved by ckptq.save: what the states use
+                r.options["block_size"] = ", ".join(map(str, conv.block_sizes()))
             r.details = {"created_by": conv.info.get("created_by", "ckptq"), "codecs": ", ".join(codecs),
                          "files": list(conv.files)}
         finally:
