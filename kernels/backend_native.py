@@ -100,20 +100,20 @@ class _Plan(NamedTuple):
 
     count: int  # members
     config: native.StepConfig | None  # the step's shared config (None: the dense step)
-    members: torch.Tensor  # int64 [count, 8] (member_t) or [count, 4] (dense_member_t): addresses
+    members: np.ndarray  # int64 [count, 8] (member_t) or [count, 4] (dense_member_t): addresses
     grads: np.ndarray  # int64 [count]: the gradients' addresses, refreshed at every call
-    items: torch.Tensor  # int64 [k, 3]: (member, first, end) blocks (dense: elements)
-    counter: torch.Tensor  # int64 [1]: the next item, shared by the threads of a call
+    items: np.ndarray  # int64 [k, 3]: (member, first, end) blocks (dense: elements)
+    counter: np.ndarray  # int64 [1]: the next item, shared by the threads of a call
     keep: tuple  # tensors whose addresses the config holds
 
 
-def _work_items(sizes: list[int], per_item: list[int]) -> torch.Tensor:
+def _work_items(sizes: list[int], per_item: list[int]) -> np.ndarray:
     """(member, first, end) items covering each member's ``sizes[i]`` units ``per_item[i]`` at a time,
     largest first (stable), so that the last items the threads take are small ones."""
     items = [(i, s, min(s + step, size)) for i, (size, step) in enumerate(zip(sizes, per_item))
              for s in range(0, size, step)]
     items.sort(key=lambda item: item[1] - item[2])
-    return torch.tensor(items, dtype=torch.int64).view(-1, 3)
+    return np.array(items, dtype=np.int64).reshape(-1, 3)
 
 
 def _step_config(group: StepGroup) -> tuple[native.StepConfig, tuple]:
@@ -142,12 +142,11 @@ def _member_row(m: GroupMember) -> list[int]:
 
 def _step_plan(group: StepGroup) -> _Plan:
     config, keep = _step_config(group)
-    members = torch.tensor([_member_row(m) for m in group.members], dtype=torch.int64).view(-1, 8)
+    members = np.array([_member_row(m) for m in group.members], dtype=np.int64)
     blocks = [layout_blocks(m.p.numel(), m.row_len, group.block_size) for m in group.members]
     per_item = [max(1, ITEM_ELEMENTS // max(1, min(group.block_size, m.row_len))) for m in group.members]
-    grads = torch.zeros(len(group.members), dtype=torch.int64)
-    return _Plan(len(group.members), config, members, grads.numpy(), _work_items(blocks, per_item),
-                 torch.zeros(1, dtype=torch.int64), keep + (grads,))
+    return _Plan(len(members), config, members, np.zeros(len(members), dtype=np.int64), _work_items(blocks, per_item),
+                 np.zeros(1, dtype=np.int64), keep)
 
 
 def _plan(cache: dict, count: int, build) -> _Plan:
@@ -160,10 +159,10 @@ def _plan(cache: dict, count: int, build) -> _Plan:
 def _run(plan: _Plan, kernel, *args) -> None:
     """``kernel(*args, items, n_items, counter, ...)`` on as many threads as help (each takes items until
     none are left), after the gradients' addresses were refreshed."""
-    items = plan.items.shape[0]
+    items = len(plan.items)
     if not items:
         return
-    plan.counter.zero_()
+    plan.counter[0] = 0
 
     def work() -> None:
         _check(kernel(*args))
@@ -181,13 +180,15 @@ def _address(t: torch.Tensor | None) -> int | None:
 
 
 def adam_step_group(group: StepGroup) -> None:
+    if not group.members:
+        return
     plan = _plan(group.cache, len(group.members), lambda: _step_plan(group))
     plan.grads[:] = [g.data_ptr() for g in group.grads]
     plan.config.gdtype = KERNEL_DTYPES[group.grads[0].dtype]
     hyper, seeds = _host(group.hyper, torch.float32), _host(group.seeds, torch.int64)
-    _run(plan, native.library().ckq_adam_step_group, ctypes.addressof(plan.config), plan.members.data_ptr(),
-         plan.grads.ctypes.data, hyper.data_ptr(), _address(seeds), plan.items.data_ptr(), plan.items.shape[0],
-         plan.counter.data_ptr())
+    _run(plan, native.library().ckq_adam_step_group, ctypes.addressof(plan.config), plan.members.ctypes.data,
+         plan.grads.ctypes.data, hyper.data_ptr(), _address(seeds), plan.items.ctypes.data, len(plan.items),
+         plan.counter.ctypes.data)
 
 
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
@@ -203,15 +204,16 @@ def _dense_plan(group: DenseGroup) -> _Plan:
     rows = [[p.data_ptr(), m[0].data_ptr(), m[1].data_ptr(), m[2].data_ptr() if len(m) > 2 and m[2] is not None else 0]
             for p, m in zip(group.params, group.moments)]
     sizes = [p.numel() for p in group.params]
-    grads = torch.zeros(len(sizes), dtype=torch.int64)
-    return _Plan(len(sizes), None, torch.tensor(rows, dtype=torch.int64).view(-1, 4), grads.numpy(),
-                 _work_items(sizes, [ITEM_ELEMENTS] * len(sizes)), torch.zeros(1, dtype=torch.int64), (grads,))
+    return _Plan(len(sizes), None, np.array(rows, dtype=np.int64).reshape(-1, 4), np.zeros(len(sizes), dtype=np.int64),
+                 _work_items(sizes, [ITEM_ELEMENTS] * len(sizes)), np.zeros(1, dtype=np.int64), ())
 
 
 def adam_dense_group(group: DenseGroup) -> None:
+    if not group.params:
+        return
     plan = _plan(group.cache, len(group.params), lambda: _dense_plan(group))
     plan.grads[:] = [g.data_ptr() for g in group.grads]
     hyper = _host(group.hyper, torch.float32)
-    _run(plan, native.library().ckq_adam_dense_group, plan.members.data_ptr(), plan.grads.ctypes.data, hyper.data_ptr(),
-         plan.items.data_ptr(), plan.items.shape[0], plan.counter.data_ptr(), KERNEL_DTYPES[group.params[0].dtype],
-         KERNEL_DTYPES[group.grads[0].dtype], group.maximize)
+    _run(plan, native.library().ckq_adam_dense_group, plan.members.ctypes.data, plan.grads.ctypes.data,
+         hyper.data_ptr(), plan.items.ctypes.data, len(plan.items), plan.counter.ctypes.data,
+         KERNEL_DTYPES[group.params[0].dtype], KERNEL_DTYPES[group.grads[0].dtype], group.maximize)
