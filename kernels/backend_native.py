@@ -17,7 +17,7 @@ a code table (``usable``), the library loaded.
 from __future__ import annotations
 
 import ctypes
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -96,15 +96,29 @@ def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: boo
 
 
 class _Plan(NamedTuple):
-    """What a grouped step keeps in ``group.cache``: the kernel's arguments that follow from the members."""
+    """A grouped step's kernel arguments that follow from its members, kept in ``group.cache``: the call
+    is ``kernel(*head, <per-call arguments>, *tail)``."""
 
     count: int  # members
-    config: native.StepConfig | None  # the step's shared config (None: the dense step)
-    members: np.ndarray  # int64 [count, 8] (member_t) or [count, 4] (dense_member_t): addresses
+    grad_dtype: torch.dtype  # the gradients' dtype it was built for (the step's config holds it)
+    kernel: Callable  # ckq_adam_step_group or ckq_adam_dense_group
+    head: tuple  # the step's config address, then the members' and the gradients' tables' addresses
     grads: np.ndarray  # int64 [count]: the gradients' addresses, refreshed at every call
-    items: np.ndarray  # int64 [k, 3]: (member, first, end) blocks (dense: elements)
+    tail: tuple  # the work items' address, their count and the shared counter's address
     counter: np.ndarray  # int64 [1]: the next item, shared by the threads of a call
-    keep: tuple  # tensors whose addresses the config holds
+    keep: tuple  # what the addresses point into
+
+
+def _new_plan(kernel, config, grad_dtype, members: list[list[int]], sizes: list[int], per_item: list[int],
+              keep: tuple) -> _Plan:
+    """A plan for members (rows of addresses: ``member_t`` / ``dense_member_t``) of ``sizes[i]`` blocks
+    (dense: elements), split into work items of ``per_item[i]``."""
+    table, grads = np.array(members, dtype=np.int64), np.zeros(len(members), dtype=np.int64)
+    counter = np.zeros(1, dtype=np.int64)
+    items = _work_items(sizes, per_item)
+    head = (() if config is None else (ctypes.addressof(config),)) + (table.ctypes.data, grads.ctypes.data)
+    return _Plan(len(members), grad_dtype, kernel, head, grads, (items.ctypes.data, len(items), counter.ctypes.data),
+                 counter, keep + (config, table, items))
 
 
 def _work_items(sizes: list[int], per_item: list[int]) -> np.ndarray:
@@ -116,56 +130,70 @@ def _work_items(sizes: list[int], per_item: list[int]) -> np.ndarray:
     return np.array(items, dtype=np.int64).reshape(-1, 3)
 
 
-def _step_config(group: StepGroup) -> tuple[native.StepConfig, tuple]:
-    """The kernels' config of a group (its codebooks as decode maps, code tables, thresholds; its flags)
-    and the tensors it points into."""
-    books: tuple[StepCodebooks, ...] = group.codebooks
+_configs: dict = {}  # step configs by their codebook tensors (identity and version) and flags
+_MAX_CONFIGS = 256
+
+
+def _step_config(books: tuple[StepCodebooks, ...], bits: tuple, block: int, ratio: bool, maximize: bool,
+                 dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[native.StepConfig, tuple]:
+    """The kernels' config of a step (its codebooks as decode maps, code tables, thresholds; its flags and
+    param and grad dtypes) and the tensors it points into; built once per codebook tensors and flags (the
+    entry holds the tensors, so their ids stay theirs) and never changed after (threads share it)."""
+    key = (tuple((id(t), t._version) for cb in books for t in cb), bits, block, ratio, maximize, dtypes)
+    hit = _configs.get(key)
+    if hit is not None:
+        return hit
     decode = [memo.by_tensor(_decode_map, cb.qmap) for cb in books]
     tables = [memo.by_tensor(lut.native_code_table, cb.thresholds) for cb in books]
     config = native.StepConfig()
     for k, (cb, d, t) in enumerate(zip(books, decode, tables)):
         config.decode[k], config.table[k], config.thresholds[k] = d.data_ptr(), t.data_ptr(), cb.thresholds.data_ptr()
-        config.bits[k] = group.bits[k]
+        config.bits[k] = bits[k]
         if k < 2:
             config.encode[k] = cb.encode.data_ptr()
-    config.moments, config.block, config.ratio = len(books), group.block_size, group.ratio
-    config.maximize, config.pdtype = group.maximize, KERNEL_DTYPES[group.members[0].p.dtype]
-    return config, tuple(decode) + tuple(tables) + tuple(books)
+    config.moments, config.block, config.ratio, config.maximize = len(books), block, ratio, maximize
+    config.pdtype, config.gdtype = KERNEL_DTYPES[dtypes[0]], KERNEL_DTYPES[dtypes[1]]
+    if len(_configs) >= _MAX_CONFIGS:
+        _configs.clear()
+    hit = _configs[key] = (config, tuple(decode) + tuple(tables) + tuple(books))
+    return hit
 
 
-def _member_row(m: GroupMember) -> list[int]:
+def _member_row(p: torch.Tensor, codes, absmax, row_len: int) -> list[int]:
     """member_t of cpu_kernels.c: param, codes x 3, absmax x 3 (0 where absent), row length."""
-    codes = [c.data_ptr() for c in m.codes] + [0] * (3 - len(m.codes))
-    absmax = [a.data_ptr() for a in m.absmax] + [0] * (3 - len(m.absmax))
-    return [m.p.data_ptr(), *codes, *absmax, m.row_len]
+    pad = [0] * (3 - len(codes))
+    return [p.data_ptr(), *(c.data_ptr() for c in codes), *pad, *(a.data_ptr() for a in absmax), *pad, row_len]
 
 
-def _step_plan(group: StepGroup) -> _Plan:
-    config, keep = _step_config(group)
-    members = np.array([_member_row(m) for m in group.members], dtype=np.int64)
-    blocks = [layout_blocks(m.p.numel(), m.row_len, group.block_size) for m in group.members]
-    per_item = [max(1, ITEM_ELEMENTS // max(1, min(group.block_size, m.row_len))) for m in group.members]
-    return _Plan(len(members), config, members, np.zeros(len(members), dtype=np.int64), _work_items(blocks, per_item),
-                 np.zeros(1, dtype=np.int64), keep)
+def _step_plan(members, books, bits: tuple, block: int, ratio: bool, maximize: bool, grad_dtype) -> _Plan:
+    """The plan of a step over GroupMembers sharing codebooks, widths, block size and flags."""
+    config, keep = _step_config(books, bits, block, ratio, maximize, (members[0].p.dtype, grad_dtype))
+    rows = [_member_row(m.p, m.codes, m.absmax, m.row_len) for m in members]
+    blocks = [layout_blocks(m.p.numel(), m.row_len, block) for m in members]
+    per_item = [max(1, ITEM_ELEMENTS // max(1, min(block, m.row_len))) for m in members]
+    return _new_plan(native.library().ckq_adam_step_group, config, grad_dtype, rows, blocks, per_item, keep)
 
 
-def _plan(cache: dict, count: int, build) -> _Plan:
+def _plan(cache: dict, count: int, grad_dtype: torch.dtype, build) -> _Plan:
+    """The cached plan, or a new one: the caller keeps the cache only while its members stay, and a plan
+    serves one grad dtype."""
     plan = cache.get(_PLAN)
-    if plan is None or plan.count != count:  # the caller keeps the cache only while its members stay
+    if plan is None or plan.count != count or plan.grad_dtype != grad_dtype:
         plan = cache[_PLAN] = build()
     return plan
 
 
-def _run(plan: _Plan, kernel, *args) -> None:
-    """``kernel(*args, items, n_items, counter, ...)`` on as many threads as help (each takes items until
+def _run(plan: _Plan, middle: tuple, last: tuple = ()) -> None:
+    """``plan.kernel(*head, *middle, *tail, *last)`` on as many threads as help (each takes items until
     none are left), after the gradients' addresses were refreshed."""
-    items = len(plan.items)
+    items = plan.tail[1]
     if not items:
         return
     plan.counter[0] = 0
+    args = (*plan.head, *middle, *plan.tail, *last)
 
     def work() -> None:
-        _check(kernel(*args))
+        _check(plan.kernel(*args))
 
     cpu_runtime.run_on_workers(work, min(cpu_runtime.workers(), items))
 
@@ -175,45 +203,41 @@ def _host(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to("cpu", dtype).contiguous()
 
 
-def _address(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def adam_step_group(group: StepGroup) -> None:
     if not group.members:
         return
-    plan = _plan(group.cache, len(group.members), lambda: _step_plan(group))
+    grad_dtype = group.grads[0].dtype
+    plan = _plan(group.cache, len(group.members), grad_dtype, lambda: _step_plan(
+        group.members, group.codebooks, tuple(group.bits), group.block_size, group.ratio, group.maximize, grad_dtype))
     plan.grads[:] = [g.data_ptr() for g in group.grads]
-    plan.config.gdtype = KERNEL_DTYPES[group.grads[0].dtype]
     hyper, seeds = _host(group.hyper, torch.float32), _host(group.seeds, torch.int64)
-    _run(plan, native.library().ckq_adam_step_group, ctypes.addressof(plan.config), plan.members.ctypes.data,
-         plan.grads.ctypes.data, hyper.data_ptr(), _address(seeds), plan.items.ctypes.data, len(plan.items),
-         plan.counter.ctypes.data)
+    _run(plan, (hyper.data_ptr(), None if seeds is None else seeds.data_ptr()))
 
 
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
-    """One parameter: a group of one (same kernel, same bits)."""
-    member = GroupMember(p, tuple(s.codes for s in states), tuple(s.absmax for s in states), flags.row_len or p.numel())
-    seeds = None if flags.seed is None else torch.tensor([flags.seed], dtype=torch.int64)
+    """One parameter: the grouped kernel on a group of one (same bits), without the group's objects."""
     books = tuple(StepCodebooks(s.qmap, s.thresholds, s.encode) for s in states)
-    adam_step_group(StepGroup((member,), (g,), h.view(1, -1), seeds, books, tuple(s.bits for s in states),
-                              flags.block_size, flags.ratio, flags.maximize, {}))
+    member = GroupMember(p, tuple(s.codes for s in states), tuple(s.absmax for s in states), flags.row_len or p.numel())
+    plan = _step_plan((member,), books, tuple(s.bits for s in states), flags.block_size, flags.ratio, flags.maximize,
+                      g.dtype)
+    plan.grads[0] = g.data_ptr()
+    seeds = None if flags.seed is None else np.array([flags.seed], dtype=np.int64)
+    _run(plan, (h.data_ptr(), None if seeds is None else seeds.ctypes.data))
 
 
 def _dense_plan(group: DenseGroup) -> _Plan:
     rows = [[p.data_ptr(), m[0].data_ptr(), m[1].data_ptr(), m[2].data_ptr() if len(m) > 2 and m[2] is not None else 0]
             for p, m in zip(group.params, group.moments)]
     sizes = [p.numel() for p in group.params]
-    return _Plan(len(sizes), None, np.array(rows, dtype=np.int64).reshape(-1, 4), np.zeros(len(sizes), dtype=np.int64),
-                 _work_items(sizes, [ITEM_ELEMENTS] * len(sizes)), np.zeros(1, dtype=np.int64), ())
+    return _new_plan(native.library().ckq_adam_dense_group, None, group.grads[0].dtype, rows, sizes,
+                     [ITEM_ELEMENTS] * len(sizes), ())
 
 
 def adam_dense_group(group: DenseGroup) -> None:
     if not group.params:
         return
-    plan = _plan(group.cache, len(group.params), lambda: _dense_plan(group))
+    plan = _plan(group.cache, len(group.params), group.grads[0].dtype, lambda: _dense_plan(group))
     plan.grads[:] = [g.data_ptr() for g in group.grads]
     hyper = _host(group.hyper, torch.float32)
-    _run(plan, native.library().ckq_adam_dense_group, plan.members.ctypes.data, plan.grads.ctypes.data,
-         hyper.data_ptr(), plan.items.ctypes.data, len(plan.items), plan.counter.ctypes.data,
-         KERNEL_DTYPES[group.params[0].dtype], KERNEL_DTYPES[group.grads[0].dtype], group.maximize)
+    dtypes = (KERNEL_DTYPES[group.params[0].dtype], KERNEL_DTYPES[group.grads[0].dtype])
+    _run(plan, (hyper.data_ptr(),), (*dtypes, group.maximize))

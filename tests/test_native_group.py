@@ -155,3 +155,20 @@ def test_dense_group_equals_the_reference(dtypes, amsgrad, maximize, threads):
             backend_native.adam_dense_group(groups[1])
         for a, b in zip(groups[0].params + sum(groups[0].moments, ()), groups[1].params + sum(groups[1].moments, ())):
             _assert_same(a, b)
+
+
+def test_a_new_grad_dtype_or_member_count_rebuilds_the_plan():
+    """The cache serves one grad dtype and one member count: a call with bf16 gradients after fp32 ones,
+    then a group of fewer members on the same cache dict, still equal the reference."""
+    shapes = [(3, 201), (2, 64), (1, 5000)]
+    groups = [make_group(shapes, (8, 8), 64, (torch.float32,) * 2, False, False, seed=3) for _ in range(2)]
+    for call, dtype in enumerate((torch.float32, torch.bfloat16)):
+        groups = [g._replace(grads=tuple(x.to(dtype) for x in g.grads), hyper=_hyper_rows(3, 4 + call)) for g in groups]
+        backend_torch.adam_step_group(groups[0])
+        backend_native.adam_step_group(groups[1])
+        assert groups[1].cache[backend_native._PLAN].grad_dtype == dtype
+        _assert_same_members(groups[0], groups[1])
+    fewer = [g._replace(members=g.members[:2], grads=g.grads[:2], hyper=g.hyper[:2]) for g in groups]
+    backend_torch.adam_step_group(fewer[0])
+    backend_native.adam_step_group(fewer[1])
+    _assert_same_members(groups[0], groups[1])
