@@ -719,6 +719,8 @@ static inline void step16(const vstep_t *k, __m512 s, __m512 m, __m512 xs, const
     acc[0] = _mm512_max_epu32(acc[0], _mm512_and_si512(_mm512_castps_si512(ratio), abs_mask));
     acc[1] = _mm512_max_epu32(acc[1], _mm512_and_si512(_mm512_castps_si512(snew), abs_mask));
 }
+#else
+typedef struct { int unused; } vstep_t;  /* no vector loops: the scalar ones read the hyper row */
 #endif
 
 /* What all members of a step share (backend_native's StepConfig mirrors it field for field). Moments:
@@ -805,14 +807,14 @@ static inline __m512 decode16(const step_ctx_t *x, int k, const uint8_t *c, int 
  * width (``same``), else 16 codes of each width at a time. Always inlined: step_values calls it with
  * constant switches for the common case, whose loop then has no branches on them. */
 static inline __attribute__((always_inline)) void step_values(
-        const step_ctx_t *x, const void *vk, const float *h, const uint8_t *const c[3], const float sc[3],
+        const step_ctx_t *x, const vstep_t *scalars, const float *h, const uint8_t *const c[3], const float sc[3],
         const float *gf, float *pf, float *const out[3], int len, uint32_t mx[3], int same, int amsgrad, int ratio,
         int maximize, int m_bits, int v_bits, int x_bits) {
     const step_config_t *cfg = x->c;
     int i = 0;
     mx[0] = mx[1] = mx[2] = 0;
 #if VEC
-    const vstep_t k = *(const vstep_t *)vk;
+    const vstep_t k = *scalars;  /* the hyper row on 16 lanes, set up once per item */
     const __m512 vma = _mm512_set1_ps(sc[0]), vva = _mm512_set1_ps(sc[1]), vxa = _mm512_set1_ps(sc[2]);
     __m512i acc[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     for (; same == 4 && i + 32 <= len; i += 32) {
@@ -914,9 +916,8 @@ static inline __attribute__((always_inline)) void step_blocks_of(
     int at_ring = 0;
 #if VEC
     const vstep_t k = vstep_init(h, ratio, maximize, amsgrad);
-    const void *vk = &k;
 #else
-    const void *vk = 0;
+    const vstep_t k = {0};
 #endif
     rows_t at = rows_at(mem->row_len, block, b0);
     for (int64_t b = b0; b < b1; b++, rows_next(&at)) {
@@ -935,7 +936,7 @@ static inline __attribute__((always_inline)) void step_blocks_of(
             codes[j] = mem->codes[j] + rows_code_byte(&at, bits[j]);
             scale[j] = mem->absmax[j][b];
         }
-        step_values(x, vk, h, (const uint8_t *const *)codes, scale, gf, pf, out, len, mx, same, amsgrad, ratio,
+        step_values(x, &k, h, (const uint8_t *const *)codes, scale, gf, pf, out, len, mx, same, amsgrad, ratio,
                     maximize, m_bits, v_bits, x_bits);
         if (c->pdtype != F32) store_block(mem->p, off, len, c->pdtype, pb);
         if (seed) hashes(hb, len, off, (uint32_t)*seed);  /* off: the element's index in the parameter */
