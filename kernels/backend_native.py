@@ -99,7 +99,7 @@ class _Plan(NamedTuple):
     """A grouped step's kernel arguments that follow from its members, kept in ``group.cache``: the call
     is ``kernel(*head, <per-call arguments>, *tail)``."""
 
-    count: int  # members
+    witness: tuple  # member count and the first and last members' addresses when it was built
     grad_dtype: torch.dtype  # the gradients' dtype it was built for (the step's config holds it)
     kernel: Callable  # ckq_adam_step_group or ckq_adam_dense_group
     head: tuple  # the step's config address, then the members' and the gradients' tables' addresses
@@ -109,7 +109,7 @@ class _Plan(NamedTuple):
     keep: tuple  # what the addresses point into
 
 
-def _new_plan(kernel, config, grad_dtype, members: list[list[int]], sizes: list[int], per_item: list[int],
+def _new_plan(kernel, config, witness, grad_dtype, members: list[list[int]], sizes: list[int], per_item: list[int],
               keep: tuple) -> _Plan:
     """A plan for members (rows of addresses: ``member_t`` / ``dense_member_t``) of ``sizes[i]`` blocks
     (dense: elements), split into work items of ``per_item[i]``."""
@@ -117,7 +117,7 @@ def _new_plan(kernel, config, grad_dtype, members: list[list[int]], sizes: list[
     counter = np.zeros(1, dtype=np.int64)
     items = _work_items(sizes, per_item)
     head = (() if config is None else (ctypes.addressof(config),)) + (table.ctypes.data, grads.ctypes.data)
-    return _Plan(len(members), grad_dtype, kernel, head, grads, (items.ctypes.data, len(items), counter.ctypes.data),
+    return _Plan(witness, grad_dtype, kernel, head, grads, (items.ctypes.data, len(items), counter.ctypes.data),
                  counter, keep + (config, table, items))
 
 
@@ -171,16 +171,30 @@ def _step_plan(members, books, bits: tuple, block: int, ratio: bool, maximize: b
     rows = [_member_row(m.p, m.codes, m.absmax, m.row_len) for m in members]
     blocks = [layout_blocks(m.p.numel(), m.row_len, block) for m in members]
     per_item = [max(1, ITEM_ELEMENTS // max(1, min(block, m.row_len))) for m in members]
-    return _new_plan(native.library().ckq_adam_step_group, config, grad_dtype, rows, blocks, per_item, keep)
+    return _new_plan(native.library().ckq_adam_step_group, config, _step_witness(members), grad_dtype, rows, blocks,
+                     per_item, keep)
 
 
-def _plan(cache: dict, count: int, grad_dtype: torch.dtype, build) -> _Plan:
-    """The cached plan, or a new one: the caller keeps the cache only while its members stay, and a plan
-    serves one grad dtype."""
+def _plan(cache: dict, witness: tuple, grad_dtype: torch.dtype, build) -> _Plan:
+    """The cached plan, or a new one. The caller keeps the cache only while its members stay; an O(1)
+    check (member count, the first and last members' addresses) still catches a cache kept past that
+    (say after ``model.to``), which would otherwise send the kernel to freed memory. A plan serves one
+    grad dtype."""
     plan = cache.get(_PLAN)
-    if plan is None or plan.count != count or plan.grad_dtype != grad_dtype:
+    if plan is None or plan.witness != witness or plan.grad_dtype != grad_dtype:
         plan = cache[_PLAN] = build()
     return plan
+
+
+def _step_witness(members) -> tuple:
+    first, last = members[0], members[-1]
+    return len(members), first.p.data_ptr(), first.codes[0].data_ptr(), last.p.data_ptr(), last.absmax[-1].data_ptr()
+
+
+def _dense_witness(group: DenseGroup) -> tuple:
+    first, last = group.moments[0], group.moments[-1]
+    return len(group.params), group.params[0].data_ptr(), first[0].data_ptr(), group.params[-1].data_ptr(), \
+        last[1].data_ptr()
 
 
 def _run(plan: _Plan, middle: tuple, last: tuple = ()) -> None:
@@ -207,7 +221,7 @@ def adam_step_group(group: StepGroup) -> None:
     if not group.members:
         return
     grad_dtype = group.grads[0].dtype
-    plan = _plan(group.cache, len(group.members), grad_dtype, lambda: _step_plan(
+    plan = _plan(group.cache, _step_witness(group.members), grad_dtype, lambda: _step_plan(
         group.members, group.codebooks, tuple(group.bits), group.block_size, group.ratio, group.maximize, grad_dtype))
     plan.grads[:] = [g.data_ptr() for g in group.grads]
     hyper, seeds = _host(group.hyper, torch.float32), _host(group.seeds, torch.int64)
@@ -229,14 +243,14 @@ def _dense_plan(group: DenseGroup) -> _Plan:
     rows = [[p.data_ptr(), m[0].data_ptr(), m[1].data_ptr(), m[2].data_ptr() if len(m) > 2 and m[2] is not None else 0]
             for p, m in zip(group.params, group.moments)]
     sizes = [p.numel() for p in group.params]
-    return _new_plan(native.library().ckq_adam_dense_group, None, group.grads[0].dtype, rows, sizes,
-                     [ITEM_ELEMENTS] * len(sizes), ())
+    return _new_plan(native.library().ckq_adam_dense_group, None, _dense_witness(group), group.grads[0].dtype, rows,
+                     sizes, [ITEM_ELEMENTS] * len(sizes), ())
 
 
 def adam_dense_group(group: DenseGroup) -> None:
     if not group.params:
         return
-    plan = _plan(group.cache, len(group.params), group.grads[0].dtype, lambda: _dense_plan(group))
+    plan = _plan(group.cache, _dense_witness(group), group.grads[0].dtype, lambda: _dense_plan(group))
     plan.grads[:] = [g.data_ptr() for g in group.grads]
     hyper = _host(group.hyper, torch.float32)
     dtypes = (KERNEL_DTYPES[group.params[0].dtype], KERNEL_DTYPES[group.grads[0].dtype])

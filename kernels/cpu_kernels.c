@@ -739,7 +739,7 @@ typedef struct {
 } step_config_t;
 
 /* One member: its param and its moments' codes and scales, laid out in rows of row_len (eight 64-bit
- * words: backend_native packs a group's members into one int64 tensor [members, 8]). */
+ * words: backend_native packs a group's members into one int64 array [members, 8]). */
 typedef struct {
     void *p;             /* [n] of config.pdtype, updated in place */
     uint8_t *codes[3];   /* per moment: [rows * row_bytes(bits)], rewritten in place */
@@ -987,7 +987,7 @@ int ckq_adam_step_group(const step_config_t *config, const member_t *members, co
 }
 
 /* One member of a dense group: its param and its plain fp32 moments (eight bytes each: backend_native
- * packs a group's members into one int64 tensor [members, 4]). */
+ * packs a group's members into one int64 array [members, 4]). */
 typedef struct {
     void *p;      /* [n], updated in place */
     float *m, *v;

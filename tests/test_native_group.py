@@ -157,9 +157,10 @@ def test_dense_group_equals_the_reference(dtypes, amsgrad, maximize, threads):
             _assert_same(a, b)
 
 
-def test_a_new_grad_dtype_or_member_count_rebuilds_the_plan():
-    """The cache serves one grad dtype and one member count: a call with bf16 gradients after fp32 ones,
-    then a group of fewer members on the same cache dict, still equal the reference."""
+def test_a_new_grad_dtype_or_other_members_rebuild_the_plan():
+    """A cached plan serves one grad dtype and its members: a call with bf16 gradients after fp32 ones,
+    then a group of fewer members, then one whose state tensors were replaced, all on the same cache
+    dict, still equal the reference."""
     shapes = [(3, 201), (2, 64), (1, 5000)]
     groups = [make_group(shapes, (8, 8), 64, (torch.float32,) * 2, False, False, seed=3) for _ in range(2)]
     for call, dtype in enumerate((torch.float32, torch.bfloat16)):
@@ -172,3 +173,8 @@ def test_a_new_grad_dtype_or_member_count_rebuilds_the_plan():
     backend_torch.adam_step_group(fewer[0])
     backend_native.adam_step_group(fewer[1])
     _assert_same_members(groups[0], groups[1])
+    moved = [g._replace(members=tuple(m._replace(p=m.p.clone(), absmax=tuple(a.clone() for a in m.absmax))
+                                      for m in g.members)) for g in fewer]  # say, after a load_state_dict
+    backend_torch.adam_step_group(moved[0])
+    backend_native.adam_step_group(moved[1])
+    _assert_same_members(moved[0], moved[1])
