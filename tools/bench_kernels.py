@@ -3,9 +3,11 @@
     PYTHONPATH=. python tools/bench_kernels.py --rounds 9 [--against REV]
 
 ``step``: the fused 8-bit step (the AdamW8bit layout: ratio codes on power-signed-1.5, sqrt(v) on
-power-unsigned-3, block 256, fp32 params and grads) and the 4-bit budget's 6 + 2-bit step (stochastic
-rounding, block 128) on 16.8 M elements in 4 tensors, one backend call per tensor: ms per step and
-cycles per parameter (wall time x threads x the TSC frequency / elements), at 1 and 2 threads.
+power-unsigned-3, block 256, fp32 params and grads; on 16.8 M elements in 4 tensors, and on 262 K that
+stay in L2) and the 4-bit budget's 6 + 2-bit step (stochastic rounding, block 128) on 16.8 M elements,
+one backend call per tensor: ms per step (wall) and cycles per parameter (the CPU time of all the
+process's threads x the nominal clock / elements: robust to other load on the machine, which wall time
+is not), at 1 and 2 threads.
 ``group``: 256 tensors of 4,096 and the d=256 x 48 layout (per layer q, k, v, o [256, 256], up
 [1024, 256], down [256, 1024] in low-bit state and two LayerNorm weights [256] in the dense group):
 ``adam_step_group`` + ``adam_dense_group`` against the per-member loop of ``adam_step`` and the dense
@@ -243,6 +245,7 @@ def main() -> None:
     cases = []
     if "step" in args.what:
         cases += [step_case("8-bit step, 16.8M in 4", [1 << 22] * 4, (8, 8), 256, None, gen),
+                  step_case("8-bit step, 262K in 1 (in L2)", [1 << 18], (8, 8), 256, None, gen),
                   step_case("6+2-bit step (seeded), 16.8M in 4", [1 << 22] * 4, (6, 2), 128, 12345, gen)]
     if "group" in args.what:
         cases += group_cases("256 x 4096", [(16, 256)] * 256, [], gen)
