@@ -399,8 +399,8 @@ static void encode_nearest8(const float *x, int len, float absmax, const int32_t
 }
 
 /* encode_nearest8 of two blocks in one loop (the step's ratio and sqrt(v), each with its scale and code
- * table): two independent gathers in flight and one loop's overhead, 6% fewer cycles per element of the
- * 8-bit step than one loop after the other. */
+ * table): two independent gathers in flight and one loop's overhead instead of two (tools/bench_kernels.py
+ * measures the step with it). */
 static void encode_nearest8_pair(const float *x0, const float *x1, int len, float absmax0, float absmax1,
                                  const int32_t *table0, const int32_t *table1, uint8_t *codes0, uint8_t *codes1) {
     float safe0 = absmax0 > 0.0f ? absmax0 : 1.0f, safe1 = absmax1 > 0.0f ? absmax1 : 1.0f;
@@ -951,8 +951,7 @@ static inline __attribute__((always_inline)) void step_blocks_of(
 
 /* step_blocks_of, compiled apart for the defaults of AdamW8bit (8-bit codes) and AdamW4bit (a 6-bit ratio
  * and a 2-bit sqrt(v)), ratio codes without amsgrad or maximize: with the switches and widths constant
- * the loops carry no branches on them (13% fewer cycles per element at 8 bits), and what the blocks
- * share is set up once per item. */
+ * the loops carry no branches on them, and what the blocks share is set up once per item. */
 static void step_blocks(const step_ctx_t *x, const member_t *mem, const void *g, const float *h,
                         const int64_t *seed, int64_t b0, int64_t b1) {
     const step_config_t *c = x->c;
