@@ -1,26 +1,40 @@
-/* ckptq CPU kernels: blockwise 8-, 6-, 4- and 2-bit quantize / dequantize and the fused low-bit Adam step.
+/* ckptq CPU kernels: blockwise 8-, 6-, 4- and 2-bit quantize / dequantize and the fused low-bit Adam step,
+ * one parameter or a group of many at a time.
  *
  * Plain C99 with no Python or torch headers, compiled on first use by ckptq/kernels/native.py
  * (`cc -O3 -march=native -ffp-contract=off -fno-math-errno`) and called through ctypes, which releases
- * the GIL: the Python side splits a tensor into chunks of whole blocks and runs them on a thread pool.
- * Where the CPU has AVX-512 (and VBMI) the hot loops use intrinsics; scalar C does the rest and runs
- * everywhere else.
+ * the GIL: the Python side (backend_native.py) runs the calls on a thread pool, each on a range of blocks,
+ * or, for the step, each taking work items from a shared counter. Where the CPU has AVX-512 (and VBMI)
+ * the hot loops use intrinsics; scalar C does the rest and runs everywhere else.
  *
- * Every function here equals a PyTorch reference bit for bit (tests/test_native.py):
- *   ckq_quantize    <-> ckptq.kernels.backend_torch.quantize (reference_codes after the transform)
- *   ckq_dequantize  <-> ckptq.kernels.backend_torch.dequantize
- *   ckq_adam_step   <-> ckptq.kernels.backend_torch.adam_step (step_rows)
+ * Every function here equals a PyTorch reference bit for bit (tests/test_native*.py):
+ *   ckq_quantize           <-> ckptq.kernels.backend_torch.quantize (reference_codes after the transform)
+ *   ckq_dequantize         <-> ckptq.kernels.backend_torch.dequantize
+ *   ckq_adam_step_group    <-> ckptq.kernels.backend_torch.adam_step (step_rows) of each member in turn
+ *   ckq_adam_dense_group   <-> ckptq.kernels.backend_torch.adam_dense_step (adam_math) of each member
  * That is why no FMA contraction is allowed (-ffp-contract=off, and no fma intrinsics): each product and
  * sum is rounded to fp32 on its own, in the order the reference writes it. Division and sqrt are IEEE
  * (correctly rounded), scalar and vector alike.
  *
+ * Row layout (ckptq.kernels.contract, "Rows"): a tensor of n elements is n / row_len rows; blocks never
+ * cross a row (row r holds blocks_per_row = ceil(row_len / block) blocks, the last one maybe short), each
+ * row's codes start on a byte (row_bytes = ceil(row_len * bits / 8)) and the scales are row-major. The
+ * kernels address blocks by their index b in that order: block b is block j = b % blocks_per_row of row
+ * r = b / blocks_per_row, its elements start at r * row_len + j * block, its codes at byte
+ * r * row_bytes + j * block * bits / 8 (block sizes are multiples of 4: every block starts on a byte), its
+ * scale is absmax[b]. One row of all n elements (row_len = n) is the flat layout.
+ *
  * Rounding contract (ckptq.kernels.lut): code = #{j : t[j] < y} with t the 255 codebook midpoints and
- * y = x / absmax (IEEE division; an all-zero block divides by 1). The code table makes that one lookup:
- * the 2^16 buckets are the floats sharing their top 16 bits, indexed by (bits >> 16) + 2^15; entry
- * e = base << 17 | limit where base = #{t < every y of the bucket} and limit is the rank (the position
- * in increasing value order, 0..65535, inside the bucket) of the first y above the one threshold that may
- * lie inside the bucket (65536: none). Then code = base + (rank(y) >= limit); a NaN y gets 255, as
- * torch.searchsorted gives it. ckptq.kernels.lut.native_code_table builds the table from the thresholds.
+ * y = x / absmax (IEEE division; an all-zero block divides by 1). The code table makes that one lookup
+ * and one add: the 2^16 buckets are the floats sharing their top 16 bits, indexed by the signed
+ * (bits >> 16) from the table's middle; entry e = base << 17 | (2^17 - limit) where base = #{t < every y
+ * of the bucket} and limit is the rank (the position in increasing value order, 0..65535, inside the
+ * bucket) of the first y above the one threshold that may lie inside the bucket (65536: none). Then
+ * (e + rank(y)) >> 17 is base + (rank(y) >= limit): the low field carries into bit 17 exactly when
+ * rank(y) >= limit. NaN buckets hold the top code (searchsorted's answer for NaN), and every NaN that
+ * division makes is quiet, so in such a bucket. ckptq.kernels.lut.native_code_table builds the table.
+ * (Before, the entry held the limit itself and the code took a compare, a masked add and a NaN test:
+ * the add form makes the step's two encodes 12 instructions shorter per 16 elements.)
  *
  * 4-bit codes (bits == 4): the same table over 15 thresholds gives codes 0..15 (NaN: 15); the vector
  * loops get the same count from a binary search of the 15 thresholds held in one register (four
@@ -137,21 +151,14 @@ static inline float block_absmax(const float *x, int len) {
 /* The absmax that block_absmax gives, from the unsigned max of the bit patterns with the sign cleared. */
 static inline float bits_to_absmax(uint32_t mx) { return mx > 0x7F800000u ? NAN : u2f(mx); }
 
-#if VEC
-/* acc = unsigned max(acc, bits of |x[0..15]|): block_absmax, 16 lanes at a time. */
-static inline __m512i max_abs_bits(__m512i acc, const float *x) {
-    __m512i a = _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x)), _mm512_set1_epi32(0x7FFFFFFF));
-    return _mm512_max_epu32(acc, a);
-}
-#endif
 
-/* The code table's answer for one y (see the header): #{t < y}, a NaN gets nan_code. */
-static inline int nearest1(float y, const int32_t *table, int nan_code) {
+/* The code table's answer for one y (see the header): #{t < y}. ``table`` points at the table's middle
+ * entry (bucket 0), so the signed top 16 bits index it directly. */
+static inline int nearest1(float y, const int32_t *table) {
     int32_t ybits = (int32_t)f2u(y);
-    int32_t e = table[(ybits >> 16) + 32768];
-    int32_t rank = (ybits ^ (ybits >> 31)) & 0xFFFF;  /* negative floats: larger bits, smaller value */
-    int32_t code = (e >> 17) + (rank >= (e & 0x1FFFF));
-    return y != y ? nan_code : code;
+    uint32_t e = (uint32_t)table[ybits >> 16];
+    uint32_t rank = (uint32_t)(ybits ^ (ybits >> 31)) & 0xFFFFu;  /* negative floats: larger bits, smaller value */
+    return (int)((e + rank) >> 17);
 }
 
 /* Code c of element i into the bit stream (elements written in order from a byte boundary: the first
@@ -191,15 +198,13 @@ static inline int stochastic1(float y, int c, const float *q, int top, float u) 
 }
 
 #if VEC
-static inline __m512i nearest16(__m512 y, const int32_t *table, int nan_code) {
-    const __m512i bias = _mm512_set1_epi32(32768), low16 = _mm512_set1_epi32(0xFFFF);
-    const __m512i low17 = _mm512_set1_epi32(0x1FFFF), one = _mm512_set1_epi32(1);
+/* nearest1 on 16 lanes: one gather, the rank (the low 16 bits, flipped for negative y) and an add. */
+static inline __m512i nearest16(__m512 y, const int32_t *table) {
     __m512i ybits = _mm512_castps_si512(y);
-    __m512i e = _mm512_i32gather_epi32(_mm512_add_epi32(_mm512_srai_epi32(ybits, 16), bias), table, 4);
-    __m512i rank = _mm512_and_si512(_mm512_xor_si512(ybits, _mm512_srai_epi32(ybits, 31)), low16);
-    __m512i code = _mm512_srai_epi32(e, 17);
-    code = _mm512_mask_add_epi32(code, _mm512_cmpge_epi32_mask(rank, _mm512_and_si512(e, low17)), code, one);
-    return _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(nan_code));
+    __m512i e = _mm512_i32gather_epi32(_mm512_srai_epi32(ybits, 16), table, 4);
+    /* (ybits ^ (ybits >> 31)) & 0xFFFF in one ternary-logic op (truth table 0x28: (a ^ b) & c) */
+    __m512i rank = _mm512_ternarylogic_epi32(ybits, _mm512_srai_epi32(ybits, 31), _mm512_set1_epi32(0xFFFF), 0x28);
+    return _mm512_srli_epi32(_mm512_add_epi32(e, rank), 17);
 }
 
 /* #{k < top : r[first + k] < y} (strict) or <= y (not strict), for r[first .. first + top - 1] ascending
@@ -247,27 +252,29 @@ static inline void put_codes16(uint8_t *codes, int i, __m512i code, int bits) {
     }
 }
 
-/* How to unpack 16 codes of one width: each lane's first byte k, k + 1, its shift, the code mask. */
-typedef struct { __m512i k, k1, sh, mask; int bits; } unpack_t;
+/* How to unpack 16 codes of one width: each lane's first byte k, k + 1, its shift, the code mask. The
+ * functions below take the width as an argument, not from these structs, so that a loop whose widths are
+ * constants compiles to one case. */
+typedef struct { __m512i k, k1, sh, mask; } unpack_t;
 
 static inline unpack_t unpack_init(int bits) {
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i bit = _mm512_mullo_epi32(iota, _mm512_set1_epi32(bits));
     __m512i k = _mm512_srli_epi32(bit, 3);
     unpack_t u = {k, _mm512_add_epi32(k, _mm512_set1_epi32(1)), _mm512_and_si512(bit, _mm512_set1_epi32(7)),
-                  _mm512_set1_epi32((1 << bits) - 1), bits};
+                  _mm512_set1_epi32((1 << bits) - 1)};
     return u;
 }
 
 /* The codes of elements i .. i + 15 (i a multiple of 16) as int32 lanes; reads only their 2 * bits bytes. */
-static inline __m512i codes16(const unpack_t *u, const uint8_t *codes, int i) {
-    const uint8_t *p = codes + i * u->bits / 8;
-    if (u->bits == 8) return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+static inline __m512i codes16(const unpack_t *u, const uint8_t *codes, int i, int bits) {
+    const uint8_t *p = codes + i * bits / 8;
+    if (bits == 8) return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-    __m128i raw = _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * u->bits)) - 1), p);
+    __m128i raw = _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * bits)) - 1), p);
 #else
     uint8_t tmp[16] = {0};
-    memcpy(tmp, p, 2 * u->bits);
+    memcpy(tmp, p, 2 * bits);
     __m128i raw = _mm_loadu_si128((const __m128i *)tmp);
 #endif
     __m512i bytes = _mm512_cvtepu8_epi32(raw);
@@ -277,19 +284,20 @@ static inline __m512i codes16(const unpack_t *u, const uint8_t *codes, int i) {
 }
 
 /* A codebook for 16-lane lookups: up to 16 entries in r[0], 64 in r[0..3], 256 read from q. */
-typedef struct { __m512 r[4]; const float *q; int bits; } cb_t;
+typedef struct { __m512 r[4]; const float *q; } cb_t;
 
-static inline cb_t cb_init(const float *q, int bits) {
-    cb_t cb = {{_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}, q, bits};
+static inline __attribute__((always_inline)) cb_t cb_init(const float *q, int bits) {
+    cb_t cb = {{_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}, q};
     if (q && bits <= 4) cb.r[0] = _mm512_maskz_loadu_ps((__mmask16)((1u << (1 << bits)) - 1), q);
     if (q && bits == 6)
         for (int j = 0; j < 4; j++) cb.r[j] = _mm512_loadu_ps(q + 16 * j);
     return cb;
 }
 
-static inline __m512 cb_lookup(const cb_t *cb, __m512i idx) {
-    if (cb->bits <= 4) return _mm512_permutexvar_ps(idx, cb->r[0]);
-    if (cb->bits == 6) {
+/* q[idx] for the 16 codes idx of a codebook of 2**bits entries. */
+static inline __m512 cb_lookup(const cb_t *cb, __m512i idx, int bits) {
+    if (bits <= 4) return _mm512_permutexvar_ps(idx, cb->r[0]);
+    if (bits == 6) {
         __m512 lo = _mm512_permutex2var_ps(cb->r[0], idx, cb->r[1]);
         __m512 hi = _mm512_permutex2var_ps(cb->r[2], idx, cb->r[3]);
         return _mm512_mask_mov_ps(lo, _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), hi);
@@ -308,21 +316,21 @@ static inline __m512i mix32x16(__m512i x) {
 /* The contract's stochastic rounding on 16 lanes from lo (the entry at or below y, clamped to
  * 0 .. K - 1): lo + 1 with probability (y - q[lo]) / (q[lo + 1] - q[lo]), top stays top. q: the codebook,
  * u: the lanes' uniforms (uniform16). */
-static inline __m512i stochastic16_up(__m512 y, __m512i lo, const cb_t *q, __m512 u) {
-    const int top = (1 << q->bits) - 1;
+static inline __m512i stochastic16_up(__m512 y, __m512i lo, const cb_t *q, __m512 u, int bits) {
+    const int top = (1 << bits) - 1;
     const __m512i one = _mm512_set1_epi32(1), vtop = _mm512_set1_epi32(top);
     __mmask16 at_top = _mm512_cmpge_epi32_mask(lo, vtop);
-    __m512 q_lo = cb_lookup(q, lo);
-    __m512 q_hi = cb_lookup(q, _mm512_min_epi32(_mm512_add_epi32(lo, one), vtop));
+    __m512 q_lo = cb_lookup(q, lo, bits);
+    __m512 q_hi = cb_lookup(q, _mm512_min_epi32(_mm512_add_epi32(lo, one), vtop), bits);
     __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(q_hi, q_lo)), _mm512_sub_ps(y, q_lo), _CMP_LT_OQ);
     return _mm512_mask_mov_epi32(_mm512_mask_add_epi32(lo, up, lo, one), at_top, vtop);
 }
 
 /* stochastic1 on 16 lanes, from the nearest code c. */
-static inline __m512i stochastic16(__m512 y, __m512i c, const cb_t *q, __m512 u) {
+static inline __m512i stochastic16(__m512 y, __m512i c, const cb_t *q, __m512 u, int bits) {
     const __m512i one = _mm512_set1_epi32(1);
-    __m512i lo = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(y, cb_lookup(q, c), _CMP_LT_OQ), c, one);
-    return stochastic16_up(y, _mm512_max_epi32(lo, _mm512_setzero_si512()), q, u);
+    __m512i lo = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(y, cb_lookup(q, c, bits), _CMP_LT_OQ), c, one);
+    return stochastic16_up(y, _mm512_max_epi32(lo, _mm512_setzero_si512()), q, u, bits);
 }
 
 /* uniform1 of 16 hashes. */
@@ -347,12 +355,15 @@ static inline void hashes(uint32_t *h, int len, int64_t i0, uint32_t seed) {
     for (; k < len; k++) h[k] = mix32((uint32_t)(i0 + k) ^ seed);
 }
 
-/* code i = #{t < x[i] / safe} via the code table (see the header), or for 4 and 2 bits with the
- * thresholds thr15 in a register; a NaN gets the top code; codes packed as put_code does. With a codebook
- * q (stochastic rounding, ckptq.kernels.contract), the code is then rounded stochastically instead, with
- * the uniforms of hashes h (their high halves when ``high``). */
-static inline void encode_block(const float *x, int len, float absmax, const int32_t *table, uint8_t *codes,
-                                int bits, const float *q, const uint32_t *h, int high, const float *thr15) {
+/* code i = #{t < x[i] / safe} via the code table (see the header; ``table`` at its middle), or for 4 and
+ * 2 bits with the thresholds thr15 in a register; codes packed as put_code does. With a codebook q
+ * (stochastic rounding, ckptq.kernels.contract), the code is then rounded stochastically instead, with
+ * the uniforms of hashes h (their high halves when ``high``). Always inlined, so that callers with
+ * constant arguments (encode_nearest8) get a loop without the other cases' branches. */
+static inline __attribute__((always_inline)) void encode_block(const float *x, int len, float absmax,
+                                                               const int32_t *table, uint8_t *codes, int bits,
+                                                               const float *q, const uint32_t *h, int high,
+                                                               const float *thr15) {
     const int top = (1 << bits) - 1;
     float safe = absmax > 0.0f ? absmax : 1.0f;  /* NaN > 0 is false: a NaN block divides by 1 */
     int i = 0;
@@ -367,20 +378,48 @@ static inline void encode_block(const float *x, int len, float absmax, const int
         if (q && bits <= 4)  /* no nearest code needed: for y not NaN the contract's lo = clamp(c - (y <
                               * q[c]), 0, K - 1) is #{j >= 1 : q[j] <= y} (q[c - 1] < y < q[c + 1]); a NaN
                               * counts K - 1, the top code, as the contract's c = K - 1 gives it */
-            code = stochastic16_up(y, count16_reg(y, cb.r[0], top, 1, 0), &cb, uniform16(h + i, high));
+            code = stochastic16_up(y, count16_reg(y, cb.r[0], top, 1, 0), &cb, uniform16(h + i, high), bits);
         else {
-            code = in_register ? count16_reg(y, t15, top, 0, 1) : nearest16(y, table, top);
-            if (q) code = stochastic16(y, code, &cb, uniform16(h + i, high));
+            code = in_register ? count16_reg(y, t15, top, 0, 1) : nearest16(y, table);
+            if (q) code = stochastic16(y, code, &cb, uniform16(h + i, high), bits);
         }
         put_codes16(codes, i, code, bits);
     }
 #endif
     for (; i < len; i++) {  /* the vector loop stops at a multiple of 16: on a byte */
         float y = x[i] / safe;
-        int code = nearest1(y, table, top);
+        int code = nearest1(y, table);
         put_code(codes, i, q ? stochastic1(y, code, q, top, uniform1(h[i], high)) : code, bits);
     }
 }
+
+/* encode_block for 8-bit codes rounded to nearest, the common case. */
+static void encode_nearest8(const float *x, int len, float absmax, const int32_t *table, uint8_t *codes) {
+    encode_block(x, len, absmax, table, codes, 8, 0, 0, 0, 0);
+}
+
+/* encode_nearest8 of two blocks in one loop (the step's ratio and sqrt(v), each with its scale and code
+ * table): two independent gathers in flight and one loop's overhead instead of two (tools/bench_kernels.py
+ * measures the step with it). */
+static void encode_nearest8_pair(const float *x0, const float *x1, int len, float absmax0, float absmax1,
+                                 const int32_t *table0, const int32_t *table1, uint8_t *codes0, uint8_t *codes1) {
+    float safe0 = absmax0 > 0.0f ? absmax0 : 1.0f, safe1 = absmax1 > 0.0f ? absmax1 : 1.0f;
+    int i = 0;
+#if VEC
+    const __m512 vsafe0 = _mm512_set1_ps(safe0), vsafe1 = _mm512_set1_ps(safe1);
+    for (; i + VEC <= len; i += VEC) {
+        __m512i c0 = nearest16(_mm512_div_ps(_mm512_loadu_ps(x0 + i), vsafe0), table0);
+        __m512i c1 = nearest16(_mm512_div_ps(_mm512_loadu_ps(x1 + i), vsafe1), table1);
+        _mm_storeu_si128((__m128i *)(codes0 + i), _mm512_cvtepi32_epi8(c0));
+        _mm_storeu_si128((__m128i *)(codes1 + i), _mm512_cvtepi32_epi8(c1));
+    }
+#endif
+    for (; i < len; i++) {
+        codes0[i] = (uint8_t)nearest1(x0[i] / safe0, table0);
+        codes1[i] = (uint8_t)nearest1(x1[i] / safe1, table1);
+    }
+}
+
 
 #if VEC
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
@@ -456,21 +495,78 @@ static inline int code_at(const uint8_t *codes, int i, int bits) {
     return v & ((1 << bits) - 1);
 }
 
-/* Quantize elements [0, n) of src (dtype F32/BF16/F16) into codes [n * bits / 8, rounded up] and absmax
- * [ceil(n / block)]. */
-int ckq_quantize(const void *src, int dtype, int64_t n, int64_t block, int sqrt_transform,
-                  const int32_t *table, uint8_t *codes, float *absmax, int bits, const float *thr15) {
-    if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
+
+/* A walk over a tensor's blocks in the row layout (see the header), from block b on: rows_next steps to
+ * the next block. */
+typedef struct {
+    int64_t row_len, block;  /* elements per row, block size */
+    int64_t row, col;        /* the current block's row and first column */
+} rows_t;
+
+static inline rows_t rows_at(int64_t row_len, int64_t block, int64_t b) {
+    int64_t per_row = (row_len + block - 1) / block, row = b / per_row;
+    rows_t at = {row_len, block, row, (b - row * per_row) * block};
+    return at;
+}
+
+static inline void rows_next(rows_t *at) {
+    at->col += at->block;
+    if (at->col >= at->row_len) {
+        at->col = 0;
+        at->row++;
+    }
+}
+
+/* The current block's first element and its length (the last block of a row may be short). */
+static inline int64_t rows_offset(const rows_t *at) { return at->row * at->row_len + at->col; }
+
+static inline int rows_len(const rows_t *at) {
+    int64_t left = at->row_len - at->col;
+    return (int)(left < at->block ? left : at->block);
+}
+
+/* The current block's first code byte at ``bits`` bits: its row's first byte plus its column's. */
+static inline int64_t rows_code_byte(const rows_t *at, int bits) {
+    return at->row * ((at->row_len * bits + 7) / 8) + at->col * bits / 8;
+}
+
+/* The elements [first, end) that blocks [b0, b1) cover (b0 < b1): consecutive blocks are consecutive. */
+static inline void rows_span(int64_t row_len, int64_t block, int64_t b0, int64_t b1, int64_t *first, int64_t *end) {
+    rows_t a = rows_at(row_len, block, b0), z = rows_at(row_len, block, b1 - 1);
+    *first = rows_offset(&a);
+    *end = rows_offset(&z) + rows_len(&z);
+}
+
+/* buf[0 .. len) back into dst[off ..] as a 16-bit float dtype (BF16 / F16), rounding to nearest even. */
+static void store_block(void *dst, int64_t off, int len, int dtype, const float *buf) {
+    uint16_t *d = (uint16_t *)dst + off;
+    if (dtype == BF16)
+        for (int i = 0; i < len; i++) d[i] = f32_to_bf16(buf[i]);
+    else
+        for (int i = 0; i < len; i++) d[i] = f32_to_f16(buf[i]);
+}
+
+/* Quantize blocks [b0, b1) of src (dtype F32/BF16/F16; rows of row_len) into codes and absmax, the
+ * whole tensor's (the row layout addresses each block). table: the code table (int32 [65536]). */
+int ckq_quantize(const void *src, int dtype, int64_t row_len, int64_t block, int64_t b0, int64_t b1,
+                  int sqrt_transform, const int32_t *table, uint8_t *codes, float *absmax, int bits,
+                  const float *thr15) {
+    if (BAD_BLOCK(block) || BAD_BITS(bits, block) || row_len < 1) return -1;
+    const int32_t *middle = table + 32768;
     float buf[block];  /* C99 VLA: a block's values, at most 16 KB */
-    for (int64_t b = 0, off = 0; off < n; b++, off += block) {
-        int len = (int)(n - off < block ? n - off : block);
-        load_block(src, off, len, dtype, sqrt_transform, buf);
+    rows_t at = rows_at(row_len, block, b0);
+    for (int64_t b = b0; b < b1; b++, rows_next(&at)) {
+        int len = rows_len(&at);
+        uint8_t *c = codes + rows_code_byte(&at, bits);
+        load_block(src, rows_offset(&at), len, dtype, sqrt_transform, buf);
         absmax[b] = block_absmax(buf, len);
-        encode_block(buf, len, absmax[b], table, codes + off * bits / 8, bits, 0, 0, 0, thr15);
+        if (bits == 8)
+            encode_nearest8(buf, len, absmax[b], middle, c);
+        else
+            encode_block(buf, len, absmax[b], middle, c, bits, 0, 0, 0, thr15);
     }
     return 0;
 }
-
 /* Fault in the pages of [p, p + bytes) for writing in one call (Linux 5.14+; a no-op elsewhere or on
  * error). On freshly mapped output this is measurably faster than faulting page by page from the loop:
  * with 2 MB pages 16 MB of output went from 12 to 9 ms on 2 threads (tools/bench_codec.py). */
@@ -483,21 +579,29 @@ static void prefault(void *p, int64_t bytes) {
 #endif
 }
 
-/* out[i] = qmap[code i] * absmax[i / block], then squared for the sqrt transform; fresh_out: out is
- * newly mapped memory, prefault it. qmap: 256 entries (a 4-bit codebook padded). */
-int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap, int64_t n, int64_t block,
-                    int sqrt_transform, float *out, int fresh_out, int bits) {
-    if (BAD_BLOCK(block) || BAD_BITS(bits, block)) return -1;
-    if (fresh_out) prefault(out, n * 4);
+
+/* out[i] = qmap[code i] * absmax[i's block] for the elements of blocks [b0, b1) (rows of row_len), then
+ * squared for the sqrt transform; fresh_out: out is newly mapped memory, prefault their span. qmap: 256
+ * entries (a smaller codebook padded). */
+int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap, int64_t row_len, int64_t block,
+                    int64_t b0, int64_t b1, int sqrt_transform, float *out, int fresh_out, int bits) {
+    if (BAD_BLOCK(block) || BAD_BITS(bits, block) || row_len < 1) return -1;
+    if (b0 >= b1) return 0;
+    if (fresh_out) {
+        int64_t first, end;
+        rows_span(row_len, block, b0, b1, &first, &end);
+        prefault(out + first, (end - first) * 4);
+    }
 #if DECODE64
     planes_t planes;
     planes_init(&planes, qmap);
 #endif
-    for (int64_t b = 0, off = 0; off < n; b++, off += block) {
-        int len = (int)(n - off < block ? n - off : block);
+    rows_t at = rows_at(row_len, block, b0);
+    for (int64_t b = b0; b < b1; b++, rows_next(&at)) {
+        int len = rows_len(&at);
         float a = absmax[b];
-        const uint8_t *c = codes + off * bits / 8;
-        float *o = out + off;
+        const uint8_t *c = codes + rows_code_byte(&at, bits);
+        float *o = out + rows_offset(&at);
         int i = 0;
 #if VEC
         const __m512 va = _mm512_set1_ps(a);
@@ -522,15 +626,11 @@ int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap,
             }
         }
 #endif
-        for (; bits == 8 && i + VEC <= len; i += VEC) {
-            __m512 v = _mm512_mul_ps(gather_codebook(c + i, qmap), va);
-            _mm512_storeu_ps(o + i, sqrt_transform ? _mm512_mul_ps(v, v) : v);
-        }
-        if (bits == 6 || bits == 2) {
+        {  /* 16 at a time: what is left of 8 and 4 bits, and all of 6 and 2 */
             const unpack_t u = unpack_init(bits);
             const cb_t cb = cb_init(qmap, bits);
             for (; i + VEC <= len; i += VEC) {
-                __m512 v = _mm512_mul_ps(cb_lookup(&cb, codes16(&u, c, i)), va);
+                __m512 v = _mm512_mul_ps(cb_lookup(&cb, codes16(&u, c, i, bits), bits), va);
                 _mm512_storeu_ps(o + i, sqrt_transform ? _mm512_mul_ps(v, v) : v);
             }
         }
@@ -543,206 +643,410 @@ int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap,
     return 0;
 }
 
-/* Hyperparameters, fp32 [10], in ckptq.kernels.contract.HYPER_FIELDS order. */
+/* Hyperparameters, fp32 [10] per member, in ckptq.kernels.contract.HYPER_FIELDS order. */
 enum { DECAY, L2, OMB1, BETA2, OMB2, EPS, NEG_STEP, BC2_SQRT, DECODE_EPS, ENCODE_EPS };
 
+/* The Adam(W) update in backend_torch.adam_math's order, one element: gi = (maximize ? -g : g) + l2 * p,
+ * m += omb1 * (gi - m) (torch's lerp), v = v * beta2 + omb2 * (gi * gi). */
+static inline void moments1(const float *h, int maximize, float g, float p, float *m, float *v) {
+    float gi = (maximize ? -g : g) + h[L2] * p;
+    *m = *m + h[OMB1] * (gi - *m);
+    *v = *v * h[BETA2] + h[OMB2] * (gi * gi);
+}
+
+/* torch.maximum: NaN where either is. */
+static inline float maximum1(float a, float b) { return (a != a || b != b) ? NAN : (a > b ? a : b); }
+
+/* The new param from the new m and root = sqrt(v) (or sqrt(vmax)): p * decay + neg_step * (m / denom). */
+static inline float param1(const float *h, float p, float m, float root) {
+    float denom = root / h[BC2_SQRT] + h[EPS];
+    return p * h[DECAY] + h[NEG_STEP] * (m / denom);
+}
+
 #if VEC
-/* The new values' block maxima as they are made (block_absmax's unsigned max on the bits, in acc[0..2]
- * for the ratio, sqrt(v), sqrt(vmax)): small blocks then skip a pass each. */
-static inline void track16(__m512i acc[3], const float *mb, const float *sb, const float *xb, int amsgrad) {
-    acc[0] = max_abs_bits(acc[0], mb);
-    acc[1] = max_abs_bits(acc[1], sb);
-    if (amsgrad) acc[2] = max_abs_bits(acc[2], xb);
-}
-
-/* The block maxima that track16 gathered; returns 1 (they are known). */
-static inline int take_maxima(const __m512i acc[3], float *mx, float *sx, float *xx) {
-    *mx = bits_to_absmax(_mm512_reduce_max_epu32(acc[0]));
-    *sx = bits_to_absmax(_mm512_reduce_max_epu32(acc[1]));
-    *xx = bits_to_absmax(_mm512_reduce_max_epu32(acc[2]));
-    return 1;
-}
-
 /* Scalars of the step broadcast to 16 lanes, and its switches. */
 typedef struct {
     __m512 dec_eps, l2, omb1, beta2, omb2, bc2_sqrt, eps, decay, neg_step, enc_eps;
     int ratio, maximize, amsgrad;
 } vstep_t;
 
-/* The step on 16 elements: s = sqrt(v), m (as decoded: a ratio when k->ratio) and, with amsgrad, xs =
- * sqrt(max_exp_avg_sq), all already times their block's absmax. Writes the new param to pf, and the new
- * ratio, sqrt(v) and sqrt(vmax) to mb, sb, xb for requantization; the scalar loop below, vectorized. */
+static inline vstep_t vstep_init(const float *h, int ratio, int maximize, int amsgrad) {
+    vstep_t k = {_mm512_set1_ps(h[DECODE_EPS]), _mm512_set1_ps(h[L2]), _mm512_set1_ps(h[OMB1]),
+                 _mm512_set1_ps(h[BETA2]), _mm512_set1_ps(h[OMB2]), _mm512_set1_ps(h[BC2_SQRT]),
+                 _mm512_set1_ps(h[EPS]), _mm512_set1_ps(h[DECAY]), _mm512_set1_ps(h[NEG_STEP]),
+                 _mm512_set1_ps(h[ENCODE_EPS]), ratio, maximize, amsgrad};
+    return k;
+}
+
+/* moments1, maximum1 and param1 on 16 lanes. */
+static inline void moments16(const vstep_t *k, __m512 g, __m512 p, __m512 *m, __m512 *v) {
+    if (k->maximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
+    __m512 gi = _mm512_add_ps(g, _mm512_mul_ps(k->l2, p));
+    *m = _mm512_add_ps(*m, _mm512_mul_ps(k->omb1, _mm512_sub_ps(gi, *m)));
+    *v = _mm512_add_ps(_mm512_mul_ps(*v, k->beta2), _mm512_mul_ps(k->omb2, _mm512_mul_ps(gi, gi)));
+}
+
+static inline __m512 maximum16(__m512 a, __m512 b) {
+    __mmask16 nan = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);
+    return _mm512_mask_mov_ps(_mm512_max_ps(a, b), nan, _mm512_set1_ps(NAN));
+}
+
+static inline __m512 param16(const vstep_t *k, __m512 p, __m512 m, __m512 root) {
+    __m512 denom = _mm512_add_ps(_mm512_div_ps(root, k->bc2_sqrt), k->eps);
+    return _mm512_add_ps(_mm512_mul_ps(p, k->decay), _mm512_mul_ps(k->neg_step, _mm512_div_ps(m, denom)));
+}
+
+/* The quantized step on 16 elements: s = sqrt(v), m (as decoded: a ratio when k->ratio) and, with amsgrad,
+ * xs = sqrt(max_exp_avg_sq), all already times their block's absmax. Writes the new param to pf, and the
+ * new ratio m / (sqrt(v) + encode_eps), sqrt(v) and sqrt(vmax) to out[0..2] + j for requantization,
+ * tracking their block maxima in acc[0..2] (block_absmax's unsigned max on the bits). */
 static inline void step16(const vstep_t *k, __m512 s, __m512 m, __m512 xs, const float *gf, float *pf,
-                          float *mb, float *sb, float *xb) {
+                          float *const out[3], int j, __m512i acc[3]) {
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
     if (k->ratio) m = _mm512_mul_ps(m, _mm512_add_ps(s, k->dec_eps));
-    __m512 gi = _mm512_loadu_ps(gf), pi = _mm512_loadu_ps(pf);
-    if (k->maximize) gi = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gi), _mm512_set1_epi32(INT32_MIN)));
-    gi = _mm512_add_ps(gi, _mm512_mul_ps(k->l2, pi));
-    m = _mm512_add_ps(m, _mm512_mul_ps(k->omb1, _mm512_sub_ps(gi, m)));
-    __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(s, s), k->beta2), _mm512_mul_ps(k->omb2, _mm512_mul_ps(gi, gi)));
+    __m512 p = _mm512_loadu_ps(pf + j), v = _mm512_mul_ps(s, s);
+    moments16(k, _mm512_loadu_ps(gf + j), p, &m, &v);
     __m512 snew = _mm512_sqrt_ps(v), root = snew;
     if (k->amsgrad) {
-        __m512 vmax = _mm512_mul_ps(xs, xs);
-        __mmask16 nan = _mm512_cmp_ps_mask(vmax, v, _CMP_UNORD_Q);
-        vmax = _mm512_mask_mov_ps(_mm512_max_ps(vmax, v), nan, _mm512_set1_ps(NAN));  /* torch.maximum */
-        root = _mm512_sqrt_ps(vmax);
-        _mm512_storeu_ps(xb, root);
+        root = _mm512_sqrt_ps(maximum16(_mm512_mul_ps(xs, xs), v));
+        _mm512_storeu_ps(out[2] + j, root);
+        acc[2] = _mm512_max_epu32(acc[2], _mm512_and_si512(_mm512_castps_si512(root), abs_mask));
     }
-    __m512 denom = _mm512_add_ps(_mm512_div_ps(root, k->bc2_sqrt), k->eps);
-    _mm512_storeu_ps(pf, _mm512_add_ps(_mm512_mul_ps(pi, k->decay), _mm512_mul_ps(k->neg_step, _mm512_div_ps(m, denom))));
-    _mm512_storeu_ps(mb, _mm512_div_ps(m, _mm512_add_ps(snew, k->enc_eps)));
-    _mm512_storeu_ps(sb, snew);
+    _mm512_storeu_ps(pf + j, param16(k, p, m, root));
+    __m512 ratio = _mm512_div_ps(m, _mm512_add_ps(snew, k->enc_eps));
+    _mm512_storeu_ps(out[0] + j, ratio);
+    _mm512_storeu_ps(out[1] + j, snew);
+    acc[0] = _mm512_max_epu32(acc[0], _mm512_and_si512(_mm512_castps_si512(ratio), abs_mask));
+    acc[1] = _mm512_max_epu32(acc[1], _mm512_and_si512(_mm512_castps_si512(snew), abs_mask));
+}
+#else
+typedef struct { int unused; } vstep_t;  /* no vector loops: the scalar ones read the hyper row */
+#endif
+
+/* What all members of a step share (backend_native's StepConfig mirrors it field for field). Moments:
+ * 0 exp_avg (m), 1 exp_avg_sq (stored as sqrt(v)), 2 max_exp_avg_sq (amsgrad, stored as sqrt(vmax)). */
+typedef struct {
+    const float *decode[3];      /* fp32 [256]: the codebook the stored codes refer to (a smaller one padded) */
+    const int32_t *table[3];     /* int32 [65536]: code table of the codebook new codes are written on */
+    const float *thresholds[3];  /* fp32 [2**bits - 1]: its midpoints (searched in a register at 4 and 2 bits) */
+    const float *encode[2];      /* fp32 [2**bits]: m's and v's new codebooks, read by stochastic rounding */
+    int32_t bits[3];             /* code width per moment: 8, 6, 4 or 2 */
+    int32_t moments;             /* 2, or 3 with amsgrad */
+    int32_t block;               /* block size, 1..4096 */
+    int32_t ratio;               /* m's stored codes are ratios m / (sqrt(v) + decode_eps), else plain m */
+    int32_t maximize;
+    int32_t pdtype, gdtype;      /* F32, BF16 or F16 */
+} step_config_t;
+
+/* One member: its param and its moments' codes and scales, laid out in rows of row_len (eight 64-bit
+ * words: backend_native packs a group's members into one int64 array [members, 8]). */
+typedef struct {
+    void *p;             /* [n] of config.pdtype, updated in place */
+    uint8_t *codes[3];   /* per moment: [rows * row_bytes(bits)], rewritten in place */
+    float *absmax[3];    /* per moment: [rows * blocks_per_row], rewritten in place */
+    int64_t row_len;
+} member_t;
+
+static int bad_config(const step_config_t *c) {
+    if (BAD_BLOCK(c->block) || (c->moments != 2 && c->moments != 3)) return 1;
+    for (int k = 0; k < c->moments; k++)
+        if (BAD_BITS(c->bits[k], c->block)) return 1;
+    return (unsigned)c->pdtype > F16 || (unsigned)c->gdtype > F16;
+}
+
+/* What a thread derives from the config once per call: code tables at their middle, and the vector
+ * loops' codebooks and unpackers per moment (a missing max_exp_avg_sq repeats exp_avg_sq's). */
+typedef struct {
+    const step_config_t *c;
+    const int32_t *table[3];
+    int bits[3];  /* code width per moment */
+    int same;     /* the moments' common code width, 0 when they differ */
+    int amsgrad;
+#if VEC
+    __m512 q16[3];       /* the first 16 entries of each decode map: 4-bit codebooks in one register */
+    unpack_t unpack[3];
+    cb_t cb[3];
+#endif
+#if DECODE64
+    planes_t planes[3];
+#endif
+} step_ctx_t;
+
+static void step_ctx_init(step_ctx_t *x, const step_config_t *c) {
+    x->c = c;
+    x->amsgrad = c->moments == 3;
+    x->same = c->bits[0] == c->bits[1] && (!x->amsgrad || c->bits[2] == c->bits[0]) ? c->bits[0] : 0;
+    for (int k = 0; k < 3; k++) {
+        int j = k < c->moments ? k : 1;
+        x->table[k] = c->table[j] + 32768;
+        x->bits[k] = c->bits[j];
+#if VEC
+        x->q16[k] = _mm512_loadu_ps(c->decode[j]);
+        x->unpack[k] = unpack_init(c->bits[j]);
+        x->cb[k] = cb_init(c->decode[j], c->bits[j]);
+#endif
+#if DECODE64
+        if (c->bits[j] == 8) planes_init(&x->planes[k], c->decode[j]);
+#endif
+    }
+}
+
+#if VEC
+/* Moment k's 16 stored values from element i on, before their scale: codes ``bits`` wide at c, unpacked
+ * and looked up in its codebook. */
+static inline __m512 decode16(const step_ctx_t *x, int k, const uint8_t *c, int i, int bits) {
+    return cb_lookup(&x->cb[k], codes16(&x->unpack[k], c, i, bits), bits);
 }
 #endif
 
-/* The fused step on elements [0, n) (whole blocks but the last): param p (dtype pdtype) in place,
- * grad g (gdtype), first moment m (a ratio state when m_ratio), second moment v (sqrt transform), and
- * with amsgrad (x.codes != NULL) max_exp_avg_sq x (sqrt transform), with codes of m_bits, v_bits and
- * x_bits bits (decode maps of 256 entries; m_thr, v_thr, x_thr: the thresholds of encode maps of up to
- * 16 entries, which the vector loops search in a register, the code tables serving the rest). Operation
- * order as step_rows.
- * With m_round / v_round (the first / second moment's encode codebook) its new codes are rounded
- * stochastically, both from one hash per element, mix32(i ^ seed) with i = ``first`` + the element's
- * index here (the first moment its high 16 bits, the second its low 16). */
-int ckq_adam_step(void *p, int pdtype, const void *g, int gdtype, int64_t n, int64_t block,
-                   uint8_t *m_codes, float *m_absmax, const float *m_decode, const int32_t *m_table, int m_ratio,
-                   uint8_t *v_codes, float *v_absmax, const float *v_decode, const int32_t *v_table,
-                   uint8_t *x_codes, float *x_absmax, const float *x_decode, const int32_t *x_table,
-                   const float *h, int maximize, int m_bits, int v_bits, int x_bits, const float *m_round,
-                   const float *v_round, int64_t first, uint32_t seed, const float *m_thr, const float *v_thr,
-                   const float *x_thr) {
-    if (BAD_BLOCK(block) || BAD_BITS(m_bits, block) || BAD_BITS(v_bits, block) || (x_codes && BAD_BITS(x_bits, block)))
-        return -1;
-    const int bits = m_bits == v_bits && (!x_codes || x_bits == m_bits) ? m_bits : 0;  /* 0: widths differ */
-    /* one block each of param, grad (other dtypes than fp32), new ratio, sqrt(v), sqrt(vmax) and the
-     * stochastic rounding hashes: C99 VLAs, 6 KB at the default block size, 96 KB at 4096 */
-    float pb[block], gb[block], mb[block], sb[block], xb[block];
-    uint32_t hb[block];
-    const float decay = h[DECAY], l2 = h[L2], omb1 = h[OMB1], beta2 = h[BETA2], omb2 = h[OMB2], eps = h[EPS];
-    const float neg_step = h[NEG_STEP], bc2_sqrt = h[BC2_SQRT], dec_eps = h[DECODE_EPS], enc_eps = h[ENCODE_EPS];
-    const int amsgrad = x_codes != 0;
+/* The step's first pass over one block of len elements: decode each moment (codes from c[k], times its
+ * scale sc[k]), step each element (grad gf, param pf as fp32, updated in place), and write the new ratio,
+ * sqrt(v) and sqrt(vmax) to out[0..2]. mx[k]: the unsigned max of out[k]'s bits with the sign cleared
+ * (bits_to_absmax gives the block's new scale). The scalar loop states the math; the vector loops are it
+ * on 16 lanes (step16), after decoding 32 4-bit or 64 8-bit codes at once where all moments share that
+ * width (``same``), else 16 codes of each width at a time. Always inlined: step_values calls it with
+ * constant switches for the common case, whose loop then has no branches on them. */
+static inline __attribute__((always_inline)) void step_values(
+        const step_ctx_t *x, const vstep_t *scalars, const float *h, const uint8_t *const c[3], const float sc[3],
+        const float *gf, float *pf, float *const out[3], int len, uint32_t mx[3], int same, int amsgrad, int ratio,
+        int maximize, int m_bits, int v_bits, int x_bits) {
+    const step_config_t *cfg = x->c;
+    int i = 0;
+    mx[0] = mx[1] = mx[2] = 0;
 #if VEC
-    const vstep_t k = {
-        _mm512_set1_ps(dec_eps), _mm512_set1_ps(l2), _mm512_set1_ps(omb1), _mm512_set1_ps(beta2),
-        _mm512_set1_ps(omb2), _mm512_set1_ps(bc2_sqrt), _mm512_set1_ps(eps), _mm512_set1_ps(decay),
-        _mm512_set1_ps(neg_step), _mm512_set1_ps(enc_eps), m_ratio, maximize, amsgrad};
-#endif
-#if VEC  /* 4-bit codebooks, one register each (the first 16 entries of the decode maps) */
-    const __m512 m16 = _mm512_loadu_ps(m_decode), v16 = _mm512_loadu_ps(v_decode);
-    const __m512 x16 = amsgrad ? _mm512_loadu_ps(x_decode) : v16;
-    /* the generic path (widths differ, or 6 / 2 bits): unpackers and codebooks per moment */
-    const unpack_t mu = unpack_init(m_bits), vu = unpack_init(v_bits), xu = unpack_init(amsgrad ? x_bits : v_bits);
-    const cb_t mcb = cb_init(m_decode, m_bits), vcb = cb_init(v_decode, v_bits);
-    const cb_t xcb = cb_init(amsgrad ? x_decode : v_decode, amsgrad ? x_bits : v_bits);
-#endif
+    const vstep_t k = *scalars;  /* the hyper row on 16 lanes, set up once per item */
+    const __m512 vma = _mm512_set1_ps(sc[0]), vva = _mm512_set1_ps(sc[1]), vxa = _mm512_set1_ps(sc[2]);
+    __m512i acc[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (; same == 4 && i + 32 <= len; i += 32) {
+        __m512 sq[2], mq[2], xq[2] = {vxa, vxa};
+        decode32_nibbles(c[1] + i / 2, x->q16[1], sq);
+        decode32_nibbles(c[0] + i / 2, x->q16[0], mq);
+        if (amsgrad) decode32_nibbles(c[2] + i / 2, x->q16[2], xq);
+        for (int r = 0; r < 2; r++)
+            step16(&k, _mm512_mul_ps(sq[r], vva), _mm512_mul_ps(mq[r], vma),
+                   amsgrad ? _mm512_mul_ps(xq[r], vxa) : vxa, gf, pf, out, i + 16 * r, acc);
+    }
 #if DECODE64
-    planes_t m_planes, v_planes, x_planes;
-    planes_init(&m_planes, m_decode);
-    planes_init(&v_planes, v_decode);
-    if (amsgrad) planes_init(&x_planes, x_decode);
+    for (; same == 8 && i + 64 <= len; i += 64) {
+        __m512 sq[4], mq[4], xq[4] = {vxa, vxa, vxa, vxa};
+        decode64(&x->planes[1], c[1] + i, sq);
+        decode64(&x->planes[0], c[0] + i, mq);
+        if (amsgrad) decode64(&x->planes[2], c[2] + i, xq);
+        for (int r = 0; r < 4; r++)
+            step16(&k, _mm512_mul_ps(sq[r], vva), _mm512_mul_ps(mq[r], vma),
+                   amsgrad ? _mm512_mul_ps(xq[r], vxa) : vxa, gf, pf, out, i + 16 * r, acc);
+    }
 #endif
-    for (int64_t b = 0, off = 0; off < n; b++, off += block) {
-        int len = (int)(n - off < block ? n - off : block);
-        /* fp32 param and grad are used in place; other dtypes go through fp32 buffers */
-        float *pf = pdtype == F32 ? (float *)p + off : pb;
-        const float *gf = gdtype == F32 ? (const float *)g + off : gb;
-        if (pdtype != F32) load_block(p, off, len, pdtype, 0, pb);
-        if (gdtype != F32) load_block(g, off, len, gdtype, 0, gb);
-        const float ma = m_absmax[b], va = v_absmax[b], xa = amsgrad ? x_absmax[b] : 0.0f;
-        /* the block's first code byte in each stream */
-        const int64_t m_at = off * m_bits / 8, v_at = off * v_bits / 8, x_at = off * x_bits / 8;
-        const uint8_t *mc = m_codes + m_at, *vc = v_codes + v_at, *xc = amsgrad ? x_codes + x_at : 0;
-        int i = 0, have_max = 0;  /* have_max: mx, sx, xx hold the block maxima of mb, sb, xb */
-        float mx = 0.0f, sx = 0.0f, xx = 0.0f;
-#if VEC
-        const __m512 vma = _mm512_set1_ps(ma), vva = _mm512_set1_ps(va), vxa = _mm512_set1_ps(xa);
-        if (bits == 4) {
-            /* the block maxima as they are made (track16): that makes block 128 as fast as 8 bits' 256 */
-            __m512i acc[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-            for (; i + 32 <= len; i += 32) {
-                __m512 sq[2], mq[2], xq[2] = {vxa, vxa};
-                decode32_nibbles(vc + i / 2, v16, sq);
-                decode32_nibbles(mc + i / 2, m16, mq);
-                if (amsgrad) decode32_nibbles(xc + i / 2, x16, xq);
-                for (int r = 0; r < 2; r++) {
-                    int j = i + 16 * r;
-                    step16(&k, _mm512_mul_ps(sq[r], vva), _mm512_mul_ps(mq[r], vma),
-                           amsgrad ? _mm512_mul_ps(xq[r], vxa) : vxa, gf + j, pf + j, mb + j, sb + j, xb + j);
-                    track16(acc, mb + j, sb + j, xb + j, amsgrad);
-                }
-            }
-            if (i == len) have_max = take_maxima(acc, &mx, &sx, &xx);
-        }
-        if (bits != 8 && bits != 4) {  /* widths differ (the 4-bit budget's 6 + 2), or all 6 / all 2 */
-            __m512i acc[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-            for (; i + VEC <= len; i += VEC) {
-                __m512 s = _mm512_mul_ps(cb_lookup(&vcb, codes16(&vu, vc, i)), vva);
-                __m512 m = _mm512_mul_ps(cb_lookup(&mcb, codes16(&mu, mc, i)), vma);
-                __m512 xs = amsgrad ? _mm512_mul_ps(cb_lookup(&xcb, codes16(&xu, xc, i)), vxa) : vxa;
-                step16(&k, s, m, xs, gf + i, pf + i, mb + i, sb + i, xb + i);
-                track16(acc, mb + i, sb + i, xb + i, amsgrad);
-            }
-            if (i == len) have_max = take_maxima(acc, &mx, &sx, &xx);
-        }
-#if DECODE64
-        for (; bits == 8 && i + 64 <= len; i += 64) {
-            __m512 sq[4], mq[4], xq[4];
-            decode64(&v_planes, vc + i, sq);
-            decode64(&m_planes, mc + i, mq);
-            if (amsgrad) decode64(&x_planes, xc + i, xq);
-            for (int r = 0; r < 4; r++) {
-                int j = i + 16 * r;
-                step16(&k, _mm512_mul_ps(sq[r], vva), _mm512_mul_ps(mq[r], vma),
-                       amsgrad ? _mm512_mul_ps(xq[r], vxa) : vxa, gf + j, pf + j, mb + j, sb + j, xb + j);
-            }
-        }
+    for (; i + VEC <= len; i += VEC) {  /* any widths, 16 codes each */
+        __m512 s = _mm512_mul_ps(decode16(x, 1, c[1], i, v_bits), vva);
+        __m512 m = _mm512_mul_ps(decode16(x, 0, c[0], i, m_bits), vma);
+        __m512 xs = amsgrad ? _mm512_mul_ps(decode16(x, 2, c[2], i, x_bits), vxa) : vxa;
+        step16(&k, s, m, xs, gf, pf, out, i, acc);
+    }
+    for (int j = 0; j < 3; j++) mx[j] = (uint32_t)_mm512_reduce_max_epu32(acc[j]);
 #endif
-        for (; bits == 8 && i + VEC <= len; i += VEC) {
-            __m512 s = _mm512_mul_ps(gather_codebook(vc + i, v_decode), vva);
-            __m512 m = _mm512_mul_ps(gather_codebook(mc + i, m_decode), vma);
-            __m512 xs = amsgrad ? _mm512_mul_ps(gather_codebook(xc + i, x_decode), vxa) : vxa;
-            step16(&k, s, m, xs, gf + i, pf + i, mb + i, sb + i, xb + i);
-        }
-#endif
-        for (; i < len; i++) {
-            float s = v_decode[code_at(vc, i, v_bits)] * va;  /* sqrt(v) as stored */
-            float m = m_decode[code_at(mc, i, m_bits)] * ma;
-            if (m_ratio) m = m * (s + dec_eps);
-            float gi = maximize ? -gf[i] : gf[i];
-            float pi = pf[i];
-            gi = gi + l2 * pi;
-            m = m + omb1 * (gi - m);
-            float v = (s * s) * beta2 + omb2 * (gi * gi);
-            float snew = sqrtf(v);
-            float denom_root = snew;
-            if (amsgrad) {
-                float xs = x_decode[code_at(xc, i, x_bits)] * xa;
-                float vmax = xs * xs;
-                vmax = (vmax != vmax || v != v) ? NAN : (vmax > v ? vmax : v);  /* torch.maximum */
-                denom_root = sqrtf(vmax);
-                xb[i] = denom_root;
-            }
-            float denom = denom_root / bc2_sqrt + eps;
-            pf[i] = pi * decay + neg_step * (m / denom);
-            mb[i] = m / (snew + enc_eps);  /* the ratio to the new exact second moment */
-            sb[i] = snew;
-        }
-        if (pdtype == BF16) {
-            uint16_t *d = (uint16_t *)p + off;
-            for (int i = 0; i < len; i++) d[i] = f32_to_bf16(pb[i]);
-        } else if (pdtype == F16) {
-            uint16_t *d = (uint16_t *)p + off;
-            for (int i = 0; i < len; i++) d[i] = f32_to_f16(pb[i]);
-        }
-        m_absmax[b] = have_max ? mx : block_absmax(mb, len);
-        if (m_round || v_round) hashes(hb, len, first + off, seed);
-        encode_block(mb, len, m_absmax[b], m_table, m_codes + m_at, m_bits, m_round, hb, 1, m_thr);
-        v_absmax[b] = have_max ? sx : block_absmax(sb, len);
-        encode_block(sb, len, v_absmax[b], v_table, v_codes + v_at, v_bits, v_round, hb, 0, v_thr);
+    for (; i < len; i++) {
+        float s = cfg->decode[1][code_at(c[1], i, v_bits)] * sc[1];  /* sqrt(v) as stored */
+        float m = cfg->decode[0][code_at(c[0], i, m_bits)] * sc[0];
+        if (ratio) m = m * (s + h[DECODE_EPS]);
+        float v = s * s, root;
+        moments1(h, maximize, gf[i], pf[i], &m, &v);
+        float snew = root = sqrtf(v);
         if (amsgrad) {
-            x_absmax[b] = have_max ? xx : block_absmax(xb, len);
-            encode_block(xb, len, x_absmax[b], x_table, x_codes + x_at, x_bits, 0, 0, 0, x_thr);
+            float xs = cfg->decode[2][code_at(c[2], i, x_bits)] * sc[2];
+            out[2][i] = root = sqrtf(maximum1(xs * xs, v));
+        }
+        pf[i] = param1(h, pf[i], m, root);
+        out[0][i] = m / (snew + h[ENCODE_EPS]);  /* the ratio to the new exact second moment */
+        out[1][i] = snew;
+        for (int j = 0; j < 2 + amsgrad; j++) {
+            uint32_t a = f2u(out[j][i]) & 0x7FFFFFFFu;
+            mx[j] = a > mx[j] ? a : mx[j];
         }
     }
-    return 0;
+}
+
+/* The step's second pass for moment k: the new scale from the block maximum, then the new codes (to
+ * nearest, or stochastically from the hashes hb when seeded: m from their high halves, v from the low). */
+static void encode_moment(const step_ctx_t *x, int k, const float *values, int len, float absmax, uint8_t *codes,
+                          const uint32_t *hb) {
+    const float *q = hb && k < 2 ? x->c->encode[k] : 0;  /* max_exp_avg_sq always rounds to nearest */
+    const int32_t *table = x->table[k];
+    switch (x->bits[k]) {  /* one loop per width (encode_block inlined with it constant) */
+    case 8:
+        if (!q)
+            encode_nearest8(values, len, absmax, table, codes);
+        else
+            encode_block(values, len, absmax, table, codes, 8, q, hb, k == 0, 0);
+        break;
+    case 6:
+        encode_block(values, len, absmax, table, codes, 6, q, hb, k == 0, 0);
+        break;
+    case 4:
+        encode_block(values, len, absmax, table, codes, 4, q, hb, k == 0, x->c->thresholds[k]);
+        break;
+    default:
+        encode_block(values, len, absmax, table, codes, 2, q, hb, k == 0, x->c->thresholds[k]);
+    }
+}
+
+/* The step writes each block's new values to scratch and encodes them from there. Written at one place
+ * block after block, that scratch can stall the loads in flight whose low 12 address bits match it (the
+ * param, the grad, constants spilled to the stack: Intel cores check a load against earlier stores by
+ * those bits first, "4K aliasing"): the 6+2-bit step at 4M elements took 5.2 to 6.8 cycles per element
+ * depending on where the stack happened to lie. Each block's values go to the next place in a ring of
+ * 16 KB instead, so no store place stays fixed: 4.5 to 5.2 over the same layouts (a 4 KB ring did not
+ * help). */
+#define SCRATCH_RING 4096  /* floats; a power of two */
+
+/* The fused step on blocks [b0, b1) of one member (grad g, hyper row h, seed NULL: to nearest): per
+ * block, convert a 16-bit param and grad to fp32, step_values, write the param back, then each moment's
+ * new scale and codes. Operation order as backend_torch.step_rows. Always inlined with the switches and
+ * widths of step_values (see step_blocks). */
+static inline __attribute__((always_inline)) void step_blocks_of(
+        const step_ctx_t *x, const member_t *mem, const void *g, const float *h, const int64_t *seed, int64_t b0,
+        int64_t b1, int same, int amsgrad, int ratio, int maximize, int m_bits, int v_bits, int x_bits) {
+    const step_config_t *c = x->c;
+    const int block = c->block, moments = 2 + amsgrad, bits[3] = {m_bits, v_bits, x_bits};
+    /* a block each of param, grad and stochastic rounding hashes, and a ring of SCRATCH_RING floats (plus
+     * a block) each for the new ratio, sqrt(v) and sqrt(vmax): C99 VLAs, 54 KB at the default block size,
+     * 128 KB at 4096 */
+    float pb[block], gb[block], ring[3][SCRATCH_RING + block];
+    uint32_t hb[block];
+    int at_ring = 0;
+#if VEC
+    const vstep_t k = vstep_init(h, ratio, maximize, amsgrad);
+#else
+    const vstep_t k = {0};
+#endif
+    rows_t at = rows_at(mem->row_len, block, b0);
+    for (int64_t b = b0; b < b1; b++, rows_next(&at)) {
+        const int64_t off = rows_offset(&at);
+        const int len = rows_len(&at);
+        float *pf = c->pdtype == F32 ? (float *)mem->p + off : pb;  /* fp32 in place, else buffered */
+        const float *gf = c->gdtype == F32 ? (const float *)g + off : gb;
+        if (c->pdtype != F32) load_block(mem->p, off, len, c->pdtype, 0, pb);
+        if (c->gdtype != F32) load_block(g, off, len, c->gdtype, 0, gb);
+        at_ring = (at_ring + block) & (SCRATCH_RING - 1);  /* this block's new values: the next place */
+        float *const out[3] = {ring[0] + at_ring, ring[1] + at_ring, ring[2] + at_ring};
+        uint8_t *codes[3] = {0, 0, 0};
+        float scale[3] = {0.0f, 0.0f, 0.0f};
+        uint32_t mx[3];
+        for (int j = 0; j < moments; j++) {
+            codes[j] = mem->codes[j] + rows_code_byte(&at, bits[j]);
+            scale[j] = mem->absmax[j][b];
+        }
+        step_values(x, &k, h, (const uint8_t *const *)codes, scale, gf, pf, out, len, mx, same, amsgrad, ratio,
+                    maximize, m_bits, v_bits, x_bits);
+        if (c->pdtype != F32) store_block(mem->p, off, len, c->pdtype, pb);
+        if (seed) hashes(hb, len, off, (uint32_t)*seed);  /* off: the element's index in the parameter */
+        float scale_new[3];
+        for (int j = 0; j < moments; j++) mem->absmax[j][b] = scale_new[j] = bits_to_absmax(mx[j]);
+        if (same == 8 && !amsgrad && !seed)  /* AdamW8bit's default */
+            encode_nearest8_pair(out[0], out[1], len, scale_new[0], scale_new[1], x->table[0], x->table[1], codes[0], codes[1]);
+        else
+            for (int j = 0; j < moments; j++) encode_moment(x, j, out[j], len, scale_new[j], codes[j], seed ? hb : 0);
+    }
+}
+
+/* step_blocks_of, compiled apart for the defaults of AdamW8bit (8-bit codes) and AdamW4bit (a 6-bit ratio
+ * and a 2-bit sqrt(v)), ratio codes without amsgrad or maximize: with the switches and widths constant
+ * the loops carry no branches on them, and what the blocks share is set up once per item. */
+static void step_blocks(const step_ctx_t *x, const member_t *mem, const void *g, const float *h,
+                        const int64_t *seed, int64_t b0, int64_t b1) {
+    const step_config_t *c = x->c;
+    const int *w = x->bits, plain = !x->amsgrad && c->ratio && !c->maximize;
+    if (plain && x->same == 8)
+        step_blocks_of(x, mem, g, h, seed, b0, b1, 8, 0, 1, 0, 8, 8, 8);
+    else if (plain && w[0] == 6 && w[1] == 2)
+        step_blocks_of(x, mem, g, h, seed, b0, b1, 0, 0, 1, 0, 6, 2, 2);
+    else
+        step_blocks_of(x, mem, g, h, seed, b0, b1, x->same, x->amsgrad, c->ratio, c->maximize, w[0], w[1], w[2]);
+}
+
+/* The fused step of a group of parameters (one call per thread; all threads of a call share ``next``,
+ * which the caller set to 0). Member i: members[i], its grad at address grads[i] (of config.gdtype), its
+ * hyper row hyper[10 i .. 10 i + 9], its seed seeds[i] (seeds NULL: every member rounds to nearest). The
+ * work: items[3 j .. 3 j + 2] = (member, first block, end block), taken one at a time from the shared
+ * counter, so that threads that finish early take more (hundreds of small members and a few big ones
+ * balance alike). Returns -1 for a config the kernels cannot take, else 0. */
+int ckq_adam_step_group(const step_config_t *config, const member_t *members, const int64_t *grads,
+                         const float *hyper, const int64_t *seeds, const int64_t *items, int64_t n_items,
+                         int64_t *next) {
+    if (bad_config(config)) return -1;
+    step_ctx_t x;
+    step_ctx_init(&x, config);
+    for (;;) {
+        int64_t j = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (j >= n_items) return 0;
+        const int64_t *item = items + 3 * j, i = item[0];
+        step_blocks(&x, members + i, (const void *)(uintptr_t)grads[i], hyper + 10 * i, seeds ? seeds + i : 0,
+                    item[1], item[2]);
+    }
+}
+
+/* One member of a dense group: its param and its plain fp32 moments (eight bytes each: backend_native
+ * packs a group's members into one int64 array [members, 4]). */
+typedef struct {
+    void *p;      /* [n], updated in place */
+    float *m, *v;
+    float *vmax;  /* NULL without amsgrad */
+} dense_member_t;
+
+#define DENSE_CHUNK 1024  /* elements per pass: 16-bit params and grads go through fp32 buffers of this size */
+
+/* adam_math on elements [0, len) of one member's chunk: p, g fp32 (p in place), its moments at m, v, vmax. */
+static void dense_chunk(const float *h, int maximize, float *p, const float *g, float *m, float *v, float *vmax,
+                        int len) {
+    int i = 0;
+#if VEC
+    const vstep_t k = vstep_init(h, 0, maximize, vmax != 0);
+    for (; i + VEC <= len; i += VEC) {
+        __m512 pi = _mm512_loadu_ps(p + i), mi = _mm512_loadu_ps(m + i), vi = _mm512_loadu_ps(v + i);
+        moments16(&k, _mm512_loadu_ps(g + i), pi, &mi, &vi);
+        __m512 root_of = vi;
+        if (vmax) {
+            root_of = maximum16(_mm512_loadu_ps(vmax + i), vi);
+            _mm512_storeu_ps(vmax + i, root_of);
+        }
+        _mm512_storeu_ps(p + i, param16(&k, pi, mi, _mm512_sqrt_ps(root_of)));
+        _mm512_storeu_ps(m + i, mi);
+        _mm512_storeu_ps(v + i, vi);
+    }
+#endif
+    for (; i < len; i++) {
+        float mi = m[i], vi = v[i];
+        moments1(h, maximize, g[i], p[i], &mi, &vi);
+        float root_of = vi;
+        if (vmax) root_of = vmax[i] = maximum1(vmax[i], vi);
+        p[i] = param1(h, p[i], mi, sqrtf(root_of));
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+/* The Adam(W) step of parameters with plain fp32 moments (backend_torch.adam_dense_step of each), one
+ * call per thread sharing ``next`` as ckq_adam_step_group does; items[3 j .. 3 j + 2] = (member, first
+ * element, end element). Returns -1 for a dtype the kernels cannot take, else 0. */
+int ckq_adam_dense_group(const dense_member_t *members, const int64_t *grads, const float *hyper,
+                          const int64_t *items, int64_t n_items, int64_t *next, int pdtype, int gdtype,
+                          int maximize) {
+    if ((unsigned)pdtype > F16 || (unsigned)gdtype > F16) return -1;
+    float pb[DENSE_CHUNK], gb[DENSE_CHUNK];
+    for (;;) {
+        int64_t j = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (j >= n_items) return 0;
+        const int64_t *item = items + 3 * j;
+        const dense_member_t *d = members + item[0];
+        const void *g = (const void *)(uintptr_t)grads[item[0]];
+        for (int64_t off = item[1]; off < item[2]; off += DENSE_CHUNK) {
+            int len = (int)(item[2] - off < DENSE_CHUNK ? item[2] - off : DENSE_CHUNK);
+            float *pf = pdtype == F32 ? (float *)d->p + off : pb;
+            const float *gf = gdtype == F32 ? (const float *)g + off : gb;
+            if (pdtype != F32) load_block(d->p, off, len, pdtype, 0, pb);
+            if (gdtype != F32) load_block(g, off, len, gdtype, 0, gb);
+            dense_chunk(hyper + 10 * item[0], maximize, pf, gf, d->m + off, d->v + off, d->vmax ? d->vmax + off : 0, len);
+            if (pdtype != F32) store_block(d->p, off, len, pdtype, pb);
+        }
+    }
 }

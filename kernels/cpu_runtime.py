@@ -97,6 +97,21 @@ def for_each_chunk(fn: Callable[[int, int], None], n: int, chunk: int, device: t
         list(pool.map(lambda span: fn(*span), spans))
 
 
+def run_on_workers(fn: Callable[[], None], count: int) -> None:
+    """fn() on ``count`` threads at once (this one and count - 1 of the pool: at most ``workers()``),
+    returning when all have; an exception in any is raised here."""
+    pool = _pool() if count > 1 else None
+    if pool is None:
+        fn()
+        return
+    futures = [pool.submit(fn) for _ in range(min(count, workers()) - 1)]
+    try:
+        fn()
+    finally:
+        for future in futures:
+            future.result()
+
+
 def new_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.empty(n, dtype, device); large CPU buffers come from an anonymous mapping advised to use
     transparent huge pages. A fresh 64 MB output is otherwise dominated by the kernel faulting in and

@@ -76,15 +76,18 @@ def _native_code_table(threshold_bytes: bytes) -> torch.Tensor | None:
         return None  # two thresholds in a bucket, or a -0.0 threshold: the C kernels cannot serve it
     bucket = torch.arange(-SIGN_FLIP, SIGN_FLIP, dtype=torch.int32)  # signed top 16 bits, table order
     thr_bits = table.thr.view(torch.int32)
-    inside = (thr_bits >> 16) == bucket  # the threshold lies in the bucket (by bits: -0.0 vs +0.0 apart)
+    # the threshold lies in the bucket (by bits: -0.0 vs +0.0 apart); the +inf that pads t is none, so the
+    # +inf bucket's NaN patterns cannot carry past the top code
+    inside = ((thr_bits >> 16) == bucket) & (table.base.to(torch.int64) < t.numel())
     rank = torch.where(thr_bits < 0, thr_bits ^ 0xFFFF, thr_bits) & 0xFFFF
-    limit = torch.where(inside, rank + 1, torch.full_like(rank, 1 << 16))
-    return (table.base.to(torch.int32) << 17) | limit
+    limit = torch.where(inside, rank + 1, torch.full_like(rank, 1 << 16))  # 1 .. 65536 (none inside)
+    return (table.base.to(torch.int32) << 17) | ((1 << 17) - limit)
 
 
 def native_code_table(thresholds: torch.Tensor) -> torch.Tensor | None:
-    """int32 [65536] code table of ``cpu_kernels.c`` (``base << 17 | limit``, see its header) for 255 (or
-    15) ascending fp32 thresholds, or None where the C kernels cannot serve the codebook."""
+    """int32 [65536] code table of ``cpu_kernels.c`` (``base << 17 | (2**17 - limit)``, see its header:
+    ``(entry + rank) >> 17`` is the code) for ascending fp32 thresholds, or None where the C kernels
+    cannot serve the codebook."""
     return _native_code_table(_key(thresholds))
 
 

@@ -43,11 +43,23 @@ def _arch_flags() -> tuple[list[str], list[str]]:
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    "ckq_quantize": [_P, _INT, _I64, _I64, _INT, _P, _P, _P, _INT, _P],
-    "ckq_dequantize": [_P, _P, _P, _I64, _I64, _INT, _P, _INT, _INT],
-    "ckq_adam_step": [_P, _INT, _P, _INT, _I64, _I64] + [_P, _P, _P, _P, _INT] + [_P] * 8 + [_P, _INT] + [_INT] * 3
-    + [_P, _P, _I64, ctypes.c_uint32] + [_P] * 3,
+    "ckq_quantize": [_P, _INT, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _INT, _P],
+    "ckq_dequantize": [_P, _P, _P, _I64, _I64, _I64, _I64, _INT, _P, _INT, _INT],
+    "ckq_adam_step_group": [_P, _P, _P, _P, _P, _P, _I64, _P],
+    "ckq_adam_dense_group": [_P, _P, _P, _P, _I64, _P, _INT, _INT, _INT],
 }
+
+
+class StepConfig(ctypes.Structure):
+    """``step_config_t`` of cpu_kernels.c, field for field: what a step group's members share (moments:
+    exp_avg, exp_avg_sq, max_exp_avg_sq; addresses of fp32 / int32 tensors, None where absent)."""
+
+    _fields_ = [("decode", _P * 3), ("table", _P * 3), ("thresholds", _P * 3), ("encode", _P * 2),
+                ("bits", ctypes.c_int32 * 3), ("moments", ctypes.c_int32), ("block", ctypes.c_int32),
+                ("ratio", ctypes.c_int32), ("maximize", ctypes.c_int32), ("pdtype", ctypes.c_int32),
+                ("gdtype", ctypes.c_int32)]
+
+
 _lock = threading.Lock()
 
 

@@ -38,14 +38,15 @@ for a in "$@"; do
 done
 exec %s "${args[@]}"
 """
-# What a local attacker plants: the three kernel symbols, and a constructor that leaves a marker.
+# What a local attacker plants: the kernel symbols, and a constructor that leaves a marker.
 PLANTED = """#include <stdio.h>
 __attribute__((constructor)) static void planted(void) { FILE *f = fopen(MARKER, "w"); if (f) fclose(f); }
 int ckq_quantize(void) { return 0; }
 int ckq_dequantize(void) { return 0; }
-int ckq_adam_step(void) { return 0; }
+int ckq_adam_step_group(void) { return 0; }
+int ckq_adam_dense_group(void) { return 0; }
 """
-STUB = "int ckq_quantize(void) { return 0; }\n"  # a library without the other two kernels
+STUB = "int ckq_quantize(void) { return 0; }\n"  # a library without the other kernels
 
 
 @pytest.fixture
