@@ -115,6 +115,7 @@ def test_group_equals_the_members_one_by_one(name, threads):
     mix, block, dtypes, seeded, maximize, big = GROUPS[name]
     shapes = _shapes(200 if block < 4096 else 60, big, torch.Generator().manual_seed(len(name)))
     groups = [make_group(shapes, mix, block, dtypes, seeded, maximize, seed=7) for _ in range(3)]
+    first_plan = None
     for call in range(2):
         if call:
             groups = [_next_call(g, call) for g in groups]

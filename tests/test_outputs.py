@@ -3,7 +3,6 @@ anything ckptq did not write, an output never lies on, around or inside its inpu
 only the very file it converted and checked."""
 
 import os
-import threading
 
 import pytest
 import torch

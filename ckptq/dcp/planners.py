@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..codec import checkpoint, plan, policy, qstate, quant, sharded
+from ..codec import checkpoint, dtensor, plan, policy, qstate, quant, sharded
 from ..errors import StateMismatchError
 from .safe_reader import SafeLoadPlanner
 
@@ -34,7 +34,7 @@ def _group_of(osd: dict, fqn) -> dict:
 
 def _all_ranks_agree(ok: bool, t) -> bool:
     """``ok`` on every rank holding a shard of ``t`` (one collective for DTensors)."""
-    if not sharded.is_dtensor(t):
+    if not dtensor.is_dtensor(t):
         return ok
     flag = torch.tensor([0.0 if ok else 1.0])
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=t.device_mesh.get_group())
@@ -43,11 +43,11 @@ def _all_ranks_agree(ok: bool, t) -> bool:
 
 def _quantizable(m, v, min_size: int, block_size: int) -> bool:
     """The rules of ``ckptq.plan`` for one parameter's moments: large enough, a DTensor's rows following its
-    shards (``sharded.shardable``), finite, within fp32, a second moment >= 0 (checked on every shard)."""
+    shards (``dtensor.shardable``), finite, within fp32, a second moment >= 0 (checked on every shard)."""
     if not (isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor) and m.is_floating_point()
             and m.shape == v.shape and m.numel() >= min_size):
         return False
-    if sharded.is_dtensor(m) and not (sharded.shardable(m) and sharded.is_dtensor(v)):
+    if dtensor.is_dtensor(m) and not (dtensor.shardable(m) and dtensor.is_dtensor(v)):
         return False
     return _all_ranks_agree(plan.unsafe_moments({"exp_avg": m, "exp_avg_sq": v}) is None, m)
 
@@ -170,9 +170,9 @@ class LoadPlanner(SafeLoadPlanner):
         owner = self._parts[name]
         if owner in self._pending and all(self._reads[n] == 0 for n, o in self._parts.items() if o == owner):
             targets, put = self._pending.pop(owner)
-            dense = quant.dequantize_states({k: sharded.unplace(q) for k, (_, q) in targets.items()})
+            dense = quant.dequantize_states({k: dtensor.unplace(q) for k, (_, q) in targets.items()})
             for key, (target, _) in targets.items():
-                sharded.local(target).copy_(dense[key].view(sharded.local(target).shape))
+                dtensor.local(target).copy_(dense[key].view(dtensor.local(target).shape))
                 put(key, target)
 
 
@@ -226,7 +226,7 @@ def _saved_layout(q: dict, name: str, saved: dict) -> dict:
     want = tuple(codes.size)
     if tuple(q["codes"].shape) == want or not isinstance(absmax, TensorStorageMetadata):
         return q
-    if sharded.is_dtensor(q["codes"]) or math.prod(want) != q["codes"].numel():
+    if dtensor.is_dtensor(q["codes"]) or math.prod(want) != q["codes"].numel():
         raise StateMismatchError(
             f"{name}: the checkpoint holds 8-bit codes of shape {want}, this optimizer's are "
             f"{tuple(q['codes'].shape)}; save with planner=ckptq.dcp.SavePlanner() (it stores the row layout "
@@ -244,8 +244,8 @@ def _qstate_template(like: torch.Tensor, name: str, saved: dict) -> dict:
         part = part_name[len(name) + 1:]
         if part == "codes" and tuple(meta.size) == tuple(like.shape):  # an 8-bit folder from before the row layout
             out[part] = torch.zeros_like(like, dtype=torch.uint8)
-        elif part in ("codes", "absmax") and sharded.is_dtensor(like):  # [rows, width], placed like the moment
-            out[part] = sharded.rows_like(like, tuple(meta.size)[-1], meta.properties.dtype)
+        elif part in ("codes", "absmax") and dtensor.is_dtensor(like):  # [rows, width], placed like the moment
+            out[part] = dtensor.rows_like(like, tuple(meta.size)[-1], meta.properties.dtype)
         elif isinstance(meta, TensorStorageMetadata):
             out[part] = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
         else:

@@ -42,7 +42,7 @@ def moment_bytes(numel: int, bits: int, block_size: int) -> int:
 def state_bytes(model: Model, bits: int, block_size: int, min_size: int, rows_whole: bool) -> int:
     """Both Adam moments of every parameter at ``bits``: tensors below ``min_size`` elements keep fp32 state
     (``checkpoint.is_quantizable``, the rule convert and the optimizer apply); with ``rows_whole`` (FSDP2)
-    so do tensors whose rows are not whole blocks (``sharded.row_aligned``)."""
+    so do tensors whose rows are not whole blocks (``dtensor.shardable``)."""
     shapes = [s for _, s in model.tensors] if model.tensors else [(model.count,)]
     total = 0
     for shape in shapes:

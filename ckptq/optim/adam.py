@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codec import ops, policy, qstate, sharded
+from ..codec import dtensor, ops, policy, qstate
 from ..errors import UsageError
 from ..codec.qstate import QState
 
@@ -38,7 +38,7 @@ def hyper_tensor(lr, beta1, beta2, eps, weight_decay, step, decoupled: bool, dev
 def _moments(exp_avg: dict, exp_avg_sq: dict, max_exp_avg_sq: dict | None) -> list[QState]:
     """The quantized moments of one step: one block size, sqrt second moments, and a first moment that is
     plain or the ratio to exp_avg_sq (``ckptq.optim_io`` requantizes anything else on load)."""
-    moments = [QState.from_dict(sharded.unplace(d)) for d in (exp_avg, exp_avg_sq, max_exp_avg_sq) if d is not None]
+    moments = [QState.from_dict(dtensor.unplace(d)) for d in (exp_avg, exp_avg_sq, max_exp_avg_sq) if d is not None]
     m = moments[0]
     if len({q.block_size for q in moments}) != 1 or any(q.transform != "sqrt" for q in moments[1:]) \
             or not (m.transform == "none" or (m.is_ratio and m.divisor == "exp_avg_sq")):

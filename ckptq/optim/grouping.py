@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..codec import grouped, policy, sharded
+from ..codec import dtensor, grouped, policy
 from ..errors import UsageError
 from ..codec.qstate import QState
 from ..kernels import contract, memo
@@ -40,7 +40,7 @@ class Member:
 
 def _data(p: torch.Tensor) -> torch.Tensor | None:
     """The param's local data as the kernels update it (a view), or None if it is not contiguous."""
-    t = sharded.local(p).detach()
+    t = dtensor.local(p).detach()
     t = torch.view_as_real(t) if t.is_complex() else t
     return t.view(-1) if t.is_contiguous() else None
 
@@ -50,7 +50,7 @@ def grad_of(p: torch.Tensor) -> torch.Tensor:
     g = p.grad
     if g.is_sparse:
         raise UsageError("ckptq's Adam does not support sparse gradients; use torch.optim.SparseAdam")
-    g = sharded.local(g)
+    g = dtensor.local(g)
     g = torch.view_as_real(g) if g.is_complex() else g
     return g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1)
 
@@ -78,7 +78,7 @@ class KernelGroup:
 def _quantized_key(m: Member, amsgrad: bool, maximize: bool) -> tuple:
     """What decides a member's kernel group (and validates its state: QState.from_dict raises)."""
     keys = policy.MOMENT_KEYS[: 3 if amsgrad else 2]
-    qs = [QState.from_dict(sharded.unplace(m.state[k])) for k in keys]
+    qs = [QState.from_dict(dtensor.unplace(m.state[k])) for k in keys]
     encode = qs[0].qmap if qs[0].is_ratio else policy.ratio_policy(qs[0].bits).qmap()
     return (m.flat.device, m.flat.dtype, keys, tuple(q.bits for q in qs), qs[0].block_size, qs[0].is_ratio, maximize,
             tuple(_codebook_key(q.qmap) for q in qs), _codebook_key(encode))
@@ -86,7 +86,7 @@ def _quantized_key(m: Member, amsgrad: bool, maximize: bool) -> tuple:
 
 def _kernel_group(members: list[Member], key: tuple) -> KernelGroup:
     keys, bits, block_size, ratio, maximize = key[2], key[3], key[4], key[5], key[6]
-    first = [QState.from_dict(sharded.unplace(members[0].state[k])) for k in keys]
+    first = [QState.from_dict(dtensor.unplace(members[0].state[k])) for k in keys]
     device = members[0].flat.device
     encode = first[0].qmap if ratio else policy.ratio_policy(bits[0]).qmap()
     codebooks = []
@@ -102,7 +102,7 @@ def _kernel_group(members: list[Member], key: tuple) -> KernelGroup:
 
 
 def _kernel_member(m: Member, keys: tuple) -> contract.GroupMember:
-    qs = [QState.from_dict(sharded.unplace(m.state[k])) for k in keys]
+    qs = [QState.from_dict(dtensor.unplace(m.state[k])) for k in keys]
     return contract.GroupMember(m.flat, tuple(q.codes.view(-1) for q in qs), tuple(q.absmax.view(-1) for q in qs),
                                 qs[0].row_len)
 
@@ -197,7 +197,7 @@ class StepPlan:
 
     def _step_dense(self, opt, dg: DenseKernelGroup, step_of: dict, scalars: dict) -> None:
         rows = [self._scalars(opt, m.group, step_of[id(m)], scalars)[0] + (0.0, 0.0) for m in dg.members]
-        moments = tuple(tuple(sharded.local(m.state[k]).view(-1) for k in dg.moments) for m in dg.members)
+        moments = tuple(tuple(dtensor.local(m.state[k]).view(-1) for k in dg.moments) for m in dg.members)
         group = contract.DenseGroup(tuple(m.flat for m in dg.members), tuple(grad_of(m.param) for m in dg.members),
                                     moments, torch.tensor(rows, dtype=torch.float32), dg.maximize, dg.cache)
         grouped.dense_group(group, self.backend)

@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from . import args as optim_args, grouping
-from ..codec import foreign, ops, qstate, sharded
+from ..codec import dtensor, foreign, ops, qstate, sharded
 from ..errors import StateMismatchError, UsageError
 from .args import GROUP_FLAGS
 from .state_io import MOMENT_KEYS, expand_on_load, import_state_dict, to_torch_state_dict
@@ -103,7 +103,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
         can follow its shards (``ckptq.codec.sharded``), else fp32 state, said once per parameter."""
         if p.numel() < self.min_size:
             return False
-        if sharded.is_dtensor(p) and not sharded.shardable(p):
+        if dtensor.is_dtensor(p) and not dtensor.shardable(p):
             _warn_fp32(self, p)
             return False
         return True

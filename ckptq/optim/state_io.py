@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from ..codec import ops, plan, qstate, quant, sharded
+from ..codec import dtensor, ops, plan, qstate, quant
 from . import args as optim_args
 from ..codec.policy import MOMENT_KEYS
 from ..errors import ArgumentError, FormatError, StateMismatchError, UsageError
@@ -88,11 +88,11 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
         _check_shape(p, pid, key, value)
     step = _step_value(pid, saved.get("step", 0))
     out = {"step": torch.tensor(step, dtype=torch.float32)}
-    if _steppable(moments, getattr(opt, "bits", 8), sharded.is_dtensor(p)):
+    if _steppable(moments, getattr(opt, "bits", 8), dtensor.is_dtensor(p)):
         out.update({k: _copy_qstate(v, p) for k, v in moments.items()})
         return out
     quantized = opt._quantized(p) or any(qstate.is_qstate(v) for v in moments.values())
-    dense = {k: sharded.distribute_like(v.to(device=p.device, dtype=torch.float32), p)
+    dense = {k: dtensor.distribute_like(v.to(device=p.device, dtype=torch.float32), p)
              for k, v in _decoded(moments, pid).items()}
     unsafe = plan.unsafe_moments(dense) if quantized else None
     if unsafe:  # 8 bits would turn finite values into NaN/Inf: keep this parameter's state fp32, and say so
@@ -150,11 +150,11 @@ def _copy_qstate(value: dict, p: torch.Tensor) -> dict:
     q["shape"] = tuple(value["shape"])
     for name in ("codes", "absmax", "qmap"):
         q[name] = value[name].to(p.device).clone()
-    if sharded.is_dtensor(q["codes"]):
+    if dtensor.is_dtensor(q["codes"]):
         return q
     codes, absmax = qstate.layout_shapes(q["shape"], q["bits"], q["block_size"], q.get("layout", "flat"))
     q["codes"], q["absmax"] = q["codes"].reshape(codes), q["absmax"].reshape(absmax)
-    return sharded.place_rows(q, p) if sharded.is_dtensor(p) else q
+    return dtensor.place_rows(q, p) if dtensor.is_dtensor(p) else q
 
 
 def _check_shape(p: torch.Tensor, pid, key: str, value) -> None:

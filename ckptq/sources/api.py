@@ -109,8 +109,10 @@ def detect(path: str, *, run: bool = False) -> Source:
 def _file(path: str) -> Source:
     if checkpoint.is_torch_file(path):
         return TorchFile(path)
-    if path.endswith((".json", format.SUFFIX)) or _is_ckptq_safetensors(path):
-        return ConvertedFile(path)  # a damaged one: its reader says in one line what is wrong with it
-    if format.is_safetensors(path):
+    if _is_ckptq_safetensors(path):
+        return ConvertedFile(path)
+    if format.is_safetensors(path):  # no ckptq.format in its first 64 KiB: a model's weights, say
         return ForeignSafetensors(path)
+    if path.endswith((".json", format.SUFFIX)):
+        return ConvertedFile(path)  # a damaged one: its reader says in one line what is wrong with it
     return TorchFile(path)  # its loader says in one line what is wrong with it

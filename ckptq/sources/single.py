@@ -316,7 +316,7 @@ class ForeignSafetensors(Source):
         raise InputError(self._what())
 
     def info(self, opts: InfoOptions) -> InfoReport:
-        from ..format.safetensors_io import Reader
+        from ..format.reader import Reader
 
         reader = Reader(self.path)  # validated as any input: entries tile the data, shapes are sane
         try:
