@@ -168,9 +168,10 @@ def _member_row(p: torch.Tensor, codes, absmax, row_len: int) -> list[int]:
 def _step_plan(members, books, bits: tuple, block: int, ratio: bool, maximize: bool, grad_dtype) -> _Plan:
     """The plan of a step over GroupMembers sharing codebooks, widths, block size and flags."""
     config, keep = _step_config(books, bits, block, ratio, maximize, (members[0].p.dtype, grad_dtype))
-    rows = [_member_row(m.p, m.codes, m.absmax, m.row_len) for m in members]
+    lengths = [layout_rows(m.p.numel(), m.row_len)[1] for m in members]  # flat: one row of all n elements
+    rows = [_member_row(m.p, m.codes, m.absmax, length) for m, length in zip(members, lengths)]
     blocks = [layout_blocks(m.p.numel(), m.row_len, block) for m in members]
-    per_item = [max(1, ITEM_ELEMENTS // max(1, min(block, m.row_len))) for m in members]
+    per_item = [max(1, ITEM_ELEMENTS // max(1, min(block, length))) for length in lengths]
     return _new_plan(native.library().ckq_adam_step_group, config, _step_witness(members), grad_dtype, rows, blocks,
                      per_item, keep)
 

@@ -107,7 +107,7 @@ class GroupMember(NamedTuple):
     p: torch.Tensor  # [n]
     codes: tuple  # 2 or 3 uint8 [layout_bytes(n, row_len, bits[k])]: exp_avg, exp_avg_sq[, max_exp_avg_sq]
     absmax: tuple  # as many fp32 [layout_blocks(n, row_len, block_size)]
-    row_len: int
+    row_len: int | None  # None: the flat layout (one row of all n elements)
 
 
 class StepGroup(NamedTuple):

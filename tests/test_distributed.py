@@ -211,6 +211,17 @@ def test_rows_that_are_not_whole_blocks_hold_low_bit_dtensor_state():
         opt.load_state_dict(opt.state_dict())  # the round trip keeps each representation
         assert isinstance(opt.state[odd]["exp_avg"]["codes"], DTensor)
         assert isinstance(opt.state[flat]["exp_avg"], DTensor)
+        plain = [torch.nn.Parameter(p.detach().full_tensor()) for p in (odd, even, flat)]
+        one = AdamW8bit(plain, lr=1e-2, min_size=1024)  # one process: the 1-D state is 8-bit there
+        for p in plain:
+            p.grad = torch.randn(p.shape)
+        one.step()
+        assert one.state[plain[2]]["exp_avg"]["codes"].dtype == torch.uint8
+        opt.load_state_dict(one.state_dict())  # a single-process file into the sharded optimizer
+        assert torch.equal(opt.state[odd]["exp_avg"]["codes"].full_tensor(), one.state[plain[0]]["exp_avg"]["codes"])
+        want = quant.dequantize_state(one.state[plain[2]]["exp_avg_sq"])
+        got = opt.state[flat]["exp_avg_sq"]
+        assert isinstance(got, DTensor) and got.dtype == torch.float32 and torch.equal(got.full_tensor(), want)
     finally:
         dist.destroy_process_group()
 

@@ -38,8 +38,8 @@ def one_thread():
 
 
 def _shapes(count: int, big: tuple[int, int], gen: torch.Generator) -> list[tuple[int, int]]:
-    """(rows, row_len) of ``count`` small members (rows of 1 .. 1,100 elements, whole blocks or not)
-    and one big one, in a shuffled order."""
+    """(rows, row_len) of ``count`` small members (rows of 1 .. 1,100 elements, whole blocks or not; a
+    single row is given as the flat layout) and one big one, in a shuffled order."""
     lengths = torch.tensor([1, 7, 63, 64, 100, 256, 300, 577, 1100])
     small = [(int(r), int(lengths[i])) for r, i in zip(torch.randint(1, 5, (count,), generator=gen),
                                                           torch.randint(0, len(lengths), (count,), generator=gen))]
@@ -55,7 +55,8 @@ def make_group(shapes, mix, block: int, dtypes, seeded: bool, maximize: bool, se
         n = rows * row_len
         states = _states(n, row_len, block, mix, gen)
         p = (torch.randn(n, generator=gen) * 10.0 ** torch.empty(n).uniform_(-4, 1, generator=gen)).to(dtypes[0])
-        members.append(GroupMember(p, tuple(s.codes for s in states), tuple(s.absmax for s in states), row_len))
+        flat = None if rows == 1 else row_len  # one row is the flat layout: members say so with None
+        members.append(GroupMember(p, tuple(s.codes for s in states), tuple(s.absmax for s in states), flat))
         grads.append((torch.randn(n, generator=gen) * 1e-2).to(dtypes[1]))
     books = tuple(StepCodebooks(s.qmap, s.thresholds, s.encode) for s in states)  # shared by all members
     return StepGroup(tuple(members), tuple(grads), _hyper_rows(len(shapes), 4), _seeds(len(shapes), seeded, 1),

@@ -9,7 +9,7 @@ scalar C only).
 import pytest
 import torch
 
-from ckptq.codec import ops, qstate
+from ckptq.codec import ops, policy
 from ckptq.kernels import backend_native, backend_torch
 from ckptq.kernels.contract import StepFlags, StepState, is_flat, layout_blocks, layout_bytes
 from test_native import _assert_same, build  # noqa: F401 (the build fixture)
@@ -34,10 +34,10 @@ ROW_CASES = [(5, 1, 64), (3, 63, 64), (3, 65, 64), (2, 3 * 64 + 7, 64), (4, 201,
 CASE_IDS = [f"{r}x{c}-b{b}" for r, c, b in ROW_CASES]
 
 # codebooks per width: signed ones for the first moment (ratio codes), unsigned for sqrt(v) and sqrt(vmax)
-SIGNED = {8: qstate.ratio_policy(8).qmap(), 6: qstate.ratio_policy(6).qmap(), 4: qstate.ratio_policy(4).qmap(),
+SIGNED = {8: policy.ratio_policy(8).qmap(), 6: policy.ratio_policy(6).qmap(), 4: policy.ratio_policy(4).qmap(),
           2: torch.tensor([-1.0, -0.3, 0.0, 1.0])}
-UNSIGNED = {8: qstate.policy_for("exp_avg_sq", 8).qmap(), 6: torch.linspace(0, 1, 64) ** 2,
-            4: qstate.policy_for("exp_avg_sq", 4).qmap(), 2: qstate.policy_for("exp_avg_sq", 2).qmap()}
+UNSIGNED = {8: policy.policy_for("exp_avg_sq", 8).qmap(), 6: torch.linspace(0, 1, 64) ** 2,
+            4: policy.policy_for("exp_avg_sq", 4).qmap(), 2: policy.policy_for("exp_avg_sq", 2).qmap()}
 # the step's code widths per moment (exp_avg, exp_avg_sq[, max_exp_avg_sq])
 MIXES = [(8, 8), (6, 2), (4, 4), (2, 2), (8, 4), (8, 8, 8), (6, 2, 4), (4, 4, 4), (2, 2, 2)]
 DTYPES = [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float16,) * 2, (torch.bfloat16, torch.float32)]

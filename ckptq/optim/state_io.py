@@ -88,10 +88,11 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
         _check_shape(p, pid, key, value)
     step = _step_value(pid, saved.get("step", 0))
     out = {"step": torch.tensor(step, dtype=torch.float32)}
-    if _steppable(moments, getattr(opt, "bits", 8), dtensor.is_dtensor(p)):
+    rows_fit = not dtensor.is_dtensor(p) or dtensor.shardable(p)  # else this rank's part is no whole rows: fp32
+    if rows_fit and _steppable(moments, getattr(opt, "bits", 8), dtensor.is_dtensor(p)):
         out.update({k: _copy_qstate(v, p) for k, v in moments.items()})
         return out
-    quantized = opt._quantized(p) or any(qstate.is_qstate(v) for v in moments.values())
+    quantized = opt._quantized(p) or (rows_fit and any(qstate.is_qstate(v) for v in moments.values()))
     dense = {k: dtensor.distribute_like(v.to(device=p.device, dtype=torch.float32), p)
              for k, v in _decoded(moments, pid).items()}
     unsafe = plan.unsafe_moments(dense) if quantized else None
