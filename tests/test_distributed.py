@@ -241,17 +241,17 @@ def test_convert_and_expand_dcp_folders_written_by_fsdp2(tmp_path):
     run(tmp_path, 2, "adamw", 0, 3, save=tmp_path / "fp32")
     assert _cli("convert", tmp_path / "fp32", "--min-size", 1024).exit_code == 0
     info = __import__("json").loads(_cli("info", tmp_path / "fp32.q8", "--json").output)
-    assert info["kind"] == "dcp" and info["moments_8bit"] == 8
+    assert info["type"] == "dcp" and sum(r["tensors"] for r in info["states"] if r["bits"] == 8) == 8
     want_8bit = single_process(5, ("adamw", "adamw8bit"), switch_at=3)[0][3:]
     assert run(tmp_path, 2, "adamw8bit", 3, 5, load=tmp_path / "fp32.q8")["losses"] == want_8bit
     assert _cli("expand", tmp_path / "fp32.q8").exit_code == 0
-    back = run(tmp_path, 2, "adamw", 3, 5, load=tmp_path / "fp32.q8.fp32")
+    back = run(tmp_path, 2, "adamw", 3, 5, load=tmp_path / "fp32.fp32")
     assert back["losses"] == single_process(5, ("adamw", "adamw"), switch_at=3, via_8bit=True)[0][3:]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ckptq",
            "convert", str(tmp_path / "fp32"), "-o", str(tmp_path / "par"), "--min-size", "1024"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert sorted(f.name for f in (tmp_path / "par").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(f.name for f in (tmp_path / "par").iterdir()) == [".ckptq", ".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert run(tmp_path, 2, "adamw8bit", 3, 5, load=tmp_path / "par")["losses"] == want_8bit
 
 
@@ -263,7 +263,7 @@ def test_torchtitan_style_flattened_optimizer_folders_convert_too(tmp_path):
     run(tmp_path, 2, "adamw", 0, 3, None, tmp_path / "fp32", False, "--flat")
     assert _cli("convert", tmp_path / "fp32", "--min-size", 1024).exit_code == 0
     assert _cli("expand", tmp_path / "fp32.q8").exit_code == 0
-    resumed = run(tmp_path, 2, "adamw", 3, 5, tmp_path / "fp32.q8.fp32", None, False, "--flat")
+    resumed = run(tmp_path, 2, "adamw", 3, 5, tmp_path / "fp32.fp32", None, False, "--flat")
     assert resumed["losses"] == single_process(5, ("adamw", "adamw"), switch_at=3, via_8bit=True)[0][3:]
 
 
