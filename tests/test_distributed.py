@@ -16,7 +16,8 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-from ckptq.codec import quant
+from ckptq.codec import ops, quant
+from ckptq.errors import UsageError
 from ckptq.optim import AdamW8bit  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
@@ -207,6 +208,9 @@ def test_rows_that_are_not_whole_blocks_hold_low_bit_dtensor_state():
         assert tuple(opt.state[odd]["exp_avg"]["absmax"].shape) == (100, 1)
         assert tuple(opt.state[even]["exp_avg"]["absmax"].shape) == (40, 1)
         assert isinstance(opt.state[flat]["exp_avg"], DTensor) and opt.state[flat]["exp_avg"].dtype == torch.float32
+        q = opt.state[odd]["exp_avg_sq"]
+        with pytest.raises(UsageError, match="DTensors: pass their local shards"):  # not the kernels on a DTensor
+            ops.dequantize_blockwise(q["codes"], q["absmax"], q["qmap"], 256, "sqrt", row_len=96)
         assert not torch.equal(odd.detach().to_local(), before)
         opt.load_state_dict(opt.state_dict())  # the round trip keeps each representation
         assert isinstance(opt.state[odd]["exp_avg"]["codes"], DTensor)
@@ -368,3 +372,69 @@ def test_tensor_parallel_dim_0_shards_are_low_bit_and_dim_1_shards_keep_fp32_wit
     assert got["held"]["0.weight"][0] and not got["held"]["1.weight"][0], got
     said = [w for w in got["warnings"] if "keeps fp32 optimizer state" in w]
     assert len(said) == 1 and "'1.weight'" in said[0] and "another dim than 0" in said[0], said
+
+
+def _str_ids(sd: dict) -> dict:
+    """Parameter ids as strings, as DCP keeps them (FQNs): with int ids, DCP would put byte entries it reads
+    under the string id beside the int one."""
+    return {"state": {str(k): v for k, v in sd["state"].items()},
+            "param_groups": [{**g, "params": [str(i) for i in g["params"]]} for g in sd["param_groups"]]}
+
+
+def _legacy_flat(sd: dict) -> dict:
+    """An AdamW8bit state dict as ckptq wrote folders before the row layout: each qstate flat (one row of all
+    elements, blocks crossing rows) and without the ``layout`` scalar."""
+    out = {"state": {}, "param_groups": sd["param_groups"]}
+    for pid, ps in sd["state"].items():
+        dense = quant.dequantize_states(ps)
+        flat = {k: quant.quantize_state(dense[k], k, 256, layout="flat") for k in ("exp_avg", "exp_avg_sq")}
+        for q in flat.values():
+            q.pop("layout", None)  # flat qstates may carry it or not; folders before v3 never did
+        out["state"][pid] = {"step": ps["step"], **flat}
+    return out
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "dtensor"])
+def test_8bit_folders_from_before_the_row_layout_still_load(tmp_path, sharded):
+    """A DCP folder holding flat 8-bit codes (format version 2, no ``layout`` entry) loads through
+    ckptq.dcp.LoadPlanner into AdamW8bit: one process keeps the codes as saved, a DTensor parameter gets
+    them re-laid out in its rows (the folder's values, through 8 bits once more)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    import ckptq.dcp
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = [torch.nn.Parameter(torch.randn(100, 96)), torch.nn.Parameter(torch.randn(40, 256))]
+        one = AdamW8bit(plain, lr=1e-2, min_size=1024)
+        for p in plain:
+            p.grad = torch.randn(p.shape)
+        one.step()
+        legacy = _legacy_flat(one.state_dict())
+        dcp.save({"optim": _str_ids(legacy)}, checkpoint_id=str(tmp_path / "old"))
+        mesh = init_device_mesh("cpu", (1,))
+        params = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]) if sharded else p.detach().clone())
+                  for p in plain]
+        opt = AdamW8bit(params, lr=1e-2, min_size=1024)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()  # the state exists (rows), as a resuming run has it before loading
+        template = {"optim": _str_ids(opt.state_dict())}
+        dcp.load(template, checkpoint_id=str(tmp_path / "old"), planner=ckptq.dcp.LoadPlanner())
+        opt.load_state_dict(template["optim"])
+        for i, p in enumerate(params):
+            got = quant.dequantize_states({k: opt.state[p][k] for k in ("exp_avg", "exp_avg_sq")})  # gathered
+            want = {k: v for k, v in quant.dequantize_states(legacy["state"][i]).items() if k != "step"}
+            if sharded:  # re-laid out in rows that follow the shards: the values through 8 bits once more
+                assert isinstance(opt.state[p]["exp_avg"]["codes"], DTensor)
+                assert opt.state[p]["exp_avg"]["layout"] == "rows"
+                for k in want:
+                    assert torch.allclose(got[k], want[k], rtol=0.05, atol=2e-3 * float(want[k].abs().max()))
+            else:  # one process steps the flat layout as saved: the very codes
+                assert torch.equal(opt.state[p]["exp_avg"]["codes"], legacy["state"][i]["exp_avg"]["codes"])
+                assert all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        dist.destroy_process_group()

@@ -36,6 +36,7 @@ import torch
 
 from ..errors import UsageError
 from .policy import DEFAULT_BLOCK_SIZE, check_block_size
+from .dtensor import is_dtensor
 from ..kernels import backend_native, backend_torch, contract, cpu_runtime, memo
 from ..kernels.contract import (KERNEL_DTYPES, StepFlags, StepState, code_bytes, is_flat, layout_blocks, layout_bytes,
                                 midpoints, num_blocks)
@@ -222,6 +223,9 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.
     With ``out`` (a contiguous fp32 tensor of ``numel`` elements on the codes' device) the result is written
     there: reusing a buffer saves the page faults of a fresh allocation.
     """
+    if is_dtensor(codes) or is_dtensor(absmax):
+        raise UsageError("codes and absmax are DTensors: pass their local shards (ckptq.codec.dtensor.unplace), "
+                         "or the whole qstate to ckptq.codec.quant.dequantize_state")
     n = check_quantized(codes, absmax, qmap, block_size, bits, numel, row_len)
     sqrt = _check_transform(transform)
     flat = _flat(codes)

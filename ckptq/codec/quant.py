@@ -17,6 +17,7 @@ from ..errors import FormatError, UsageError
 from ..format.dtypes import dtype_name, float_dtype_from_name
 from ..kernels.contract import is_flat, layout_blocks, layout_bytes, layout_rows
 from . import ops
+from .dtensor import is_dtensor
 from .policy import DEFAULT_BLOCK_SIZE, RATIO_TRANSFORM, policy_for, ratio_policy
 from .qstate import QState, is_qstate, layout_shapes, row_len_of
 
@@ -110,9 +111,17 @@ def _to_dense(flat: torch.Tensor, q: QState) -> torch.Tensor:
     return flat.view(tuple(q.shape)).to(float_dtype_from_name(q.dtype, "quantized state"))
 
 
+def _whole(q: dict | None) -> dict | None:
+    if q is None or not is_dtensor(q.get("codes")):
+        return q
+    return {**q, "codes": q["codes"].full_tensor(), "absmax": q["absmax"].full_tensor()}
+
+
 def dequantize_state(q: dict, backend: str = "auto", divisor: dict | None = None) -> torch.Tensor:
     """Back to a dense tensor of the original shape and dtype. A ratio state needs its ``divisor``
-    (the sibling qstate named by ``q["divisor"]``); :func:`dequantize_states` finds it for you."""
+    (the sibling qstate named by ``q["divisor"]``); :func:`dequantize_states` finds it for you. A qstate placed
+    like a DTensor parameter (``ckptq.codec.sharded``) is gathered first: the whole tensor, on every rank."""
+    q, divisor = _whole(q), _whole(divisor)
     qs = QState.from_dict(q)
     if not qs.is_ratio:
         return _to_dense(_decode(qs, backend), qs)

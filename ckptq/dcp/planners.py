@@ -24,7 +24,6 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..codec import checkpoint, dtensor, plan, policy, qstate, quant, sharded
-from ..errors import StateMismatchError
 from .safe_reader import SafeLoadPlanner
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -219,19 +218,27 @@ def _only_saved_group_keys(found, saved: dict) -> None:
 
 
 def _saved_layout(q: dict, name: str, saved: dict) -> dict:
-    """An 8-bit template whose codes and scales have the shapes the folder holds them in: the row layout
-    (FSDP2, or ckptq's SavePlanner) read by one plain process is viewed that way; the flat layout of a plain
-    ``dcp.save`` cannot be read into a DTensor's rows."""
-    codes, absmax = saved[f"{name}.codes"], saved.get(f"{name}.absmax")
+    """A low-bit template for the parts the folder holds, in the shapes it holds them: the same layout as
+    ``q`` (the row layout of FSDP2 or ckptq's SavePlanner, read by one plain process, is viewed that way), or
+    plain tensors of the saved shapes when the folder holds another layout (a flat 8-bit folder from before
+    the row layout, or other widths): ``load_state_dict`` then lays the state out as the optimizer keeps it."""
+    parts = {n[len(name) + 1:]: meta for n, meta in saved.items() if n.startswith(f"{name}.")}
+    codes, absmax = parts.get("codes"), parts.get("absmax")
+    if set(parts) != set(q) or not isinstance(absmax, TensorStorageMetadata):
+        return _plain_template(parts)
     want = tuple(codes.size)
-    if tuple(q["codes"].shape) == want or not isinstance(absmax, TensorStorageMetadata):
+    if tuple(q["codes"].shape) == want and tuple(q["absmax"].shape) == tuple(absmax.size):
         return q
     if dtensor.is_dtensor(q["codes"]) or math.prod(want) != q["codes"].numel():
-        raise StateMismatchError(
-            f"{name}: the checkpoint holds 8-bit codes of shape {want}, this optimizer's are "
-            f"{tuple(q['codes'].shape)}; save with planner=ckptq.dcp.SavePlanner() (it stores the row layout "
-            "that loads at any world size), or load it the way it was saved")
+        return _plain_template(parts)
     return {**q, "codes": q["codes"].view(want), "absmax": q["absmax"].view(tuple(absmax.size))}
+
+
+def _plain_template(parts: dict) -> dict:
+    """Plain tensors of the saved shapes and dtypes for a qstate's tensor parts (every rank reads the whole
+    state), None for its scalars (filled by load_bytes)."""
+    return {part: torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
+            if isinstance(meta, TensorStorageMetadata) else None for part, meta in parts.items()}
 
 
 def _qstate_template(like: torch.Tensor, name: str, saved: dict) -> dict:
