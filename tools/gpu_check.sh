@@ -30,7 +30,10 @@ tail -8 "$out/kernels_full.txt" | tee "$out/kernels.txt"
 arch="$(python3 -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')"
 timeout 300 python3 tools/triton_compile_check.py --arch "$arch" 2>&1 | grep -v -i warn | tee "$out/triton_compile.md"
 timeout 420 python3 tools/bench_triton.py --rounds 20 --sweep 2>&1 | tee "$out/bench_triton.md"
-python3 tools/bench_optim.py --gpu --rounds 7 --only torch-fused,ckptq,ckptq4 2>&1 | tail -12 | tee "$out/bench_optim_gpu.md"
+for layout in many-small gpt2-124m llama-1b; do
+  timeout 240 python3 tools/bench_optim.py --gpu --layout "$layout" --rounds 7 --only torch-fused,bnb,ckptq,ckptq4 2>&1 \
+    | tail -12 | tee "$out/bench_optim_gpu_$layout.md"
+done
 python3 tools/bench_io.py --size-gb 1 --rounds 2 --no-compress --device cuda --dir /tmp/ckptq_bench 2>&1 | tail -8 | tee "$out/bench_io_cuda.md"
 python3 -m torch.distributed.run --standalone --nproc-per-node "$(python3 -c 'import torch; print(min(torch.cuda.device_count(), 2))')" \
   tools/gpu_fsdp_check.py 2>&1 | grep -v '^W' | tail -3 | tee "$out/fsdp_gpu.txt"
