@@ -94,9 +94,12 @@ def _through_8bit(sd: dict) -> dict:
 
 
 def _assert_same_state(full: dict, ref: dict) -> None:
-    """FSDP2's full optimizer state (FQN keys) against one process's (ids): the same row layout, bit for bit."""
+    """FSDP2's full optimizer state (FQN keys) against one process's (ids) or another FSDP2 run's (FQNs): the
+    same row layout, bit for bit."""
     assert len(full["state"]) == len(ref["state"])
-    for (fqn, st), (pid, rst) in zip(full["state"].items(), sorted(ref["state"].items())):
+    refs = ref["state"].items()
+    for (fqn, st), (pid, rst) in zip(full["state"].items(), refs if isinstance(next(iter(ref["state"])), str)
+                                     else sorted(refs)):
         for key, v in rst.items():
             got = st[key]
             if isinstance(v, dict):
@@ -119,19 +122,26 @@ def test_fsdp2_steps_give_the_bits_of_one_process(tmp_path, backend):
 
 
 def test_checkpoints_resume_at_other_world_sizes_without_changing_a_bit(tmp_path):
-    """4 -> 2 -> 1 and 1 -> 4: DCP reshards codes and scales row by row; every loss equals the run that
-    never stopped, and so does the final state."""
-    losses, ref = single_process(7)
-    a = run(tmp_path, 4, "adamw8bit", 0, 3, save=tmp_path / "w4")
-    b = run(tmp_path, 2, "adamw8bit", 3, 5, load=tmp_path / "w4", save=tmp_path / "w2")
-    c = run(tmp_path, 1, "adamw8bit", 5, 7, load=tmp_path / "w2")
-    assert a["losses"] + b["losses"] + c["losses"] == losses
-    _assert_same_state(c["optim"], ref)
-    d = run(tmp_path, 4, "adamw8bit", 3, 7, load=tmp_path / "w4")  # 4 -> 4 after a stop
-    assert d["losses"] == losses[3:]
+    """A DCP save at 2 ranks loads at 1, 3 (uneven shards) and 4 ranks with codes and scales as saved, bit for
+    bit (DCP reshards them row by row). At 1 and 4 ranks every continued loss and the final state equal the
+    run that never stopped; at 3 ranks FSDP2's gradient average (a sum of 3, divided by 3) rounds, so the
+    continued losses agree to float rounding."""
+    losses, ref = single_process(5)
+    a = run(tmp_path, 2, "adamw8bit", 0, 3, save=tmp_path / "w2")
+    assert a["losses"] == losses[:3]
+    local = {}
+    for n in (1, 3, 4):
+        loaded = run(tmp_path, n, "adamw8bit", 3, 3, load=tmp_path / "w2")  # no step: the state as loaded
+        _assert_same_state(loaded["optim"], a["optim"])
+        local[n] = loaded["local_state_bytes"]
+    for n in (1, 4):
+        r = run(tmp_path, n, "adamw8bit", 3, 5, load=tmp_path / "w2")
+        assert r["losses"] == losses[3:], n
+        _assert_same_state(r["optim"], ref)
+    r = run(tmp_path, 3, "adamw8bit", 3, 5, load=tmp_path / "w2")
+    assert r["losses"] == pytest.approx(losses[3:], rel=1e-6)
     # each rank holds about 1/N of the sharded state
-    assert b["local_state_bytes"] * 2 == pytest.approx(c["local_state_bytes"], rel=0.02)
-    assert a["local_state_bytes"] * 4 == pytest.approx(c["local_state_bytes"], rel=0.05)
+    assert local[4] * 4 == pytest.approx(local[1], rel=0.05) and local[3] * 3 == pytest.approx(local[1], rel=0.05)
 
 
 def test_ddp_and_single_process_checkpoints_move_to_fsdp2_and_back(tmp_path):
