@@ -32,6 +32,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import TinyLM, param_groups, train
+from test_folders import trained_optimizer, trainer_folder
 
 import ckptq
 from ckptq.cli import main
@@ -74,35 +75,15 @@ def recipe_blocks(name):
 
 # --- fixtures: what each recipe's folder holds -------------------------------------------------------
 
-def _trained(steps=3, seed=0, opt_cls=torch.optim.AdamW):
-    torch.manual_seed(seed)
-    model = TinyLM()
-    opt = opt_cls(param_groups(model), lr=1e-2)
-    train(model, opt, steps)
-    return model, opt
-
-
 def ckpt_file(d):
     """nanoGPT's ckpt.pt (tools/make_checkpoint.py's GPT after 3 AdamW steps)."""
     torch.save(_tool("make_checkpoint").train(steps=3), d / "ckpt.pt")
 
 
-def _trainer_files(folder, model, step):
-    torch.save(torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1)]), lambda s: 1.0).state_dict(),
-               folder / "scheduler.pt")
-    torch.save(torch.get_rng_state(), folder / "rng_state.pth")
-    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    torch.save(model.state_dict(), folder / "model.pt")
-
-
 def run_folder(d):
     """A stock Trainer's output folder: out/checkpoint-{500,1000,1500}/ with fp32 optimizer.pt files."""
-    model, opt = _trained()
     for step in (500, 1000, 1500):
-        folder = d / "out" / f"checkpoint-{step}"
-        folder.mkdir(parents=True)
-        torch.save(opt.state_dict(), folder / "optimizer.pt")
-        _trainer_files(folder, model, step)
+        trainer_folder(d / "out", step)
 
 
 def ckptq_trainer_folder(d):
@@ -110,15 +91,12 @@ def ckptq_trainer_folder(d):
     from ckptq.codec import signpost
     from ckptq.integrations import _state
 
-    model, opt = _trained()
-    folder = d / "out" / "checkpoint-500"
-    folder.mkdir(parents=True)
-    state, count = _state.stored_8bit(opt.state_dict())
+    folder = trainer_folder(d / "out", 500)
+    state, count = _state.stored_8bit(torch.load(folder / "optimizer.pt", weights_only=True))
     assert count
     ckptq.save(state, str(folder / "optimizer.q8.safetensors"))
     torch.save(signpost.make(state, "ckptq: the optimizer state of checkpoint-500 is in optimizer.q8.safetensors"),
                folder / "optimizer.pt")
-    _trainer_files(folder, model, 500)
 
 
 def accelerate_folder(d):
@@ -143,7 +121,7 @@ def lightning_ckpt(d):
     from ckptq.codec import signpost
     from ckptq.integrations import _state
 
-    model, opt = _trained()
+    model, opt = trained_optimizer()
     state, count = _state.stored_8bit(opt.state_dict())
     assert count
     torch.save({"epoch": 0, "global_step": 3, "state_dict": model.state_dict(), "lr_schedulers": [], "loops": {},
@@ -162,7 +140,7 @@ def dcp_folder(d):
     """ckpt/step-1000: a dcp.save of {"model", "optimizer"} (torch AdamW) in one process."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_dcp_state(*_trained()), checkpoint_id=str(d / "ckpt" / "step-1000"), no_dist=True)
+    dcp.save(_dcp_state(*trained_optimizer()), checkpoint_id=str(d / "ckpt" / "step-1000"), no_dist=True)
 
 
 def deepspeed_run(d):
@@ -220,10 +198,10 @@ FIXTURES = {
 def scope_for(name) -> dict:
     """The names a recipe's Python lines take from the code around them."""
     if name == "dcp-planners":
-        model, opt = _trained()
+        model, opt = trained_optimizer()
         return {"model": model, "opt": opt}
     if name == "safe-dcp-load":
-        return {"state_dict": _dcp_state(*_trained(1, seed=1)), "path": "ckpt/step-1000"}
+        return {"state_dict": _dcp_state(*trained_optimizer(1, seed=1)), "path": "ckpt/step-1000"}
     return {}
 
 
