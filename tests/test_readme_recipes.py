@@ -17,6 +17,8 @@ options that exist.
 """
 
 import ast
+import atexit
+import functools
 import importlib.util
 import json
 import os
@@ -26,6 +28,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import click
 import pytest
@@ -75,9 +78,28 @@ def recipe_blocks(name):
 
 # --- fixtures: what each recipe's folder holds -------------------------------------------------------
 
-def ckpt_file(d):
+@functools.cache
+def _built(build) -> pathlib.Path:
+    """A fixture built once per session (in a folder removed at exit); recipes get copies."""
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="ckptq-recipes-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    build(folder)
+    return folder
+
+
+def _copy_of(build):
+    def fixture(d):
+        shutil.copytree(_built(build), d, dirs_exist_ok=True)
+    fixture.__doc__ = build.__doc__
+    return fixture
+
+
+def _ckpt_file(d):
     """nanoGPT's ckpt.pt (tools/make_checkpoint.py's GPT after 3 AdamW steps)."""
     torch.save(_tool("make_checkpoint").train(steps=3), d / "ckpt.pt")
+
+
+ckpt_file = _copy_of(_ckpt_file)
 
 
 def run_folder(d):
@@ -136,11 +158,14 @@ def _dcp_state(model, opt):
     return {"model": msd, "optimizer": osd}
 
 
-def dcp_folder(d):
+def _dcp_folder(d):
     """ckpt/step-1000: a dcp.save of {"model", "optimizer"} (torch AdamW) in one process."""
     import torch.distributed.checkpoint as dcp
 
     dcp.save(_dcp_state(*trained_optimizer()), checkpoint_id=str(d / "ckpt" / "step-1000"), no_dist=True)
+
+
+dcp_folder = _copy_of(_dcp_folder)
 
 
 def deepspeed_run(d):
