@@ -448,3 +448,62 @@ def test_8bit_folders_from_before_the_row_layout_still_load(tmp_path, sharded):
                 assert all(torch.equal(got[k], want[k]) for k in want)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("folder", ["fp32", "convert --bits 4"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "dtensor"])
+def test_adamw4bit_resumes_from_fp32_and_converted_4bit_dcp_folders(tmp_path, sharded, folder):
+    """torch AdamW's DCP folder, as saved or after ``ckptq convert --bits 4`` (6 + 2 bits), loads through
+    ckptq.dcp.LoadPlanner into AdamW4bit (4 + 4 bits, rows placed like a DTensor parameter's): the moments
+    are the folder's values (torch's, or their 6 + 2-bit codes decoded) quantized as AdamW4bit keeps them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    import ckptq.dcp
+    from ckptq.optim import AdamW4bit
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = [torch.nn.Parameter(torch.randn(100, 96)), torch.nn.Parameter(torch.randn(40, 256))]
+        ref = torch.optim.AdamW(plain, lr=1e-2)
+        for _ in range(3):
+            for p in plain:
+                p.grad = torch.randn(p.shape)
+            ref.step()
+        dcp.save({"optim": _str_ids(ref.state_dict())}, checkpoint_id=str(tmp_path / "fp32"))
+        path = tmp_path / "fp32"
+        if folder != "fp32":
+            assert _cli("convert", path, "--bits", 4, "--min-size", 1024).exit_code == 0
+            path = tmp_path / "fp32.q4"
+        mesh = init_device_mesh("cpu", (1,))
+        params = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]) if sharded else p.detach().clone())
+                  for p in plain]
+        opt = AdamW4bit(params, lr=1e-2, min_size=1024)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        template = {"optim": _str_ids(opt.state_dict())}
+        dcp.load(template, checkpoint_id=str(path), planner=ckptq.dcp.LoadPlanner())
+        opt.load_state_dict(template["optim"])
+        back = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in plain])  # the folder in fp32
+        for p in back.param_groups[0]["params"]:
+            p.grad = torch.zeros_like(p)
+        back.step()
+        dense = {"optim": _str_ids(back.state_dict())}
+        dcp.load(dense, checkpoint_id=str(path), planner=ckptq.dcp.LoadPlanner())
+        for i, p in enumerate(params):
+            state = opt.state[p]
+            assert state["exp_avg"]["bits"] == state["exp_avg_sq"]["bits"] == 4 and float(state["step"]) == 3.0
+            assert isinstance(state["exp_avg"]["codes"], DTensor) == sharded
+            moments = {k: distribute_tensor(v, mesh, [Shard(0)]) if sharded else v
+                       for k, v in dense["optim"]["state"][str(i)].items() if k != "step"}
+            want = opt._quantize_moments(moments, opt.param_groups[0], 3.0)  # what the folder's values give
+            for k, q in want.items():
+                codes = state[k]["codes"].full_tensor() if sharded else state[k]["codes"]
+                assert torch.equal(codes, q["codes"].full_tensor() if sharded else q["codes"]), k
+            if folder == "fp32":  # the fp32 folder is torch's state itself
+                assert torch.equal(dense["optim"]["state"][str(i)]["exp_avg_sq"], ref.state[plain[i]]["exp_avg_sq"])
+    finally:
+        dist.destroy_process_group()

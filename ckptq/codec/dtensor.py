@@ -6,6 +6,7 @@ the caller imported it). The layout rules are in ``ckptq.codec.sharded``, the qu
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -91,3 +92,15 @@ def place_rows(q: dict, like) -> dict:
     shape, offset = _local_box(like)
     rows = slice(offset[0], offset[0] + shape[0])
     return place({**q, "codes": q["codes"][rows].contiguous(), "absmax": q["absmax"][rows].contiguous()}, like)
+
+
+def zeros_with_rows_of(rows, shape: tuple, dtype: torch.dtype = torch.float32):
+    """Zeros of ``shape`` with the rows (dim 0) of ``rows`` on this rank, placed like it when it is a DTensor
+    (the codes of a qstate: a dense moment that loads into those rows), a plain tensor otherwise."""
+    if not is_dtensor(rows):
+        return torch.zeros(shape, dtype=dtype, device=rows.device)
+    from torch.distributed.tensor import DTensor
+
+    local = torch.zeros((rows.to_local().shape[0], *shape[1:]), dtype=dtype, device=rows.device)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local, rows.device_mesh, rows.placements, shape=shape, stride=stride, run_check=False)

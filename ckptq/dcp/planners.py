@@ -138,7 +138,7 @@ class LoadPlanner(SafeLoadPlanner):
         for key in MOMENTS:
             name, value = f"{prefix}.{key}", pstate.get(key)
             if qstate.is_qstate(value) and name in saved and f"{name}.codes" not in saved:
-                put(key, torch.zeros_like(value["codes"], dtype=torch.float32))  # fp32 in the folder
+                put(key, _fp32_template(value, saved[name]))  # fp32 in the folder: load_state_dict quantizes
             elif qstate.is_qstate(value) and f"{name}.codes" in saved:
                 put(key, _saved_layout(value, name, saved))
             elif isinstance(value, torch.Tensor) and f"{name}.codes" in saved and name not in saved:
@@ -232,6 +232,14 @@ def _saved_layout(q: dict, name: str, saved: dict) -> dict:
     if dtensor.is_dtensor(q["codes"]) or math.prod(want) != q["codes"].numel():
         return _plain_template(parts)
     return {**q, "codes": q["codes"].view(want), "absmax": q["absmax"].view(tuple(absmax.size))}
+
+
+def _fp32_template(q: dict, meta) -> torch.Tensor:
+    """A place for a moment the folder holds in fp32 (of the saved shape and dtype) where the optimizer keeps
+    the qstate ``q``: placed like its codes (this rank's rows) when they are a DTensor."""
+    if not isinstance(meta, TensorStorageMetadata):
+        return None  # not a tensor in the folder: load_state_dict says what is wrong with it
+    return dtensor.zeros_with_rows_of(q["codes"], tuple(meta.size), meta.properties.dtype)
 
 
 def _plain_template(parts: dict) -> dict:
