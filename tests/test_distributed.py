@@ -507,3 +507,25 @@ def test_adamw4bit_resumes_from_fp32_and_converted_4bit_dcp_folders(tmp_path, sh
                 assert torch.equal(dense["optim"]["state"][str(i)]["exp_avg_sq"], ref.state[plain[i]]["exp_avg_sq"])
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_info_predicts_what_convert_writes_for_a_small_dcp_folder(tmp_path, bits):
+    """info's would_write for a DCP folder counts what FileSystemWriter adds per entry (torch.save records,
+    .metadata), most of a small folder's size: within 3% of what convert then writes; the moments kept exact
+    for being small are counted."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*s)) for s in [(100, 96), (40, 256), (96,), (10, 96)]]
+    opt = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    dcp.save({"optim": _str_ids(opt.state_dict())}, checkpoint_id=str(tmp_path / "f"), no_dist=True)
+    info = json.loads(_cli("info", tmp_path / "f", "--json", "--bits", bits, "--min-size", 1024).output)
+    r = _cli("convert", tmp_path / "f", "--bits", bits, "--min-size", 1024, "--json")
+    out = json.loads(r.output)
+    assert out["kept_small"] == 4  # the moments of the [96] and [10, 96] parameters
+    assert info["would_write"] == pytest.approx(out["output_bytes"], rel=0.03)
+    assert all(row["stored_bytes"] > 0 for row in info["would_store"])

@@ -159,10 +159,6 @@ def _decide(path: str, p: Plan, bits: int, min_size: int) -> None:
 def _parts(src: str, key: str, s: Stored, block_size: int, cache: dict) -> dict:
     """The entries of one low-bit moment: its tensors as (meta placeholder, producer), its scalars as values.
     The first tensor the writer asks for quantizes it (``quant.quantize_as``); each is dropped when written."""
-    meta = s.param.roles[s.role][1]
-    shape = tuple(meta.size)
-    pol = policy.ratio_policy(s.width) if s.divisor else policy.policy_for(s.role, s.width)
-
     def quantized() -> dict:
         if key not in cache:
             dense = _read_moments(src, s.param)
@@ -173,15 +169,25 @@ def _parts(src: str, key: str, s: Stored, block_size: int, cache: dict) -> dict:
     def part(name: str):
         return lambda _buffer: quantized().pop(name)
 
-    codes, absmax = qstate.layout_shapes(shape, s.width, block_size)
-    out = {"ckptq": qstate.CODEC, "bits": s.width, "block_size": block_size, "transform": pol.transform,
-           "shape": list(shape), "dtype": dtype_name(meta.properties.dtype), "layout": "rows"}  # expand restores dtype
-    out |= {"eps": float(s.divisor[1]), "divisor": "exp_avg_sq"} if s.divisor else {}
-    entries = {f"{key}.{n}": v for n, v in out.items()}
-    entries[f"{key}.codes"] = (torch.empty(codes, dtype=torch.uint8, device="meta"), part("codes"))
-    entries[f"{key}.absmax"] = (torch.empty(absmax, device="meta"), part("absmax"))
-    entries[f"{key}.qmap"] = (torch.empty(2**s.width, device="meta"), part("qmap"))
+    entries = {f"{key}.{n}": v for n, v in scalar_parts(s, block_size).items()}
+    for name, (size, dtype) in tensor_parts(s, block_size).items():
+        entries[f"{key}.{name}"] = (torch.empty(size, dtype=dtype, device="meta"), part(name))
     return entries
+
+
+def scalar_parts(s: Stored, block_size: int) -> dict:
+    """The small values of a low-bit moment's entries (docs/FORMAT.md, "DCP folders")."""
+    meta = s.param.roles[s.role][1]
+    pol = policy.ratio_policy(s.width) if s.divisor else policy.policy_for(s.role, s.width)
+    out = {"ckptq": qstate.CODEC, "bits": s.width, "block_size": block_size, "transform": pol.transform,
+           "shape": list(meta.size), "dtype": dtype_name(meta.properties.dtype), "layout": "rows"}  # expand restores dtype
+    return out | ({"eps": float(s.divisor[1]), "divisor": "exp_avg_sq"} if s.divisor else {})
+
+
+def tensor_parts(s: Stored, block_size: int) -> dict:
+    """{part: (shape, dtype)} of a low-bit moment's tensors: codes and scales in the row layout, the codebook."""
+    codes, absmax = qstate.layout_shapes(tuple(s.param.roles[s.role][1].size), s.width, block_size)
+    return {"codes": (codes, torch.uint8), "absmax": (absmax, torch.float32), "qmap": ((2**s.width,), torch.float32)}
 
 
 def _exact_entries(src: str, p: Plan, keys) -> tuple[dict, dict]:
@@ -212,7 +218,8 @@ def convert(src: str, dst: str, *, bits: int, block_size: int, min_size: int, fo
         for name, value in _parts(src, key, s, block_size, cache).items():
             state[name], producers[name] = value if isinstance(value, tuple) else (value, None)
     write_folder(dst, state, {k: f for k, f in producers.items() if f}, force, src)
-    return {"quantized": p.quantized, "warnings": p.warnings, "source_bytes": folder_bytes(src),
+    small = [k for k, m in p.exact.items() if k not in candidates and _MOMENT.match(k) and isinstance(m, TensorStorageMetadata)]
+    return {"quantized": p.quantized, "kept_small": len(small), "warnings": p.warnings, "source_bytes": folder_bytes(src),
             "output_bytes": folder_bytes(dst) if os.path.isdir(dst) else 0}
 
 

@@ -11,13 +11,13 @@ import time
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..codec import policy, qstate, quant
+from ..codec import policy, quant
 from ..format import files
 from ..sources import outputs, readback
 from ..sources.base import Source
 from ..sources.options import ConvertOptions, ExpandOptions, InfoOptions
-from ..sources.reports import ConvertReport, ExpandReport, InfoReport, StateRow
-from . import folder, writer
+from ..sources.reports import ConvertReport, ExpandReport, InfoReport
+from . import folder, predict, writer
 
 
 def _same(a, b) -> bool:
@@ -102,7 +102,7 @@ class DcpFolder(Source):
         r = folder.convert(self.path, dst, bits=opts.bits, block_size=opts.block_size, min_size=opts.min_size,
                            force=opts.force)
         report = ConvertReport(self.path, self.kind, [dst], r["source_bytes"], r["output_bytes"], bits=opts.bits,
-                               quantized=r["quantized"], warnings=r["warnings"])
+                               quantized=r["quantized"], kept_small=r["kept_small"], warnings=r["warnings"])
         if original:
             report.removed = self._replace(original, [dst], expanded=False)
         writer.leave_torchrun()
@@ -145,28 +145,5 @@ class DcpFolder(Source):
             role = key.rsplit(".", 1)[-1]
             if role in policy.MOMENT_KEYS and isinstance(m, TensorStorageMetadata) and key not in low:
                 r.count(role, None, m.size.numel(), m.size.numel() * m.properties.dtype.itemsize)
-        _predict(r, p, opts)
+        predict.predict(r, p, opts)
         return r
-
-
-def _predict(r: InfoReport, p: folder.Plan, opts: InfoOptions) -> None:
-    """What convert would store (before reading the values: a moment holding NaN/Inf would stay exact)."""
-    if not p.params:
-        return
-    saved = 0
-    for param in p.params:
-        ratio = "exp_avg" in param.roles and "exp_avg_sq" in param.roles
-        for role, (key, m) in param.roles.items():
-            width = policy.convert_width(opts.bits, role, ratio=ratio and role == "exp_avg",
-                                         divisor=ratio and role == "exp_avg_sq")
-            codes, absmax = qstate.layout_shapes(tuple(m.size), width, opts.block_size)
-            after = codes[0] * codes[1] + 4 * absmax[0] * absmax[1]
-            saved += m.size.numel() * m.properties.dtype.itemsize - after
-            row = next((w for w in r.would_store if (w.role, w.bits) == (role, width)), None)
-            if row is None:
-                row = StateRow(role, width)
-                r.would_store.append(row)
-            row.tensors, row.elements = row.tensors + 1, row.elements + m.size.numel()
-    r.options = {"bits": opts.bits, "block_size": opts.block_size, "min_size": opts.min_size}
-    r.would_write = r.bytes - saved
-    r.notes.append("sizes before convert reads the values (a moment holding NaN/Inf would stay exact)")
