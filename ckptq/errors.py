@@ -25,6 +25,11 @@ class InputError(CkptqError):
     exit_code = 3
 
 
+class NothingToConvertError(InputError):
+    """The input holds nothing ``convert`` would store: its state is converted already, or it holds no
+    optimizer state (``convert --all`` passes over such checkpoints)."""
+
+
 class OutputExistsError(CkptqError):
     """The output path exists and ``force`` was not given."""
 

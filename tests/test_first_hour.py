@@ -132,3 +132,7 @@ def test_a_whole_run_converts_in_one_command_keeping_the_newest(tmp_path):
         assert (d / "optimizer.q8.safetensors").exists() and not (d / "optimizer.pt").exists()
     assert digests(folders[-1]) == newest
     assert _info(out)["type"] == "run"
+    converted = [digests(d) for d in folders[:2]]
+    r = run("convert", out, "--all", "--keep-last", 1, "--replace")  # a rerun (cron) changes nothing, exit 0
+    assert r.exit_code == 0 and r.output.startswith("nothing to convert") and "checkpoint-10 (nothing" in r.output
+    assert [digests(d) for d in folders[:2]] == converted and digests(folders[-1]) == newest

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ..codec import checkpoint, quant, signpost, tree
 from .. import format
-from ..errors import CkptqError, InputError, UsageError
+from ..errors import CkptqError, InputError, NothingToConvertError, UsageError
 
 TRAINER_MARKER = "trainer_state.json"
 _ACCELERATE_FILE = re.compile(r"optimizer(_\d+)?\.bin")
@@ -135,10 +135,10 @@ def _subcheckpoints(folder: str, verb: str) -> None:
                          + (f", or all of them: ckptq convert {folder} --all" if verb == "convert" else ""))
 
 
-def _nothing(folder: str, what: str) -> InputError:
+def _nothing(folder: str, what: str, error: type[InputError] = InputError) -> InputError:
     names = sorted(os.listdir(folder))
     held = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") if names else "nothing"
-    return InputError(f"{folder} is not a torch.distributed.checkpoint folder (no .metadata) and holds no {what} "
+    return error(f"{folder} is not a torch.distributed.checkpoint folder (no .metadata) and holds no {what} "
                       f"(looked for {_LOOKED_FOR}; found {held}); pass the file that holds the optimizer state")
 
 
@@ -149,9 +149,9 @@ def for_convert(folder: str, bits: int = 8) -> Layout:
         _subcheckpoints(folder, "convert")
         done = [os.path.basename(p) for p in _converted(folder)]
         if done:
-            raise InputError(f"{folder} holds its optimizer state converted already ({', '.join(done)}); "
+            raise NothingToConvertError(f"{folder} holds its optimizer state converted already ({', '.join(done)}); "
                              f"`ckptq expand {folder}` turns it back into the framework's files")
-        raise _nothing(folder, "optimizer file")
+        raise _nothing(folder, "optimizer file", NothingToConvertError)
     _one_checkpoint(folder, found, "convert")
     jobs = [Job(p, p + f".q{bits}" if os.path.isdir(p) else _converted_name(p, bits)) for p in found]
     return Layout(folder, _framework(folder), jobs)

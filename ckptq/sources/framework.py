@@ -14,7 +14,7 @@ import os
 import re
 import time
 
-from ..errors import CkptqError, UsageError
+from ..errors import NothingToConvertError, UsageError
 from . import folders, readback
 from .base import Source
 from .options import ConvertOptions, ExpandOptions, InfoOptions
@@ -148,12 +148,8 @@ class RunFolder(Source):
         for sub in subs[: len(subs) - len(keep)]:
             try:
                 report.add(self._detect(sub).convert(opts))
-            except CkptqError as e:
-                if "already holds" not in str(e) and "holds no optimizer file" not in str(e):
-                    raise
+            except NothingToConvertError:  # converted already, or no optimizer state: a rerun does nothing
                 report.skipped.append(f"{os.path.basename(sub)} (nothing to convert)")
-        if not report.parts:
-            raise UsageError(f"{self.path}: no checkpoint folder was converted ({', '.join(report.skipped) or 'none found'})")
         report.seconds = time.perf_counter() - t0
         return report
 

@@ -59,6 +59,8 @@ class ConvertReport:
         return asdict(self) | {"ratio": self.ratio}
 
     def text(self) -> str:
+        if not self.outputs and self.skipped:  # convert --all with every checkpoint converted or kept
+            return f"nothing to convert; left as they are: {', '.join(self.skipped)}"
         lines = [f"wrote {', '.join(self.outputs)}: {mb(self.output_bytes)} from {mb(self.source_bytes)} "
                  f"({ratio_words(self.source_bytes, self.output_bytes)}) in {self.seconds:.1f} s; {self.quantized} "
                  f"states {self.bits}-bit, {self.kept_small} small kept exact"

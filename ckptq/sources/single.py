@@ -10,7 +10,7 @@ from typing import Any
 
 from .. import __version__, format
 from ..codec import checkpoint, foreign, plan, policy, qstate, quant, signpost, tree
-from ..errors import InputError
+from ..errors import InputError, NothingToConvertError
 from ..format import torch_stream
 from . import outputs, readback
 from .base import Source
@@ -240,7 +240,7 @@ class ConvertedFile(Source):
             outputs.check_separate(conv.files, opts.output)
             if policy.budget_of(_widths(conv)) == opts.bits:
                 other = 4 if opts.bits == 8 else 8
-                raise InputError(f"{self.path} already holds {opts.bits}-bit states; `ckptq convert --bits {other}` "
+                raise NothingToConvertError(f"{self.path} already holds {opts.bits}-bit states; `ckptq convert --bits {other}` "
                                  f"re-encodes them at {other} bits, `ckptq expand` turns them back into fp32")
             original = readback.Original(self.path) if opts.replace else None
             obj = conv.read(dequantize=True)
