@@ -137,12 +137,13 @@ def test_stock_trainer_stops_at_a_ckptq_checkpoint_and_resumes_after_expand(tmp_
     stock = make_trainer(str(tmp_path / "b"), "torch AdamW", trainer=transformers.Trainer)
     with pytest.raises(ValueError, match=r"could not convert string to float: b'ckptq: the optimizer state of "
                                          r"checkpoint-4 is in optimizer\.q8\.safetensors.*CkptqTrainer.*"
-                                         r"`ckptq expand checkpoint-4 --force`"):
+                                         r"`ckptq expand checkpoint-4`"):
         stock.train(resume_from_checkpoint=str(ckpt))
     assert logged(stock, SAVE) == {}  # stopped while loading, before any step
 
-    # `ckptq expand checkpoint-4 --force --replace`: an fp32 optimizer.pt over the signpost, no 8-bit file
-    ckptq.expand(str(ckpt), force=True, replace=True)
+    # `ckptq expand checkpoint-4 --replace`: an fp32 optimizer.pt over the signpost (no --force: ckptq wrote
+    # it), no 8-bit file
+    ckptq.expand(str(ckpt), replace=True)
     assert not (ckpt / OPTIMIZER_8BIT_NAME).exists()
     stock = make_trainer(str(tmp_path / "c"), "torch AdamW", trainer=transformers.Trainer)
     stock.train(resume_from_checkpoint=str(ckpt))

@@ -19,7 +19,7 @@ Beside ``optimizer.q8.safetensors`` lies an ``optimizer.pt`` signpost (``ckptq.c
 a stock Trainer that resumes the folder loads it and stops (torch's AdamW: ``ValueError: could not
 convert string to float: b'ckptq: ...'``, naming the two ways on) instead of starting a fresh optimizer
 and scheduler without a word, which is what it does when ``optimizer.pt`` is missing. The way back to a
-stock Trainer: ``ckptq expand checkpoint-N --force`` writes the fp32 ``optimizer.pt`` over the signpost
+stock Trainer: ``ckptq expand checkpoint-N`` writes the fp32 ``optimizer.pt`` over the signpost
 (``--replace`` also deletes ``optimizer.q8.safetensors``).
 
 Why a Trainer subclass and not a ``TrainerCallback``: Trainer loads ``optimizer.pt`` in
@@ -86,7 +86,7 @@ def _signpost_message(output_dir: str) -> str:
     folder = os.path.basename(os.path.normpath(output_dir))
     return (f"ckptq: the optimizer state of {folder} is in {OPTIMIZER_8BIT_NAME} (ckptq format); this optimizer.pt is "
             "a signpost that keeps a stock Trainer from starting a fresh optimizer. Resume with "
-            f"ckptq.integrations.transformers.CkptqTrainer, or run `ckptq expand {folder} --force` to write the "
+            f"ckptq.integrations.transformers.CkptqTrainer, or run `ckptq expand {folder}` to write the "
             "fp32 optimizer.pt that a stock Trainer reads")
 
 

@@ -4,8 +4,9 @@ at construction, in ``add_param_group`` and in ``load_state_dict`` before anythi
 
 torch's implementation flags and what they mean here:
 
-- ``foreach`` (None/True/False): accepted, no effect. ckptq steps each parameter with one fused kernel
-  (the C kernel on the CPU, Triton on CUDA); there is no separate multi-tensor path.
+- ``foreach`` (None/True/False): accepted, no effect. ckptq always steps a param group's low-bit
+  parameters together, one fused kernel call per group (the C kernel on the CPU, Triton on CUDA), and its
+  small fp32 ones in one more call; there is no per-parameter path to choose instead.
 - ``fused`` (None/True/False): accepted, no effect, for the same reason: every step is fused.
 - ``capturable``: False accepted; True is refused (the step reads its step count on the host, so it
   cannot be captured in a CUDA graph).

@@ -2,7 +2,7 @@
 
 State per parameter: ``step`` (0-dim fp32 tensor, as torch), ``exp_avg``, ``exp_avg_sq`` and, with
 amsgrad, ``max_exp_avg_sq``: each a qstate dict (``ckptq.qstate``: uint8 codes + fp32 absmax per
-block + codebook) for parameters with at least ``min_size`` elements, a plain fp32 tensor below.
+block, in rows: ``ckptq.codec.qstate``) for parameters with at least ``min_size`` elements, a plain fp32 tensor below.
 ``bits=4`` (or the ``AdamW4bit``/``Adam4bit`` classes, which only set it) stores two 4-bit codes per
 byte on 16-entry codebooks, block 128 by default: about half the memory of 8-bit state. Both moments'
 new codes are rounded stochastically at every step (``ckptq.adam.step_param`` says why). A
@@ -10,13 +10,15 @@ new codes are rounded stochastically at every step (``ckptq.adam.step_param`` sa
 loading one requantizes it to 4 + 4.
 ``exp_avg`` is stored as the ratio m / (sqrt(v) + eps') to ``exp_avg_sq`` (``qstate``'s ratio
 transform, eps' = ``policy.ratio_eps`` of the step), exactly as ``ckptq convert`` writes it.
-A step goes ``step`` -> ``ckptq.adam.step_param`` -> ``ckptq.ops.adam8bit_step`` (one fused kernel per
-parameter: C on the CPU, Triton on CUDA, the PyTorch reference elsewhere). Design after torchao's
-low-bit optimizers (``torchao/optim``).
+A step is planned once per param group and layout (``ckptq.optim.grouping``): the low-bit parameters of a
+group go through one fused kernel call (``ckptq.codec.grouped``: C on the CPU, one Triton launch on CUDA,
+the PyTorch reference elsewhere), the small fp32 ones through one more (``grouped.dense_group``); only what changes
+from step to step (gradients, the step count) is gathered. Design after torchao's low-bit optimizers
+(``torchao/optim``) and apex's ``multi_tensor_apply``.
 
 Where users touch them they behave as ``torch.optim`` optimizers: torch's arguments (``ckptq.optim_args``),
 complex parameters (stepped through ``view_as_real``, as torch does), hooks, deepcopy/pickle, and
-``load_state_dict`` of older or torch-written state dicts (``ckptq.optim_io``).
+``load_state_dict`` of older or torch-written state dicts (``ckptq.optim.state_io``).
 """
 
 from __future__ import annotations
