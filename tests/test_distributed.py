@@ -173,6 +173,21 @@ def test_planner_pair_stores_fp32_adamw_moments_8bit_and_reads_them_back(tmp_pat
         assert torch.equal(st["exp_avg_sq"], rst["exp_avg_sq"]), fqn
 
 
+@pytest.mark.parametrize("wrap,world", [("plain", 1), ("ddp", 2)])
+def test_planner_pair_round_trip_in_one_process_and_ddp(tmp_path, wrap, world):
+    """SavePlanner/LoadPlanner with plain tensors (one process, DDP): torch AdamW's moments stored 8-bit in
+    the row layout and read back into fp32 as one process decodes them; AdamW8bit's state saved and resumed
+    without changing a bit."""
+    fp32 = run(tmp_path, world, "adamw", 0, 3, None, tmp_path / "a", True, "--wrap", wrap)
+    resumed = run(tmp_path, world, "adamw", 3, 5, tmp_path / "a", None, True, "--wrap", wrap)
+    assert fp32["losses"] + resumed["losses"] == single_process(5, ("adamw", "adamw"), switch_at=3, via_8bit=True)[0]
+    losses, ref = single_process(5)
+    q8 = run(tmp_path, world, "adamw8bit", 0, 3, None, tmp_path / "b", True, "--wrap", wrap)
+    again = run(tmp_path, world, "adamw8bit", 3, 5, tmp_path / "b", None, True, "--wrap", wrap)
+    assert q8["losses"] + again["losses"] == losses
+    _assert_same_state(again["optim"], ref)
+
+
 def test_planner_pair_with_torchtitan_style_flattened_optimizer_state(tmp_path):
     """torchtitan keeps torch AdamW and saves its state flattened (state.<fqn>.exp_avg keys): the same one
     argument stores the moments 8-bit, and LoadPlanner reads them back into the flattened fp32 template."""
