@@ -170,7 +170,7 @@ def test_expand_of_a_plain_folder_restores_the_recorded_name(trained_ckpt, tmp_p
 
 def test_expand_finds_nothing_in_an_fp32_folder(tmp_path):
     d = trainer_folder(tmp_path)
-    one_line_error(run("expand", d), 3, "no 8-bit optimizer state", "optimizer.pt (Trainer)")
+    one_line_error(run("expand", d), 3, "no low-bit optimizer state", "optimizer.pt (Trainer)")
 
 
 def test_an_8bit_framework_file_is_expanded_in_place_only_with_replace(tmp_path):

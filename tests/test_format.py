@@ -146,7 +146,7 @@ def test_stock_safe_open_reads_it_and_metadata_is_tagged(tmp_path):
         assert meta["format"] == "pt" and meta["ckptq.format"] == "ckptq" and meta["ckptq.version"] == "3"
         assert len(meta["ckptq.header_crc32"]) == 8
         codes = f.get_tensor("optimizer/state/0/exp_avg/codes")
-    assert codes.dtype == torch.uint8 and codes.shape == (5000,)
+    assert codes.dtype == torch.uint8 and codes.shape == (1, 5000)  # the row layout: a 1-D state is one row
     assert torch.equal(codes, obj["optimizer"]["state"][0]["exp_avg"]["codes"])
 
 
@@ -208,8 +208,8 @@ def test_newer_version_and_unknown_bit_width_are_refused_clearly(tmp_path):
     obj, _, _ = _qstate_obj()
     path = str(tmp_path / "q.safetensors")
     ckptq.save(obj, path)
-    _rewrite_metadata(path, lambda m: m.update({"ckptq.version": "3"}))
-    with pytest.raises(FormatError, match="version '3'.*upgrade"):
+    _rewrite_metadata(path, lambda m: m.update({"ckptq.version": "4"}))
+    with pytest.raises(FormatError, match="version '4'.*upgrade"):
         ckptq.load(path)
     ckptq.save(obj, path, force=True)
 
@@ -221,7 +221,7 @@ def test_newer_version_and_unknown_bit_width_are_refused_clearly(tmp_path):
         ckptq.load(path)
     ckptq.save(obj, path, force=True)
     _rewrite_metadata(path, bits(4))  # a width ckptq reads, but 8-bit-sized codes: damage, not a new format
-    with pytest.raises(FormatError, match=r"names codes U8 \[5000\], expected U8 \[2500\]; the file is corrupt"):
+    with pytest.raises(FormatError, match=r"names codes U8 \[1, 5000\], expected U8 \[1, 2500\]; the file is corrupt"):
         ckptq.load(path)
 
 

@@ -20,7 +20,7 @@ import re
 from collections import Counter
 
 import torch
-from torch.distributed.checkpoint import DefaultSavePlanner
+from .compact import CompactSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..codec import checkpoint, dtensor, plan, policy, qstate, quant, sharded
@@ -100,7 +100,7 @@ def _quantize_param(osd: dict, fqn, pstate, min_size: int, block_size: int, bits
     return {**pstate, **sharded.quantize_moments(dense, _group_of(osd, fqn), step, block_size, bits)}
 
 
-class SavePlanner(DefaultSavePlanner):
+class SavePlanner(CompactSavePlanner):
     """``DefaultSavePlanner`` that stores Adam moments low-bit (``quantized_copy``: 8 bits per value, or
     ``bits=4``, as ``AdamW4bit`` keeps them)."""
 

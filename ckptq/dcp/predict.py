@@ -41,11 +41,13 @@ def tensor_bytes(shape, dtype: torch.dtype) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _value_bytes(text: str, value) -> int:
-    return _saved_len(value)
+    buf = io.BytesIO()
+    torch.save(value, buf, _use_new_zipfile_serialization=False)
+    return buf.tell()
 
 
 def value_bytes(value) -> int:
-    """A small value's entry (torch.save of it, as DCP writes byte entries)."""
+    """A small value's entry (torch.save of it, legacy format, as ``compact.CompactSavePlanner`` writes it)."""
     return _value_bytes(repr(value), value if not isinstance(value, list) else tuple(value))
 
 
@@ -77,12 +79,21 @@ def _added(key: str, s: folder.Stored, block_size: int, index: dict) -> int:
     return total
 
 
-def predict(r: InfoReport, p: folder.Plan, opts: InfoOptions) -> None:
+def _rewritten(p: folder.Plan, md) -> int:
+    """What the folder's small values change by when convert writes them again (compactly)."""
+    stored: dict = {}
+    for index, where in md.storage_data.items():
+        if isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata) and index.fqn in p.scalars:
+            stored[index.fqn] = stored.get(index.fqn, 0) + where.length
+    return sum(value_bytes(p.scalars[k]) - n for k, n in stored.items())
+
+
+def predict(r: InfoReport, p: folder.Plan, opts: InfoOptions, md) -> None:
     """Fill ``r.would_store`` and ``r.would_write`` with what convert would store at ``opts.bits`` (before it
-    reads the values: a moment holding NaN/Inf would stay exact)."""
+    reads the values: a moment holding NaN/Inf would stay exact); ``md`` is the folder's metadata."""
     if not p.params:
         return
-    change, added, removed = MARKER_BYTES, {}, {}
+    change, added, removed = MARKER_BYTES + _rewritten(p, md), {}, {}
     for param in p.params:
         ratio = "exp_avg" in param.roles and "exp_avg_sq" in param.roles
         for role, (key, m) in param.roles.items():

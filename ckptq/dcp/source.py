@@ -145,5 +145,5 @@ class DcpFolder(Source):
             role = key.rsplit(".", 1)[-1]
             if role in policy.MOMENT_KEYS and isinstance(m, TensorStorageMetadata) and key not in low:
                 r.count(role, None, m.size.numel(), m.size.numel() * m.properties.dtype.itemsize)
-        predict.predict(r, p, opts)
+        predict.predict(r, p, opts, md)
         return r

@@ -12,7 +12,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
+from .compact import CompactSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import __version__
@@ -23,7 +23,7 @@ from . import safe_reader
 MARKER = ".ckptq"  # in every folder ckptq writes: {"created_by": ..., "kind": "dcp"}
 
 
-class LazyWriter(DefaultSavePlanner):
+class LazyWriter(CompactSavePlanner):
     """Writes tensors that are produced when the writer reaches them (``producers[key](buffer)``), each
     through a buffer reused for every tensor of its dtype and shape: DCP's writer keeps a reference to every
     tensor it wrote to a file until the file is closed, so fresh tensors would pile up to the size of the

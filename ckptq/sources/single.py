@@ -306,6 +306,9 @@ class ForeignSafetensors(Source):
     type = "safetensors"
 
     def _what(self) -> str:
+        from ..format.reader import Reader
+
+        Reader(self.path).close()  # a damaged file is called damaged (FormatError), not somebody else's
         return (f"{self.path} is a safetensors file that ckptq did not write (model weights?); ckptq converts "
                 "optimizer state: pass the torch.save checkpoint or the checkpoint folder that holds it")
 
