@@ -17,6 +17,7 @@ import torch
 from ..codec import checkpoint, ops, plan
 from ..errors import UsageError
 from .activations import activation_bytes
+from .config import MAX_POSITIONS
 from .params import Model, load_model
 
 PRECISIONS = {"fp32": 4, "bf16-mixed": 2, "fp16-mixed": 2}  # bytes of the weights/activations kernels use
@@ -43,14 +44,13 @@ def state_bytes(model: Model, bits: int, block_size: int, min_size: int, rows_wh
     """Both Adam moments of every parameter at ``bits``: tensors below ``min_size`` elements keep fp32 state
     (``checkpoint.is_quantizable``, the rule convert and the optimizer apply); with ``rows_whole`` (FSDP2)
     so do tensors whose rows are not whole blocks (``sharded.row_aligned``)."""
-    shapes = [s for _, s in model.tensors] if model.tensors else [(model.count,)]
     total = 0
-    for shape in shapes:
+    for shape, times in model.shape_counts():  # a decoder layer's shapes once, times the layer count
         n = math.prod(shape)
         meta = torch.empty(shape, device="meta")
         aligned = not rows_whole or (n // shape[0]) % block_size == 0
         quantized = checkpoint.is_quantizable(meta, min_size) and aligned
-        total += 2 * moment_bytes(n, bits, block_size) if quantized else FP32_MOMENTS * n
+        total += times * (2 * moment_bytes(n, bits, block_size) if quantized else FP32_MOMENTS * n)
     return total
 
 
@@ -66,20 +66,34 @@ class Setup:
     min_size: int = plan.DEFAULT_MIN_SIZE
 
     def check(self) -> None:
-        for name in ("batch_size", "world_size"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"{name.replace('_', ' ')} {getattr(self, name)} must be at least 1")
-        if self.seq_len is not None and self.seq_len < 1:
-            raise UsageError(f"sequence length {self.seq_len} must be at least 1")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise UsageError(f"ZeRO stage {self.zero_stage} must be 0, 1, 2 or 3")
-        if self.precision not in PRECISIONS:
-            raise UsageError(f"precision {self.precision!r} must be one of {', '.join(PRECISIONS)}")
-        if self.attention not in ATTENTIONS:
-            raise UsageError(f"attention {self.attention!r} must be one of {', '.join(ATTENTIONS)}")
+        """UsageError naming the first bad value."""
+        for name, (low, high) in _BOUNDS.items():
+            if not (name == "seq_len" and self.seq_len is None):
+                _check_count(name, getattr(self, name), low, high)
+        if type(self.zero_stage) is not int or self.zero_stage not in (0, 1, 2, 3):
+            raise UsageError(f"ZeRO stage {self.zero_stage!r:.40} must be 0, 1, 2 or 3")
+        for name, choices in (("precision", PRECISIONS), ("attention", ATTENTIONS)):
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
+                raise UsageError(f"{name} {getattr(self, name)!r:.40} must be one of {', '.join(choices)}")
+        if type(self.block_size) is not int:
+            raise UsageError(f"block size {self.block_size!r:.40} must be a whole number (a power of two, 64..4096)")
         ops.check_block_size(self.block_size)
-        if self.min_size < 1:
-            raise UsageError(f"min size {self.min_size} must be at least 1")
+
+
+# Far beyond any run (the largest use ~10**5 devices, contexts of 10M tokens): a typo or an overflow is
+# refused, no real setup is. No bound on min_size: a huge one only means that no state is quantized.
+_BOUNDS = {"batch_size": (1, 2**24), "seq_len": (1, MAX_POSITIONS), "world_size": (1, 2**24), "min_size": (1, None)}
+_WORDS = {"seq_len": "sequence length"}
+
+
+def _check_count(name: str, value, low: int, high: int | None) -> None:
+    words = _WORDS.get(name, name.replace("_", " "))
+    if type(value) is not int:
+        raise UsageError(f"{words} {value!r:.40} must be a whole number")
+    if value < low:
+        raise UsageError(f"{words} {value} must be at least {low}")
+    if high is not None and value > high:
+        raise UsageError(f"{words} {str(value)[:40]} is beyond {high:,}, far beyond any training run")
 
 
 @dataclass
