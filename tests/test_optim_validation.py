@@ -45,23 +45,23 @@ SPOILED = {  # field -> (spoil the state dict, what the message says)
     "step inf": (lambda sd: sd["state"][0].update(step=INF), "'step' of parameter 0 is inf, not a finite count"),
     "step beyond float": (lambda sd: sd["state"][0].update(step=10**400), "'step' of parameter 0 is inf, not a finite count"),
     "block_size float": (lambda sd: [sd["state"][0][k].update(block_size=256.0) for k in ("exp_avg", "exp_avg_sq")],
-                         "'exp_avg' of parameter 0 has block_size 256.0, not an int among 64, 128, 256"),
-    "bits bool": (_set("exp_avg_sq", bits=True), "'exp_avg_sq' of parameter 0 has bits True, not an int among 8, 6, 4, 2"),
-    "absmax float64": (_retype("exp_avg_sq", "absmax", torch.float64), "has absmax of torch.float64, where the kernels read float32"),
-    "absmax NaN": (_poke("exp_avg_sq", "absmax", 3, NAN), "'exp_avg_sq' of parameter 0 has 1 NaN or infinite absmax scales"),
-    "absmax inf": (_poke("exp_avg", "absmax", 0, INF), "'exp_avg' of parameter 0 has 1 NaN or infinite absmax scales"),
-    "absmax negative": (_poke("exp_avg_sq", "absmax", 0, -1.0), "has negative absmax scales (min -1.0)"),
-    "qmap NaN": (_poke("exp_avg_sq", "qmap", 5, NAN), "'exp_avg_sq' of parameter 0 has NaN or infinite codes in its qmap"),
-    "qmap float64": (_retype("exp_avg", "qmap", torch.float64), "'exp_avg' of parameter 0 has a qmap of torch.float64"),
+                         "'exp_avg' of parameter 0 is malformed: block_size 256.0 is not an int among 64, 128, 256"),
+    "bits bool": (_set("exp_avg_sq", bits=True), "'exp_avg_sq' of parameter 0 is malformed: bits True is not an int among 8, 6, 4, 2"),
+    "absmax float64": (_retype("exp_avg_sq", "absmax", torch.float64), "is malformed: absmax is torch.float64, where the kernels read float32"),
+    "absmax NaN": (_poke("exp_avg_sq", "absmax", 3, NAN), "'exp_avg_sq' of parameter 0 is malformed: absmax holds 1 NaN or infinite scales"),
+    "absmax inf": (_poke("exp_avg", "absmax", 0, INF), "'exp_avg' of parameter 0 is malformed: absmax holds 1 NaN or infinite scales"),
+    "absmax negative": (_poke("exp_avg_sq", "absmax", 0, -1.0), "is malformed: absmax holds negative scales (min -1.0)"),
+    "qmap NaN": (_poke("exp_avg_sq", "qmap", 5, NAN), "'exp_avg_sq' of parameter 0 is malformed: qmap holds NaN or infinite codes"),
+    "qmap float64": (_retype("exp_avg", "qmap", torch.float64), "'exp_avg' of parameter 0 is malformed: qmap is torch.float64 ("),
     "qmap unsorted": (lambda sd: sd["state"][0]["exp_avg_sq"].update(qmap=sd["state"][0]["exp_avg_sq"]["qmap"].flip(0)),
-                      "has a qmap not sorted ascending without repeats"),
-    "dtype unknown": (_set("exp_avg_sq", dtype="nope"), "has dtype 'nope', not the name of a floating-point dtype"),
-    "dtype not a name": (_set("exp_avg", dtype=5), "has dtype 5, not the name of a floating-point dtype"),
-    "transform unknown": (_set("exp_avg_sq", transform="log"), "has transform 'log', not one of none, sqrt, ratio"),
-    "ratio eps NaN": (_set("exp_avg", eps=NAN), "'exp_avg' of parameter 0 has ratio eps nan, not a finite number >= 0"),
-    "ratio eps inf": (_set("exp_avg", eps=INF), "has ratio eps inf, not a finite number >= 0"),
-    "ratio eps negative": (_set("exp_avg", eps=-1e-8), "has ratio eps -1e-08, not a finite number >= 0"),
-    "shape of floats": (_set("exp_avg_sq", shape=(64.0, 128.0)), "has shape (64.0, 128.0), not a sequence of ints >= 0"),
+                      "is malformed: qmap is not sorted ascending without repeats"),
+    "dtype unknown": (_set("exp_avg_sq", dtype="nope"), "is malformed: dtype 'nope' is not the name of a floating-point dtype"),
+    "dtype not a name": (_set("exp_avg", dtype=5), "is malformed: dtype 5 is not the name of a floating-point dtype"),
+    "transform unknown": (_set("exp_avg_sq", transform="log"), "is malformed: transform 'log' is not one of none, sqrt, ratio"),
+    "ratio eps NaN": (_set("exp_avg", eps=NAN), "'exp_avg' of parameter 0 is malformed: ratio eps nan is not a finite number >= 0"),
+    "ratio eps inf": (_set("exp_avg", eps=INF), "is malformed: ratio eps inf is not a finite number >= 0"),
+    "ratio eps negative": (_set("exp_avg", eps=-1e-8), "is malformed: ratio eps -1e-08 is not a finite number >= 0"),
+    "shape of floats": (_set("exp_avg_sq", shape=(64.0, 128.0)), "is malformed: shape (64.0, 128.0) is not a sequence of ints >= 0"),
     "fp32 moment of ints": (lambda sd: sd["state"][1].update(exp_avg=sd["state"][1]["exp_avg"].long()),
                             "'exp_avg' of parameter 1 is a torch.int64 tensor, where Adam's moments are floating point"),
     "group eps inf": (lambda sd: sd["param_groups"][0].update(eps=INF), "param group 0 of the state dict: Invalid epsilon value: inf"),
@@ -94,7 +94,7 @@ def test_amsgrad_state_is_checked_too():
     opt, _ = _trained(AdamW8bit, amsgrad=True)
     sd = copy.deepcopy(opt.state_dict())
     sd["state"][0]["max_exp_avg_sq"]["absmax"][0] = NAN
-    with pytest.raises(StateMismatchError, match="'max_exp_avg_sq' of parameter 0 has 1 NaN or infinite absmax"):
+    with pytest.raises(StateMismatchError, match="'max_exp_avg_sq' of parameter 0 is malformed: absmax holds 1 NaN or infinite"):
         opt.load_state_dict(sd)
 
 
@@ -115,7 +115,7 @@ def test_decoding_for_torch_checks_the_fields_too():
     opt, _ = _trained(AdamW8bit)
     sd = copy.deepcopy(opt.state_dict())
     sd["state"][0]["exp_avg_sq"]["absmax"][0] = NAN
-    with pytest.raises(StateMismatchError, match="'exp_avg_sq' of parameter 0 has 1 NaN or infinite absmax"):
+    with pytest.raises(StateMismatchError, match="'exp_avg_sq' of parameter 0 is malformed: absmax holds 1 NaN or infinite"):
         to_torch_state_dict(sd)
 
 

@@ -66,15 +66,15 @@ def check_qstate_fields(pid, key: str, q: dict) -> None:
     """The fields of one qstate dict (``ckptq.codec.qstate``) on their own."""
     bits, block_size = q.get("bits"), q.get("block_size")
     if type(bits) is not int or bits not in qstate.SUPPORTED_BITS:
-        raise _refuse(pid, key, f"has bits {bits!r:.40}, not an int among {', '.join(map(str, qstate.SUPPORTED_BITS))}")
+        raise _refuse(pid, key, f"is malformed: bits {bits!r:.40} is not an int among {', '.join(map(str, qstate.SUPPORTED_BITS))}")
     if type(block_size) is not int or block_size not in ops.BLOCK_SIZES:
-        raise _refuse(pid, key, f"has block_size {block_size!r:.40}, not an int among {', '.join(map(str, ops.BLOCK_SIZES))}")
+        raise _refuse(pid, key, f"is malformed: block_size {block_size!r:.40} is not an int among {', '.join(map(str, ops.BLOCK_SIZES))}")
     if not isinstance(q.get("transform"), str) or q["transform"] not in qstate.TRANSFORMS:
-        raise _refuse(pid, key, f"has transform {q.get('transform')!r:.40}, not one of {', '.join(qstate.TRANSFORMS)}")
+        raise _refuse(pid, key, f"is malformed: transform {q.get('transform')!r:.40} is not one of {', '.join(qstate.TRANSFORMS)}")
     try:
         float_dtype_from_name(q.get("dtype"), "it")
     except FormatError:
-        raise _refuse(pid, key, f"has dtype {q.get('dtype')!r:.40}, not the name of a floating-point dtype "
+        raise _refuse(pid, key, f"is malformed: dtype {q.get('dtype')!r:.40} is not the name of a floating-point dtype "
                                 "(such as 'float32')") from None
     _check_shape_field(pid, key, q.get("shape"))
     _check_absmax(pid, key, q.get("absmax"))
@@ -83,40 +83,40 @@ def check_qstate_fields(pid, key: str, q: dict) -> None:
 
 def _check_shape_field(pid, key: str, shape) -> None:
     if not isinstance(shape, (tuple, list)) or not all(type(d) is int and d >= 0 for d in shape):
-        raise _refuse(pid, key, f"has shape {shape!r:.60}, not a sequence of ints >= 0")
+        raise _refuse(pid, key, f"is malformed: shape {shape!r:.60} is not a sequence of ints >= 0")
 
 
 def _check_absmax(pid, key: str, absmax) -> None:
     if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.float32:
         got = absmax.dtype if isinstance(absmax, torch.Tensor) else type(absmax).__name__
-        raise _refuse(pid, key, f"has absmax of {got}, where the kernels read float32 scales")
+        raise _refuse(pid, key, f"is malformed: absmax is {got}, where the kernels read float32 scales")
     scales = sharded.local(absmax)
     if scales.is_meta:
         return  # meta tensors carry no values: state_io says so with the shapes
     if not torch.isfinite(scales).all():
-        raise _refuse(pid, key, f"has {int((~torch.isfinite(scales)).sum())} NaN or infinite absmax scales")
+        raise _refuse(pid, key, f"is malformed: absmax holds {int((~torch.isfinite(scales)).sum())} NaN or infinite scales")
     if (scales < 0).any():
-        raise _refuse(pid, key, f"has negative absmax scales (min {float(scales.min())}), where a scale is a "
+        raise _refuse(pid, key, f"is malformed: absmax holds negative scales (min {float(scales.min())}), where a scale is a "
                                 "block's largest magnitude")
 
 
 def _check_qmap(pid, key: str, qmap, bits: int) -> None:
     if not isinstance(qmap, torch.Tensor) or qmap.dtype != torch.float32 or qmap.shape != (2**bits,):
         got = f"{qmap.dtype} {tuple(qmap.shape)}" if isinstance(qmap, torch.Tensor) else type(qmap).__name__
-        raise _refuse(pid, key, f"has a qmap of {got}, not a float32 codebook of {2**bits} entries for {bits}-bit codes")
+        raise _refuse(pid, key, f"is malformed: qmap is {got}, not a float32 codebook of {2**bits} entries for {bits}-bit codes")
     if qmap.is_meta:
         return
     if not torch.isfinite(qmap).all():
-        raise _refuse(pid, key, "has NaN or infinite codes in its qmap")
+        raise _refuse(pid, key, "is malformed: qmap holds NaN or infinite codes")
     if not (qmap[1:] > qmap[:-1]).all():
-        raise _refuse(pid, key, "has a qmap not sorted ascending without repeats, as the kernels' search needs")
+        raise _refuse(pid, key, "is malformed: qmap is not sorted ascending without repeats, as the kernels' search needs")
 
 
 def _check_ratio(pid, key: str, q: dict, siblings: dict) -> None:
     eps = q.get("eps")
     if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not 0 <= eps < math.inf:
-        raise _refuse(pid, key, f"has ratio eps {eps!r:.40}, not a finite number >= 0")
+        raise _refuse(pid, key, f"is malformed: ratio eps {eps!r:.40} is not a finite number >= 0")
     divisor = siblings.get(q.get("divisor")) if isinstance(q.get("divisor"), str) else None
     if not qstate.is_qstate(divisor) or divisor.get("transform") != "sqrt":
-        raise _refuse(pid, key, f"has divisor {q.get('divisor')!r:.40}, which names no sqrt-quantized state of this parameter "
+        raise _refuse(pid, key, f"is malformed: divisor {q.get('divisor')!r:.40} names no sqrt-quantized state of this parameter "
                                 "(a ratio state is divided by its exp_avg_sq)")
