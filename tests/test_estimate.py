@@ -108,13 +108,17 @@ def test_activations_reduce_to_korthikanti():
 
 
 def test_quantized_state_sizes():
-    assert moment_bytes(1000, 8, 256) == 1000 + 4 * 4
-    assert moment_bytes(1001, 4, 128) == 501 + 4 * 8  # two codes per byte, the last one half used
-    model = Model("hand", 64 * 256 + 100 + 64 * 100, (("w", (64, 256)), ("b", (100,)), ("odd", (64, 100))))
-    eight = 2 * (16384 + 4 * 64) + 8 * 100 + 2 * (6400 + 4 * 25)  # "b" is below min_size 4096: fp32 state
-    assert state_bytes(model, 8, 256, 4096, rows_whole=False) == eight
-    # FSDP2: a tensor whose rows are not whole blocks keeps fp32 state ("odd": rows of 100)
-    assert state_bytes(model, 8, 256, 4096, rows_whole=True) == 2 * (16384 + 4 * 64) + 8 * 100 + 8 * 6400
+    """The row layout's bytes: per row, packed codes from a byte boundary and one scale per block of the row
+    (a 1-D tensor is one row); FSDP2 keeps a 1-D tensor's state fp32 (its one row is split across ranks)."""
+    assert moment_bytes((1000,), 8, 256) == 1000 + 4 * 4
+    assert moment_bytes((1001,), 4, 128) == 501 + 4 * 8  # two codes per byte, the last one half used
+    assert moment_bytes((64, 100), 8, 256) == 64 * (100 + 4)  # rows of 100: one short block each
+    assert moment_bytes((3, 5, 51), 4, 128) == 3 * (128 + 4 * 2)  # rows of 255 4-bit codes: 128 bytes, 2 blocks
+    model = Model("hand", 64 * 256 + 100 + 64 * 100 + 5000,
+                  (("w", (64, 256)), ("b", (100,)), ("odd", (64, 100)), ("flat", (5000,))))
+    common = 2 * (16384 + 4 * 64) + 8 * 100 + 2 * 64 * (100 + 4)  # "b" is below min_size 4096: fp32 state
+    assert state_bytes(model, 8, 256, 4096, sharded=False) == common + 2 * (5000 + 4 * 20)
+    assert state_bytes(model, 8, 256, 4096, sharded=True) == common + 8 * 5000
 
 
 @pytest.mark.parametrize("stage,sharded", [(0, ()), (1, ("master_weights", "opt")), (2, ("master_weights", "opt", "gradients")),
@@ -221,3 +225,117 @@ def test_library_errors_are_typed(tmp_path):
         estimate(_write(tmp_path, {"model_type": "gpt2"}))
     with pytest.raises(UsageError):
         estimate("7B", Setup(precision="int8"))
+
+
+LLAMA = {"model_type": "llama", **SMALL}
+GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 500, "n_positions": 128}
+DIGITS_400 = int("1" + "0" * 400)
+
+
+@pytest.mark.parametrize("config,message", [
+    # counts: positive whole numbers within a bound (no bool, string, fraction, NaN/Inf, zero or absurd size)
+    ({**LLAMA, "max_position_embeddings": -5}, "max_position_embeddings is -5; give a whole number from 1 to 1,073,741,824"),
+    ({**LLAMA, "max_position_embeddings": float("nan")}, "max_position_embeddings is nan; give a whole number"),
+    ({**LLAMA, "max_position_embeddings": "4096"}, "max_position_embeddings is '4096'; give a whole number"),
+    ({**LLAMA, "max_position_embeddings": 0}, "max_position_embeddings is 0; give a whole number from 1"),
+    ({**LLAMA, "num_hidden_layers": 10**9}, "num_hidden_layers is 1000000000; give a whole number from 1 to 65,536, "
+                                            "a bound far beyond any published model"),
+    ({**LLAMA, "num_hidden_layers": 2**62}, "num_hidden_layers is 4611686018427387904; give a whole number from 1 to 65,536"),
+    ({**LLAMA, "num_hidden_layers": DIGITS_400}, "num_hidden_layers is 1000000000000000000000000000000000000...; give"),
+    ({**LLAMA, "num_hidden_layers": float("inf")}, "num_hidden_layers is inf; give a whole number"),
+    ({**LLAMA, "head_dim": 2**62}, "head_dim is 4611686018427387904; give a whole number from 1 to 65,536"),
+    ({**LLAMA, "head_dim": True}, "head_dim is True; give a whole number"),
+    ({**LLAMA, "head_dim": 16.5}, "head_dim is 16.5; give a whole number"),
+    ({**LLAMA, "num_key_value_heads": True}, "num_key_value_heads is True; give a whole number"),
+    ({**LLAMA, "num_key_value_heads": 0}, "num_key_value_heads is 0; give a whole number from 1 to 65,536, or leave it out"),
+    ({**LLAMA, "vocab_size": 2**40}, "vocab_size is 1099511627776; give a whole number from 1 to 16,777,216"),
+    ({**LLAMA, "intermediate_size": 2**62}, "intermediate_size is 4611686018427387904; give a whole number from 1 to 1,048,576"),
+    ({**LLAMA, "hidden_size": 2}, "hidden_size 2 is smaller than num_attention_heads 4; give head_dim"),
+    ({**GPT2, "n_inner": "96"}, "n_inner is '96'; give a whole number"),
+    ({**GPT2, "n_positions": -1}, "n_positions is -1; give a whole number"),
+    # flags, rates, names, the model type
+    ({**LLAMA, "tie_word_embeddings": "no"}, "tie_word_embeddings is 'no'; give true or false"),
+    ({**LLAMA, "attention_bias": 1}, "attention_bias is 1; give true or false"),
+    ({**LLAMA, "attention_dropout": "0.1"}, "attention_dropout is '0.1'; give a number from 0 to 1"),
+    ({**GPT2, "resid_pdrop": float("nan")}, "resid_pdrop is nan; give a number from 0 to 1"),
+    ({**GPT2, "attn_pdrop": 2}, "attn_pdrop is 2; give a number from 0 to 1"),
+    ({**LLAMA, "hidden_act": 3}, "hidden_act is 3; give a name such as 'silu'"),
+    ({**LLAMA, "model_type": ["llama"]}, "model_type ['llama'] is not one ckptq can count"),
+    # the file: nesting, integers beyond Python's conversion limit
+    ('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested 100001 deep; a config.json nests"),
+    ('{"model_type": "llama", "hidden_size": 1' + "0" * 5000 + "}", "not valid JSON (Exceeds the limit (4300 digits)"),
+])
+def test_every_config_field_is_checked_in_one_line(tmp_path, config, message):
+    """Each of these was accepted (a wrong estimate, "-0.03 GiB", "nan GiB"), an "internal error" (exit 70,
+    once with a C++ backtrace), or allocated per layer without bound (10**9 layers)."""
+    r = run(_write(tmp_path, config))
+    assert r.exit_code == 3 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith(f"ckptq: error: {tmp_path / 'config.json'}: ") and message in r.output, r.output
+
+
+@pytest.mark.parametrize("args,message", [
+    ((str(DIGITS_400),), "parameter count '1000000000000000000000000000000000000000' is beyond 1000T"),
+    (("1001T",), "parameter count '1001T' is beyond 1000T"),
+    (("7B", "-s", 2**30 + 1), "sequence length 1073741825 is beyond 1,073,741,824, far beyond any training run"),
+    (("7B", "-b", 10**30), "batch size 1000000000000000000000000000000 is beyond 16,777,216"),
+    (("7B", "-n", 2**24 + 1), "world size 16777217 is beyond 16,777,216"),
+])
+def test_absurd_options_are_one_line(args, message):
+    r = run(*args)
+    assert r.exit_code == 2 and r.output.startswith(f"ckptq: error: {message}") and r.output.count("\n") == 1, r.output
+
+
+@pytest.mark.parametrize("setup,message", [
+    (Setup(batch_size=True), "batch size True must be a whole number"),
+    (Setup(seq_len=128.0), "sequence length 128.0 must be a whole number"),
+    (Setup(block_size=256.0), "block size 256.0 must be a whole number"),
+    (Setup(zero_stage=True), "ZeRO stage True must be 0, 1, 2 or 3"),
+    (Setup(precision=["fp32"]), "precision ['fp32'] must be one of"),
+])
+def test_library_setup_values_are_typed(setup, message):
+    with pytest.raises(UsageError) as e:
+        estimate("7B", setup)
+    assert str(e.value).startswith(message)
+
+
+def test_whole_floats_count_as_integers(tmp_path):
+    """JSON writers that print 4096.0 describe the same model as 4096."""
+    as_float = estimate(_write(tmp_path, {**LLAMA, "num_hidden_layers": 2.0, "hidden_size": 64.0})).as_dict()
+    assert as_float == estimate(_write(tmp_path, LLAMA)).as_dict()
+
+
+def test_cost_is_independent_of_the_layer_count(tmp_path, monkeypatch):
+    """The estimate never lists the layers one by one: 65,536 layers (the bound) cost what 2 do, and the
+    figures are the per-layer sums."""
+    import tracemalloc
+
+    from ckptq.estimate import params
+
+    small = model_from_config({**LLAMA, "num_hidden_layers": 3})
+    listed = Model(small.source, small.count, tuple(small.tensors), small.arch)  # every tensor, one by one
+    for sharded in (False, True):
+        assert state_bytes(listed, 8, 64, 1000, sharded) == state_bytes(small, 8, 64, 1000, sharded)
+    assert small.count == sum(math.prod(s) for _, s in small.tensors)
+
+    def listing(self):
+        raise AssertionError("the estimate listed every layer")
+
+    monkeypatch.setattr(params.Layered, "__iter__", listing)
+    path = _write(tmp_path, {**LLAMA, "num_hidden_layers": 2**16})
+    tracemalloc.start()
+    try:
+        deep = estimate(path, Setup(world_size=2, zero_stage=3))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 2**20, peak
+    layer = sum(math.prod(s) for _, s in small.layer_tensors(0))
+    assert deep.params == small.count + (2**16 - 3) * layer
+
+
+def test_a_huge_file_is_no_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(b"{" + b" " * (16 << 20) + b"}")
+    r = run(path)
+    assert r.exit_code == 3 and r.output == f"ckptq: error: {path}: 16,777,218 bytes is no config.json (they are a " \
+                                            "few KB); give the model's config.json\n", r.output

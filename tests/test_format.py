@@ -5,6 +5,7 @@ import json
 import math
 import os
 import struct
+import sys
 
 import pytest
 import torch
@@ -259,3 +260,45 @@ def test_sharded_output_reads_from_index_folder_or_file(tmp_path):
     assert index["metadata"]["total_size"] == 6 * 4000
     for src in (paths[0], str(out)):
         assert_same(obj, ckptq.load(src))
+
+
+def _nesting(value) -> int:
+    """How deeply lists and dicts nest in ``value``; iterative, so that it holds at any recursion limit."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            todo += [(x, depth + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    return deepest
+
+
+_JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\ab\n\u00e9'),
+                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+                                st.text(alphabet='[]{}"\\a', max_size=4), inner, max_size=3), max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON_VALUES, st.booleans())
+def test_json_depth_counts_brackets_outside_strings(value, as_bytes):
+    """The reader's nesting pre-scan agrees with the parsed value, brackets, quotes and backslashes inside
+    strings included (it decides what is refused before json's recursive parser runs)."""
+    from ckptq.format.reader import json_depth
+
+    text = json.dumps(value, ensure_ascii=False)
+    assert json_depth(text.encode() if as_bytes else text) == _nesting(value)
+
+
+def test_json_nesting_limit_holds_at_any_recursion_limit():
+    from ckptq.format.reader import MAX_JSON_DEPTH, parse_json
+
+    deepest = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    before = sys.getrecursionlimit()
+    try:
+        for limit in (before, 10_000):
+            sys.setrecursionlimit(limit)
+            assert _nesting(parse_json(deepest, "x")) == MAX_JSON_DEPTH
+            with pytest.raises(FormatError, match=r"^x is corrupt \(arrays and objects nested more than 512 deep\)$"):
+                parse_json("[" + deepest + "]", "x")
+    finally:
+        sys.setrecursionlimit(before)

@@ -17,13 +17,14 @@ import torch
 from ..codec import checkpoint, policy
 from ..errors import UsageError
 from .activations import activation_bytes
+from .config import MAX_POSITIONS
 from .params import Model, load_model
 
 PRECISIONS = {"fp32": 4, "bf16-mixed": 2, "fp16-mixed": 2}  # bytes of the weights/activations kernels use
 ATTENTIONS = ("sdpa", "eager")
 FP32_MOMENTS = 8  # AdamW: exp_avg + exp_avg_sq, fp32
-# Issue #12's 4-bit state (not yet written by this ckptq): two codes per byte and one fp32 scale per 128
-# values, i.e. 0.5 + 4/128 bytes per value, about 1.06 bytes per parameter for both moments.
+# AdamW4bit's state: two 4-bit codes per byte and one fp32 scale per block of 128 values of a row, about
+# 1.06 bytes per parameter for both moments (``convert --bits 4`` stores 6 + 2 bits: the same bytes).
 FOUR_BIT = {"bits": 4, "block_size": 128}
 # The lossless stage (``convert --compress``), measured per role with ``ckptq info --json`` on
 # ``tools/make_checkpoint.py --size small --steps 400`` converted with and without ``--compress``: the
@@ -33,24 +34,24 @@ FOUR_BIT = {"bits": 4, "block_size": 128}
 COMPRESS_GAIN = {"weights": 1.19, "moments": 1.07}
 
 
-def moment_bytes(numel: int, bits: int, block_size: int) -> int:
-    """Bytes of one quantized moment: ``bits`` per code, packed, and one fp32 scale per block
-    (docs/FORMAT.md §5; the codebook, 1 KiB per file, is left out)."""
-    return math.ceil(numel * bits / 8) + 4 * math.ceil(numel / block_size)
+def moment_bytes(shape: tuple, bits: int, block_size: int) -> int:
+    """Bytes of one quantized moment of a tensor of ``shape`` in the row layout (docs/FORMAT.md): each row
+    (dim 0; a 1-D tensor is one row) ``bits`` per code, packed from a byte boundary, and one fp32 scale per
+    block of the row, the last block of a row possibly short (the codebook, 1 KiB, is left out)."""
+    rows, length = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
+    return rows * (math.ceil(length * bits / 8) + 4 * math.ceil(length / block_size)) if length else 0
 
 
-def state_bytes(model: Model, bits: int, block_size: int, min_size: int, rows_whole: bool) -> int:
+def state_bytes(model: Model, bits: int, block_size: int, min_size: int, sharded: bool) -> int:
     """Both Adam moments of every parameter at ``bits``: tensors below ``min_size`` elements keep fp32 state
-    (``checkpoint.is_quantizable``, the rule convert and the optimizer apply); with ``rows_whole`` (FSDP2)
-    so do tensors whose rows are not whole blocks (``dtensor.shardable``)."""
-    shapes = [s for _, s in model.tensors] if model.tensors else [(model.count,)]
+    (``checkpoint.is_quantizable``, the rule convert and the optimizer apply); ``sharded`` (FSDP2, ZeRO over
+    DTensors) so do 1-D tensors, whose one row is split across ranks (``dtensor.shardable``)."""
     total = 0
-    for shape in shapes:
+    for shape, times in model.shape_counts():  # a decoder layer's shapes once, times the layer count
         n = math.prod(shape)
         meta = torch.empty(shape, device="meta")
-        aligned = not rows_whole or (n // shape[0]) % block_size == 0
-        quantized = checkpoint.is_quantizable(meta, min_size) and aligned
-        total += 2 * moment_bytes(n, bits, block_size) if quantized else FP32_MOMENTS * n
+        quantized = checkpoint.is_quantizable(meta, min_size) and (not sharded or len(shape) >= 2)
+        total += times * (2 * moment_bytes(tuple(shape), bits, block_size) if quantized else FP32_MOMENTS * n)
     return total
 
 
@@ -66,20 +67,34 @@ class Setup:
     min_size: int = policy.DEFAULT_MIN_SIZE
 
     def check(self) -> None:
-        for name in ("batch_size", "world_size"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"{name.replace('_', ' ')} {getattr(self, name)} must be at least 1")
-        if self.seq_len is not None and self.seq_len < 1:
-            raise UsageError(f"sequence length {self.seq_len} must be at least 1")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise UsageError(f"ZeRO stage {self.zero_stage} must be 0, 1, 2 or 3")
-        if self.precision not in PRECISIONS:
-            raise UsageError(f"precision {self.precision!r} must be one of {', '.join(PRECISIONS)}")
-        if self.attention not in ATTENTIONS:
-            raise UsageError(f"attention {self.attention!r} must be one of {', '.join(ATTENTIONS)}")
+        """UsageError naming the first bad value."""
+        for name, (low, high) in _BOUNDS.items():
+            if not (name == "seq_len" and self.seq_len is None):
+                _check_count(name, getattr(self, name), low, high)
+        if type(self.zero_stage) is not int or self.zero_stage not in (0, 1, 2, 3):
+            raise UsageError(f"ZeRO stage {self.zero_stage!r:.40} must be 0, 1, 2 or 3")
+        for name, choices in (("precision", PRECISIONS), ("attention", ATTENTIONS)):
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
+                raise UsageError(f"{name} {getattr(self, name)!r:.40} must be one of {', '.join(choices)}")
+        if type(self.block_size) is not int:
+            raise UsageError(f"block size {self.block_size!r:.40} must be a whole number (a power of two, 64..4096)")
         policy.check_block_size(self.block_size)
-        if self.min_size < 1:
-            raise UsageError(f"min size {self.min_size} must be at least 1")
+
+
+# Far beyond any run (the largest use ~10**5 devices, contexts of 10M tokens): a typo or an overflow is
+# refused, no real setup is. No bound on min_size: a huge one only means that no state is quantized.
+_BOUNDS = {"batch_size": (1, 2**24), "seq_len": (1, MAX_POSITIONS), "world_size": (1, 2**24), "min_size": (1, None)}
+_WORDS = {"seq_len": "sequence length"}
+
+
+def _check_count(name: str, value, low: int, high: int | None) -> None:
+    words = _WORDS.get(name, name.replace("_", " "))
+    if type(value) is not int:
+        raise UsageError(f"{words} {value!r:.40} must be a whole number")
+    if value < low:
+        raise UsageError(f"{words} {value} must be at least {low}")
+    if high is not None and value > high:
+        raise UsageError(f"{words} {str(value)[:40]} is beyond {high:,}, far beyond any training run")
 
 
 @dataclass
@@ -105,10 +120,11 @@ def _shard(nbytes: int, setup: Setup, from_stage: int) -> int:
 
 
 def _optimizer_states(model: Model, setup: Setup) -> dict:
-    rows_whole = setup.world_size > 1 and setup.zero_stage >= 1 and model.tensors is not None  # a count: no rows
+    # a bare parameter count has no shapes: counted as tensors of whole rows, as real models' matrices are
+    sharded = setup.world_size > 1 and setup.zero_stage >= 1 and model.tensors is not None
     return {"adamw_fp32": FP32_MOMENTS * model.count,
-            "ckptq_8bit": state_bytes(model, 8, setup.block_size, setup.min_size, rows_whole),
-            "ckptq_4bit": state_bytes(model, FOUR_BIT["bits"], FOUR_BIT["block_size"], setup.min_size, rows_whole)}
+            "ckptq_8bit": state_bytes(model, 8, setup.block_size, setup.min_size, sharded),
+            "ckptq_4bit": state_bytes(model, FOUR_BIT["bits"], FOUR_BIT["block_size"], setup.min_size, sharded)}
 
 
 def _gathered(model: Model, setup: Setup, p: int) -> int:

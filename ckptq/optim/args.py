@@ -15,6 +15,7 @@ torch's implementation flags and what they mean here:
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -50,8 +51,15 @@ def check_hyper(lr, betas, eps, weight_decay) -> None:
     """torch.optim.Adam(W)'s checks: lr, eps, weight_decay >= 0 and 0 <= beta < 1."""
     if not 0.0 <= _scalar(lr, "lr"):
         raise ArgumentError(f"Invalid learning rate: {lr} (must be >= 0)")
-    if not 0.0 <= _scalar(eps, "eps"):
+    eps_value = _scalar(eps, "eps")
+    if not 0.0 <= eps_value:
         raise ArgumentError(f"Invalid epsilon value: {eps} (must be >= 0)")
+    if eps_value == math.inf:  # torch accepts it: every update becomes 0, weight decay alone acts
+        raise ArgumentError(
+            "Invalid epsilon value: inf (must be finite: torch.optim.Adam(W) accepts it and makes every update 0, "
+            "but 8-bit state stores exp_avg relative to sqrt(exp_avg_sq) + eps and would decode it as NaN; "
+            "to freeze parameters use lr=0)"
+        )
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ArgumentError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):

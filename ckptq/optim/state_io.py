@@ -22,6 +22,7 @@ from . import args as optim_args
 from ..codec.policy import MOMENT_KEYS
 from ..errors import ArgumentError, FormatError, StateMismatchError, UsageError
 from .args import GROUP_FLAGS, IMPL_FLAGS
+from .validate import check_param_state, step_value
 
 def import_state_dict(opt, state_dict: dict):
     """Return ``(state {param: dict}, param_groups)`` for ``opt``; raises before ``opt`` changes."""
@@ -82,11 +83,12 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
             f"state of parameter {pid} has keys {sorted(saved)}, expected step/exp_avg/exp_avg_sq"
             "[/max_exp_avg_sq] as torch.optim.Adam(W) writes them; convert other optimizers' state first"
         )
+    check_param_state(pid, saved)
     p = torch.view_as_real(p) if p.is_complex() else p  # complex parameters keep real-view state, as step does
     moments = {k: _real_view(saved[k]) for k in MOMENT_KEYS if k in saved}
     for key, value in moments.items():
         _check_shape(p, pid, key, value)
-    step = _step_value(pid, saved.get("step", 0))
+    step = step_value(pid, saved.get("step", 0))
     out = {"step": torch.tensor(step, dtype=torch.float32)}
     rows_fit = not dtensor.is_dtensor(p) or dtensor.shardable(p)  # else this rank's part is no whole rows: fp32
     if rows_fit and _steppable(moments, getattr(opt, "bits", 8), dtensor.is_dtensor(p)):
@@ -106,15 +108,6 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
 def _real_view(value):
     """torch's Adam(W) keeps complex moments for complex parameters; ckptq keeps their real view."""
     return torch.view_as_real(value) if isinstance(value, torch.Tensor) and value.is_complex() else value
-
-
-def _step_value(pid, step) -> float:
-    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_meta and not step.is_complex():
-        return float(step)
-    if isinstance(step, (int, float)) and not isinstance(step, bool):
-        return float(step)
-    shown = f"a tensor of shape {tuple(step.shape)} on {step.device}" if isinstance(step, torch.Tensor) else repr(step)
-    raise StateMismatchError(f"state 'step' of parameter {pid} is {shown}; expected a number or 1-element tensor")
 
 
 def _steppable(moments: dict, bits: int, dtensor: bool = False) -> bool:
@@ -210,7 +203,10 @@ def to_torch_state_dict(state_dict: dict, optimizer=None) -> dict:
 
 
 def _dense_state(pid, saved: dict, is_complex: bool) -> dict:
-    decoded = _decoded(saved, pid) if any(qstate.is_qstate(v) for v in saved.values()) else saved
+    quantized = any(qstate.is_qstate(v) for v in saved.values())
+    if quantized:
+        check_param_state(pid, saved)
+    decoded = _decoded(saved, pid) if quantized else saved
     out = {k: v.clone() if isinstance(v, torch.Tensor) and v is saved.get(k) else v for k, v in decoded.items()}
     if is_complex:
         out.update({k: torch.view_as_complex(out[k].contiguous()) for k in MOMENT_KEYS if k in out})
