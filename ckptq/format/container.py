@@ -26,7 +26,7 @@ from .dtypes import FROM_SAFETENSORS
 from .files import atomic_outputs, open_regular
 from .safetensors_io import Stored
 from .index import INDEX_SUFFIX, SUFFIX
-from .reader import parse_json
+from .header import parse_json
 
 FORMAT_NAME = "ckptq"
 FORMAT_VERSION = 3

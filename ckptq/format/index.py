@@ -14,7 +14,7 @@ import os
 from . import integrity
 from ..errors import FormatError, InputError
 from .files import open_regular
-from .reader import MAX_HEADER, Reader, parse_json
+from .header import MAX_HEADER, parse_json
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -65,7 +65,7 @@ def read_index(path: str) -> tuple[dict, dict[str, str], list[str]]:
     return meta, wmap, [os.path.join(folder, f) for f in sorted(set(wmap.values()))]
 
 
-def check_set(path: str, meta: dict, wmap: dict, readers: list[Reader], sealed: bool) -> None:
+def check_set(path: str, meta: dict, wmap: dict, readers: list, sealed: bool) -> None:
     """Every tensor is where the index says; with ``sealed`` (version 2), every shard is the one the
     index was written with."""
     by_file = {os.path.basename(r.path): r for r in readers}
@@ -87,7 +87,7 @@ def check_set(path: str, meta: dict, wmap: dict, readers: list[Reader], sealed: 
     _check_numbering(path, readers)
 
 
-def _check_numbering(path: str, readers: list[Reader]) -> None:
+def _check_numbering(path: str, readers: list) -> None:
     k = len(readers)
     tags = sorted(r.metadata.get("ckptq.shard", "") for r in readers)
     want = sorted(f"{i}/{k}" for i in range(1, k + 1))
