@@ -167,7 +167,7 @@ def convert(src, output, bits, block_size, min_size, key, device, compress, leve
     it (optimizer.pt -> optimizer.q8.safetensors); a torch.distributed.checkpoint folder -> a DCP folder
     (SRC.q8; under torchrun the ranks share the work); a DeepSpeed ZeRO checkpoint -> its optimizer
     partitions beside them; with --all, every checkpoint folder of a run."""
-    from .sources.api import convert as run
+    from . import convert as run  # the public function (ckptq.convert), imported on first use
 
     shard = _run(parse_size, max_shard_size) or None
     with _progress(quiet or as_json, "convert") as progress:
@@ -191,7 +191,7 @@ def expand(src, output, no_verify, force, quiet, trust, replace, as_json):
     bitsandbytes', torchao's), back into an ordinary fp32 torch.save checkpoint. A Trainer, accelerate or
     Lightning checkpoint folder: back into the files its resume reads (optimizer.pt, optimizer.bin, *.ckpt);
     a DCP folder or a DeepSpeed checkpoint: back to fp32 folders."""
-    from .sources.api import expand as run
+    from . import expand as run  # the public function (ckptq.expand), imported on first use
 
     with _progress(quiet or as_json, "expand") as progress:
         r = _run(run, src, output, force=force, verify=not no_verify, trust=trust, replace=replace, progress=progress)
@@ -211,7 +211,7 @@ def info(path, bits, min_size, block_size, key, trust, as_json):
     """Show what is inside a checkpoint (a file, a framework's checkpoint folder, a run's folder, a DCP
     folder, a DeepSpeed checkpoint): states by role and code width, exact tensors, sizes, the options a
     converted file records, and what convert would write."""
-    from .sources.api import info as run
+    from . import info as run  # the public function (ckptq.info), imported on first use
 
     r = _run(run, path, key=key, min_size=min_size, block_size=block_size, trust=trust, bits=bits)
     click.echo(json.dumps(r.as_dict(), indent=1) if as_json else r.text())

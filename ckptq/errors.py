@@ -42,6 +42,11 @@ class FormatError(CkptqError):
     exit_code = 5
 
 
+class ReadbackError(FormatError):
+    """A written output does not read back as what was meant (``--replace``); the output was removed and
+    the original kept."""
+
+
 class ChecksumError(FormatError):
     """A tensor's bytes do not match the checksum recorded when it was written."""
 

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 from conftest import TinyLM, param_groups, train
 
-from ckptq.sources import readback
+from ckptq.sources import readback, single
 from ckptq.cli import main
 from ckptq.optim import AdamW8bit
 
@@ -224,7 +224,7 @@ def test_a_bad_readback_during_replace_deletes_nothing(tmp_path, monkeypatch, da
     d = trainer_folder(tmp_path)
     before = digests(d)
     if damage == "bytes":
-        real = readback.check_converted
+        real = single.check_converted
 
         def flip_then_check(src, outputs, trust=False):
             with open(outputs[-1], "r+b") as f:
@@ -234,7 +234,7 @@ def test_a_bad_readback_during_replace_deletes_nothing(tmp_path, monkeypatch, da
                 f.write(bytes([byte[0] ^ 0x10]))
             return real(src, outputs, trust)
 
-        monkeypatch.setattr(readback, "check_converted", flip_then_check)
+        monkeypatch.setattr(single, "check_converted", flip_then_check)
     else:
         real_requantize = readback._requantize
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import ckptq
 from ckptq.cli import main
 from ckptq.errors import InputError
-from ckptq.sources import readback
+from ckptq.sources import single
 from test_folders import digests, one_line_error, trainer_folder
 
 
@@ -76,13 +76,13 @@ def test_replace_keeps_a_source_that_was_rewritten_while_it_was_checked(tmp_path
     pt = trainer_folder(tmp_path) / "optimizer.pt"
     newer = tmp_path / "newer.pt"
     torch.save({"fresh": torch.arange(5)}, newer)
-    check = readback.check_converted
+    check = single.check_converted
 
     def rewritten_meanwhile(src, outputs, trust=False):
         check(src, outputs, trust)
         os.replace(newer, src)  # atomically, as torch.save to a temp name and a rename does
 
-    monkeypatch.setattr(readback, "check_converted", rewritten_meanwhile)
+    monkeypatch.setattr(single, "check_converted", rewritten_meanwhile)
     with pytest.raises(InputError, match="changed while it was converted"):
         ckptq.convert(str(pt), replace=True)
     assert torch.load(pt, weights_only=True)["fresh"].tolist() == list(range(5))  # the new file stays

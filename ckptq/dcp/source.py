@@ -13,7 +13,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..codec import policy, quant
 from ..format import files
-from ..sources import outputs, readback
+from ..errors import ReadbackError
+from ..sources import outputs
+from ..sources.original import Original
 from ..sources.base import Source
 from ..sources.options import ConvertOptions, ExpandOptions, InfoOptions
 from ..sources.reports import ConvertReport, ExpandReport, InfoReport
@@ -32,8 +34,8 @@ def _entry(path: str, key: str, meta):
     return folder._read(path, {key: template})[key]
 
 
-def _fail(where: str, key: str, what: str) -> readback.ReadbackError:
-    return readback.ReadbackError(f"{where} does not read back as written ({key}: {what}); it was removed and the "
+def _fail(where: str, key: str, what: str) -> ReadbackError:
+    return ReadbackError(f"{where} does not read back as written ({key}: {what}); it was removed and the "
                                   "original kept")
 
 
@@ -87,7 +89,7 @@ class DcpFolder(Source):
         output, and keeps the source."""
         try:
             _check(self.path, outputs_[0], expanded)
-        except readback.ReadbackError:
+        except ReadbackError:
             if writer._rank0():
                 files.remove_path(outputs_[0])
             raise
@@ -97,7 +99,7 @@ class DcpFolder(Source):
         t0 = time.perf_counter()
         dst = opts.output or self.path.rstrip("/") + f".q{opts.bits}"
         outputs.check_separate([self.path], dst)
-        original = readback.Original(self.path) if opts.replace else None
+        original = Original(self.path) if opts.replace else None
         writer.join_torchrun()
         r = folder.convert(self.path, dst, bits=opts.bits, block_size=opts.block_size, min_size=opts.min_size,
                            force=opts.force)
@@ -113,7 +115,7 @@ class DcpFolder(Source):
         t0 = time.perf_counter()
         dst = opts.output or self.path.rstrip("/").removesuffix(".q8").removesuffix(".q4") + ".fp32"
         outputs.check_separate([self.path], dst)
-        original = readback.Original(self.path) if opts.replace else None
+        original = Original(self.path) if opts.replace else None
         writer.join_torchrun()
         r = folder.expand(self.path, dst, force=opts.force)
         report = ExpandReport(self.path, self.kind, [dst], r["output_bytes"])

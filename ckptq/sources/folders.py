@@ -20,8 +20,9 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ..codec import checkpoint, quant, signpost, tree
+from ..codec import checkpoint, quant, signpost
 from .. import format
+from ..format.container import Container
 from ..errors import CkptqError, InputError, NothingToConvertError, UsageError
 
 TRAINER_MARKER = "trainer_state.json"
@@ -70,7 +71,7 @@ def is_checkpoint_folder(path: str) -> bool:
 def _recorded_source(path: str) -> str | None:
     """The source file name a converted file records (``optimizer.pt``, ``last.ckpt``), if a plain name."""
     try:
-        conv = tree.Converted(path, verify=False)
+        conv = Container(path, verify=False)  # its metadata only
     except CkptqError:
         return None
     conv.close()
@@ -235,7 +236,7 @@ def parts_of(src: str) -> list[str]:
     """A converted file, or an index and its shards: every file that goes when it is replaced."""
     if os.path.isdir(src):
         return [src]
-    conv = tree.Converted(src, verify=False)
+    conv = Container(src, verify=False)
     conv.close()
     return conv.files
 

@@ -15,7 +15,8 @@ import re
 import time
 
 from ..errors import NothingToConvertError, UsageError
-from . import folders, readback
+from . import folders
+from .original import Original, sync_folder
 from .base import Source
 from .options import ConvertOptions, ExpandOptions, InfoOptions
 from .reports import ConvertReport, ExpandReport, InfoReport
@@ -42,7 +43,7 @@ class FrameworkFolder(Source):
         report = ConvertReport(self.path, f"{layout.framework} {self.kind}", bits=opts.bits)
         one = opts.with_output(None)
         sources = [self._detect(job.src) for job in layout.jobs]
-        originals = [readback.Original(job.src) for job in layout.jobs] if opts.replace else []
+        originals = [Original(job.src) for job in layout.jobs] if opts.replace else []
         for job, source in zip(layout.jobs, sources):  # each file beside its original; no file is deleted yet
             report.add(source.convert(_replace_off(one.with_output(job.dst))))
         for source, part in zip(sources, report.parts) if opts.replace else ():
@@ -59,7 +60,7 @@ class FrameworkFolder(Source):
         layout = folders.for_expand(self.path, opts.replace)
         report = ExpandReport(self.path, f"{layout.framework} {self.kind}")
         moved = [job for job in layout.jobs if not job.in_place]
-        originals = {job.src: readback.Original(job.src) for job in moved} if opts.replace else {}
+        originals = {job.src: Original(job.src) for job in moved} if opts.replace else {}
         for job in layout.jobs:
             if job.in_place:
                 report.add(self._expand_in_place(job.src, opts))
@@ -79,9 +80,9 @@ class FrameworkFolder(Source):
         try:
             part = self._detect(src).expand(ExpandOptions(output=tmp, force=True, verify=opts.verify, trust=opts.trust,
                                                           progress=opts.progress))
-            readback.check_expanded(src, tmp, opts.trust)
+            self._detect(src).check_expanded([tmp], opts.trust)
             os.replace(tmp, src)
-            readback.sync_folder(src)
+            sync_folder(src)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -1,30 +1,25 @@
-"""Reading a written output back before its original is deleted (``--replace``).
+"""Comparing a written output with what was meant, before its original is deleted (``--replace``); the
+sources read both sides (``ckptq.sources.single``).
 
 A converted file is checked against its source: every stored tensor's checksum, every exact tensor bit for
 bit, and every 8-bit state re-quantized from the source with the parameters the file records (codes,
 scales and codebook must be identical: quantization is deterministic). An expanded file is loaded with
 ``torch.load(weights_only=True)`` and compared bit for bit with the decoding of its source. Only then,
-with the output's folder entry made durable (``fsync`` of the folder), is the original removed.
+with the output's folder entry made durable (``fsync`` of the folder), is the original removed
+(``ckptq.sources.original``).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import stat
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
 
-from ..codec import checkpoint, foreign, policy, qstate, quant, tree
-from .. import format
+from ..codec import policy, qstate, quant
 from ..format import files
-from ..errors import FormatError, InputError
-
-
-class ReadbackError(FormatError):
-    """A written output does not read back as what was meant; the original was kept."""
+from ..errors import FormatError, InputError, ReadbackError  # noqa: F401 (ReadbackError: raised here)
 
 
 @contextmanager
@@ -38,42 +33,17 @@ def discarding(outputs: list[str]) -> Iterator[None]:
         raise
 
 
-def check_converted(src: str, outputs: list[str], trust: bool = False) -> None:
-    """Raise :class:`ReadbackError` (and remove ``outputs``) unless the converted ``outputs`` (file, or
-    index + shards) of the torch.save file ``src`` decode to exactly what convert meant to write."""
-    if format.is_safetensors(src):  # a converted file re-encoded at another width: its decoded states
-        want = tree.Converted(src).read(dequantize=True)
-    else:
-        want = checkpoint.load_torch(src, trust=trust)
-    foreign.to_torch(want)  # bitsandbytes / torchao state is converted from its fp32 form, as convert does
-    with discarding(outputs):
-        conv = tree.Converted(outputs[0], verify=True)  # verify: each tensor's crc32 is checked as it is read
-        try:
-            _compare(want, conv.read(dequantize=False), "", outputs[0])
-        finally:
-            conv.close()
+def check_converted(want: Any, got: Any, where: str) -> None:
+    """ReadbackError unless ``got`` (a converted output as read, states still quantized) is what convert
+    meant to write from ``want`` (the source's contents): exact tensors bit for bit, every low-bit state
+    equal to ``want``'s tensor re-quantized with the parameters ``got`` records."""
+    _compare(want, got, "", where)
 
 
-def check_expanded(src: str, dst: str, trust: bool = False) -> None:
-    """Raise :class:`ReadbackError` (and remove ``dst``) unless the torch.save file ``dst`` holds exactly the
-    decoding of ``src`` (a converted file or set, or a torch.save file holding 8-bit states)."""
-    with discarding([dst]):
-        _check_expanded(src, dst, trust)
-
-
-def _check_expanded(src: str, dst: str, trust: bool) -> None:
-    got = checkpoint.load_torch(dst)
-    if checkpoint.is_torch_file(src):
-        want = checkpoint.load_torch(src, trust=trust)
-        foreign.to_torch(want)
-        quant.decode_qstates(want)
-        _compare(want, got, "", dst)
-        return
-    conv = tree.Converted(src, verify=True)
-    try:
-        _compare(conv.read(dequantize=True, lazy=True), got, "", dst)  # lazy: one decoded tensor at a time
-    finally:
-        conv.close()
+def check_expanded(want: Any, got: Any, where: str) -> None:
+    """ReadbackError unless ``got`` (an expanded output as torch.load reads it) holds exactly ``want`` (the
+    source's contents decoded; lazily read tensors are produced one at a time)."""
+    _compare(want, got, "", where)
 
 
 def _mismatch(where: str, path: str, what: str) -> ReadbackError:
@@ -127,65 +97,3 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN payloads and signed zeros included)."""
     return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
                        b.detach().contiguous().reshape(-1).view(torch.uint8))
-
-
-def sync_folder(path: str) -> None:
-    """Make the folder entries of ``path`` (a rename into place) durable before anything is deleted."""
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class SourceChangedError(InputError):
-    """The original changed while it was converted; it was kept."""
-
-
-class Original:
-    """An input as it was when ``--replace`` started: its device, inode, size and modification time,
-    held open so the inode cannot be reused. ``remove`` deletes the input only if it is still that file: it
-    renames the path aside (atomic), checks what it moved, and moves it back if it is not the file that was
-    converted (a trainer rewrote ``last.ckpt`` meanwhile, say), so a file that was not checked is never lost."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self.key = self._key(os.fstat(self._fd), path)
-
-    @staticmethod
-    def _key(st: os.stat_result, path: str) -> tuple:
-        if stat.S_ISDIR(st.st_mode):  # a folder: its identity and its .metadata's (a DCP folder rewritten in place)
-            meta = os.path.join(path, ".metadata")
-            inner = os.stat(meta) if os.path.exists(meta) else st
-            return (st.st_dev, st.st_ino, inner.st_ino, inner.st_size, inner.st_mtime_ns)
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-    def remove(self, outputs: list[str], also: list[str] = ()) -> list[str]:
-        """Delete the input (and ``also``: the shards of a set) once ``outputs`` are checked, their folder
-        entries synced first; SourceChangedError, keeping it, if it is not the file that was converted."""
-        try:
-            for out in outputs:
-                sync_folder(out)
-            aside = f"{self.path.rstrip(os.sep)}.ckptq-removing-{os.getpid()}"
-            os.rename(self.path, aside)
-            if self._key(os.lstat(aside), aside) != self.key:
-                os.rename(aside, self.path)
-                raise SourceChangedError(
-                    f"{self.path} changed while it was converted (another program rewrote it); it was kept: the "
-                    f"output ({', '.join(outputs)}) holds the version that was read, check which one you want")
-            files.remove_path(aside)
-            for extra in also:
-                files.remove_path(extra)
-            sync_folder(self.path)
-            return [self.path, *also]
-        finally:
-            os.close(self._fd)
-
-
-def remove_original(src: str, outputs: list[str]) -> None:
-    """Delete ``src`` (a file or a folder) once ``outputs`` are checked; their folder entries synced first."""
-    for out in outputs:
-        sync_folder(out)
-    files.remove_path(src)
-    sync_folder(src)

@@ -13,9 +13,45 @@ from ..codec import checkpoint, foreign, plan, policy, qstate, quant, signpost, 
 from ..errors import InputError, NothingToConvertError
 from ..format import torch_stream
 from . import outputs, readback
+from .original import Original
 from .base import Source
 from .options import ConvertOptions, ExpandOptions, InfoOptions
 from .reports import ConvertReport, ExpandReport, InfoReport, StateRow
+
+
+def check_converted(src: str, outputs: list[str], trust: bool = False) -> None:
+    """ReadbackError (and ``outputs`` removed) unless the converted ``outputs`` (file, or index + shards) of
+    ``src`` (a torch.save file, or a converted file re-encoded at another width) decode to exactly what
+    convert meant to write; each tensor's crc32 is checked as it is read."""
+    if format.is_safetensors(src):  # re-encoded at another width: its decoded states are the source
+        want = tree.Converted(src).read(dequantize=True)
+    else:
+        want = checkpoint.load_torch(src, trust=trust)
+    foreign.to_torch(want)  # bitsandbytes / torchao state is converted from its fp32 form, as convert does
+    with readback.discarding(outputs):
+        conv = tree.Converted(outputs[0], verify=True)
+        try:
+            readback.check_converted(want, conv.read(dequantize=False), outputs[0])
+        finally:
+            conv.close()
+
+
+def check_expanded(src: str, dst: str, trust: bool = False) -> None:
+    """ReadbackError (and ``dst`` removed) unless the torch.save file ``dst`` holds exactly the decoding of
+    ``src`` (a converted file or set, or a torch.save file holding 8-bit states)."""
+    with readback.discarding([dst]):
+        got = checkpoint.load_torch(dst)
+        if checkpoint.is_torch_file(src):
+            want = checkpoint.load_torch(src, trust=trust)
+            foreign.to_torch(want)
+            quant.decode_qstates(want)
+            readback.check_expanded(want, got, dst)
+            return
+        conv = tree.Converted(src, verify=True)
+        try:  # lazy: one decoded tensor at a time
+            readback.check_expanded(conv.read(dequantize=True, lazy=True), got, dst)
+        finally:
+            conv.close()
 
 
 def default_output(src: str, bits: int = 8) -> str:
@@ -109,16 +145,16 @@ class TorchFile(Source):
         return obj, signpost.unwrap(obj)
 
     def check_converted(self, outputs: list[str], trust: bool) -> None:
-        readback.check_converted(self.path, outputs, trust)
+        check_converted(self.path, outputs, trust)
 
     def check_expanded(self, outputs: list[str], trust: bool) -> None:
-        readback.check_expanded(self.path, outputs[0], trust)
+        check_expanded(self.path, outputs[0], trust)
 
     def convert(self, opts: ConvertOptions) -> ConvertReport:
         t0 = time.perf_counter()
         opts = opts.with_output(opts.output or default_output(self.path, opts.bits))
         outputs.check_separate([self.path], opts.output)
-        original = readback.Original(self.path) if opts.replace else None
+        original = Original(self.path) if opts.replace else None
         report = _write_converted(self.path, self._load(opts.trust)[0], opts, self.kind, t0)
         if original:  # the original goes only once the output reads back as what was meant
             self.check_converted(report.outputs, opts.trust)
@@ -132,7 +168,7 @@ class TorchFile(Source):
         t0 = time.perf_counter()
         dst = opts.output or default_expanded(self.path)
         outputs.check_separate([self.path], dst)
-        original = readback.Original(self.path) if opts.replace else None
+        original = Original(self.path) if opts.replace else None
         obj, restored = self._load(opts.trust)
         if not quant.count_qstates(obj) + foreign.to_torch(obj) + restored:
             raise InputError(f"{self.path} is a torch.save checkpoint without 8-bit states (ckptq, bitsandbytes or "
@@ -226,10 +262,10 @@ class ConvertedFile(Source):
         super().__init__(path)
 
     def check_converted(self, outputs: list[str], trust: bool) -> None:
-        readback.check_converted(self.path, outputs, trust)
+        check_converted(self.path, outputs, trust)
 
     def check_expanded(self, outputs: list[str], trust: bool) -> None:
-        readback.check_expanded(self.path, outputs[0], trust)
+        check_expanded(self.path, outputs[0], trust)
 
     def convert(self, opts: ConvertOptions) -> ConvertReport:
         """A converted file re-encoded at the other budget (8 <-> 4): its states decoded, then quantized."""
@@ -242,7 +278,7 @@ class ConvertedFile(Source):
                 other = 4 if opts.bits == 8 else 8
                 raise NothingToConvertError(f"{self.path} already holds {opts.bits}-bit states; `ckptq convert --bits {other}` "
                                  f"re-encodes them at {other} bits, `ckptq expand` turns them back into fp32")
-            original = readback.Original(self.path) if opts.replace else None
+            original = Original(self.path) if opts.replace else None
             obj = conv.read(dequantize=True)
             files = list(conv.files)
         finally:
@@ -262,7 +298,7 @@ class ConvertedFile(Source):
         conv = tree.Converted(self.path, opts.verify)
         try:
             outputs.check_separate(conv.files, dst)
-            original = readback.Original(self.path) if opts.replace else None
+            original = Original(self.path) if opts.replace else None
             obj = conv.read(dequantize=True, lazy=True)  # tensors are produced one at a time while writing
             with format.atomic_outputs([dst], opts.force, "torch") as (tmp,):
                 torch_stream.save(obj, tmp, opts.progress)

@@ -1,0 +1,64 @@
+"""The input of ``--replace`` as it was when the work started, and its removal once the outputs checked out:
+only the very file (or folder) that was converted is ever deleted."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from ..errors import InputError
+from ..format import files
+
+
+def sync_folder(path: str) -> None:
+    """Make the folder entries of ``path`` (a rename into place) durable before anything is deleted."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SourceChangedError(InputError):
+    """The original changed while it was converted; it was kept."""
+
+
+class Original:
+    """An input as it was when ``--replace`` started: its device, inode, size and modification time,
+    held open so the inode cannot be reused. ``remove`` deletes the input only if it is still that file: it
+    renames the path aside (atomic), checks what it moved, and moves it back if it is not the file that was
+    converted (a trainer rewrote ``last.ckpt`` meanwhile, say), so a file that was not checked is never lost."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.key = self._key(os.fstat(self._fd), path)
+
+    @staticmethod
+    def _key(st: os.stat_result, path: str) -> tuple:
+        if stat.S_ISDIR(st.st_mode):  # a folder: its identity and its .metadata's (a DCP folder rewritten in place)
+            meta = os.path.join(path, ".metadata")
+            inner = os.stat(meta) if os.path.exists(meta) else st
+            return (st.st_dev, st.st_ino, inner.st_ino, inner.st_size, inner.st_mtime_ns)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def remove(self, outputs: list[str], also: list[str] = ()) -> list[str]:
+        """Delete the input (and ``also``: the shards of a set) once ``outputs`` are checked, their folder
+        entries synced first; SourceChangedError, keeping it, if it is not the file that was converted."""
+        try:
+            for out in outputs:
+                sync_folder(out)
+            aside = f"{self.path.rstrip(os.sep)}.ckptq-removing-{os.getpid()}"
+            os.rename(self.path, aside)
+            if self._key(os.lstat(aside), aside) != self.key:
+                os.rename(aside, self.path)
+                raise SourceChangedError(
+                    f"{self.path} changed while it was converted (another program rewrote it); it was kept: the "
+                    f"output ({', '.join(outputs)}) holds the version that was read, check which one you want")
+            files.remove_path(aside)
+            for extra in also:
+                files.remove_path(extra)
+            sync_folder(self.path)
+            return [self.path, *also]
+        finally:
+            os.close(self._fd)
