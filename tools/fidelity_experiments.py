@@ -24,6 +24,11 @@ optimizer steps, and only for it.
     python tools/fidelity_experiments.py resume_fidelity --from-scratch --preset issue23 --seeds 0,1,2 \\
         --variants ckptq4,uv4 --windows 300
     python tools/fidelity_experiments.py step_bias --preset issue23 --variant uv4 --steps 300
+    python tools/fidelity_experiments.py embedding_rows ckptq 300    # the tied embedding's rows, issue23 seed 0
+
+``embedding_rows VARIANT [STEPS]``: step_bias's run in ``--preset issue23`` (seed 0), then the token
+embedding's (wte, tied to the head) decoded sqrt(v) against the fp32 shadow and its update bias, per row,
+grouped by the byte's frequency in the text: which rows carry wte's bias.
 """
 
 from __future__ import annotations
@@ -195,10 +200,49 @@ def register_update_noise(names) -> None:
                                           UpdateNoiseAdamW(groups, s, seed + 104729, lr=lr))(sigma)
 
 
+def embedding_rows(variant: str, steps: int = 300) -> None:
+    """``embedding_rows`` (module docstring): per-row sqrt(v) bias and update bias of wte at the last step."""
+    import step_bias as sb
+
+    last = {}
+    measure = sb.measure
+
+    def keep_wte(prev, new, exact, sh, u_star):
+        if sh["v"].numel() == 256 * 128:  # the byte model's wte (the only tensor of that size)
+            last.update(s=new["s"].clone(), ref=sh["v"].sqrt(), u=exact["u"].clone(), u_star=u_star.clone())
+        return measure(prev, new, exact, sh, u_star)
+
+    sb.measure = keep_wte
+    args = sb.parse_args(["--preset", "issue23", "--variant", variant, "--steps", str(steps), "--seed", "0"])
+    torch.set_num_threads(args.threads)
+    sb.train(args)
+    s, ref = last["s"].view(256, 128), last["ref"].view(256, 128)
+    ok = (s > 0) & (ref > 0)
+    logs = torch.where(ok, (s / ref).log(), torch.zeros_like(s))
+    row_bias = (logs.sum(1) / ok.sum(1).clamp(min=1)).exp() - 1
+    u, us = last["u"].view(256, 128), last["u_star"].view(256, 128)
+    row_ubias = ((u - us) * us).sum(1) / us.square().sum(1).clamp(min=1e-30)
+    text = rf.english_text()
+    freq = torch.bincount(text, minlength=256).double() / text.numel()
+    order, present = freq.argsort(descending=True), int((freq > 0).sum())
+    groups = [("top 16 bytes", order[:16]), ("bytes 17-48", order[16:48]),
+              (f"bytes 49-{present} (rare)", order[48:present]), ("absent from the text", order[present:])]
+    print(f"{variant}, issue23, seed 0, step {steps}: wte rows by the byte's frequency in the text\n")
+    print("| rows | count | share of text | sqrt(v) vs fp32 (median row) | u_bias (median row) |")
+    print("|---|---:|---:|---:|---:|")
+    for name, idx in groups:
+        if len(idx):
+            print(f"| {name} | {len(idx)} | {100 * freq[idx].sum():.2f}% | {100 * row_bias[idx].median():+.2f}% | "
+                  f"{100 * row_ubias[idx].median():+.2f}% |")
+
+
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("resume_fidelity", "step_bias"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("resume_fidelity", "step_bias", "embedding_rows"):
         raise SystemExit(__doc__)
     tool, argv = sys.argv[1], sys.argv[2:]
+    if tool == "embedding_rows":
+        embedding_rows(argv[0], int(argv[1]) if len(argv) > 1 else 300)
+        return
     words = [w for a in argv for w in a.split(",")]
     register_update_noise(words)
     if tool == "resume_fidelity":
