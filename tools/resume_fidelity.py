@@ -13,15 +13,24 @@ steps, saves a checkpoint, then continues ``--steps`` steps on identical batches
 (``--variants`` picks a subset.)
 
 ``--from-scratch`` trains instead from the same initialization, without a checkpoint, for ``--steps``
-steps: fp32, ckptq (AdamW8bit), ckptq4 (AdamW4bit), bnb (bitsandbytes AdamW8bit) and ao4 (torchao
-AdamW4bit), each with its own state from the first step: what a quantized state does while the moments
-build up (a 4-bit sqrt(v) rounded to nearest froze there; README, "4-bit state").
+steps: fp32, ckptq (AdamW8bit), ckptq4 (AdamW4bit), bnb (bitsandbytes AdamW8bit), ao4 / ao8 (torchao
+AdamW4bit / AdamW8bit) and two controls, noise1 / noise001 (fp32 AdamW with every gradient element
+multiplied by 1 + 1% / 0.01% Gaussian noise, seeded: what an unbiased perturbation of that size does to the
+loss), each with its own state from the first step. ``--seeds 0,1,2,3,4`` runs every seed and prints, per
+``--windows`` entry, the mean loss of the 100 steps up to it against fp32's on the same seed (all windows
+from one run: the lr is constant after warm-up). ``--preset issue23`` is issue 23's setting: a byte-level
+GPT-2 (n_embd 128, 2 layers, 4 heads) on 16 x 128 bytes of English text (``english_text``: Python's own
+help topics, offline), lr 3e-3 after 30 warm-up steps; the default is make_checkpoint's Zipf chains on
+the mid model, lr 3e-3 from step 1. Both use betas (0.9, 0.95) and weight decay 0.1 (``--betas``).
 
 Per variant: mean loss over the continuation and max loss over its first 20 steps, each against (a)
 (difference and ratio). (b) and (c) should sit as close to (a) as (d) does; (e) spikes.
 
     python tools/resume_fidelity.py --plot /tmp/resume.png          # ~3 min on 2 cores
     python tools/resume_fidelity.py --size small --pretrain 600 --steps 500
+    python tools/resume_fidelity.py --preset issue23 --seeds 0,1,2,3,4 --steps 1000 --windows 300,1000
+    python tools/resume_fidelity.py --from-scratch --seeds 0,1,2,3,4 --steps 1000 --windows 300,1000 \
+        --variants noise1,noise001,ckptq,ckptq4,bnb --json /tmp/curves.json
 
 bitsandbytes cannot load a torch state dict (its state is ``state1``/``state2`` codes with
 ``absmax1``/``absmax2`` per block of 256 and maps ``qmap1``/``qmap2``; tensors under 4096 elements keep
@@ -32,6 +41,7 @@ overwrites it with ``bitsandbytes.functional.quantize_blockwise`` of the fp32 mo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -47,9 +57,18 @@ from ckptq.optim import AdamW4bit, AdamW8bit  # noqa: E402
 
 # make_checkpoint's sizes plus "mid" (~0.67 M params), the default: big enough that the moments matter,
 # small enough that five continuations run in a few minutes on 2 cores.
-SIZES = {**mc.SIZES, "mid": dict(vocab_size=2048, n_layer=2, n_head=4, n_embd=128, block_size=64, batch_size=16)}
+# "byte128": issue 23's byte-level GPT-2 on English text (``--preset issue23``).
+SIZES = {**mc.SIZES, "mid": dict(vocab_size=2048, n_layer=2, n_head=4, n_embd=128, block_size=64, batch_size=16),
+         "byte128": dict(vocab_size=256, n_layer=2, n_head=4, n_embd=128, block_size=128, batch_size=16)}
 VARIANTS = ("fp32", "ckptq", "expanded", "bnb", "fresh", "ckptq4", "expanded4")
-SCRATCH_VARIANTS = ("fp32", "ckptq", "ckptq4", "bnb", "ao4")
+SCRATCH_VARIANTS = ("fp32", "noise1", "noise001", "ckptq", "ckptq4", "bnb", "ao4", "ao8")
+NOISE = {"noise1": 1e-2, "noise001": 1e-4}  # the controls: relative Gaussian gradient noise
+# Issue 23's setting: byte-level GPT-2 (n_embd 128, 2 layers, 4 heads), 16 x 128 bytes of English text,
+# lr 3e-3 after 30 linear warm-up steps, betas (0.9, 0.95) and weight decay 0.1 (make_checkpoint's).
+PRESETS = {"issue23": dict(size="byte128", data="text", lr=3e-3, warmup=30)}
+# More --from-scratch variants by name: name -> f(param groups, lr, seed) -> optimizer (for experiments
+# that import this module).
+SCRATCH_FACTORIES: dict = {}
 LAST_WINDOW = 100
 SPIKE_WINDOW = 20
 
@@ -59,15 +78,28 @@ def model_config(size: str) -> tuple[dict, int]:
     return cfg, cfg.pop("batch_size")
 
 
-def param_groups(model: torch.nn.Module, lr: float) -> list[dict]:
+def param_groups(model: torch.nn.Module, lr: float, betas=mc.BETAS) -> list[dict]:
     """make_checkpoint's (= nanoGPT's) two groups: decay on >= 2-D tensors only."""
     groups = mc.make_optimizer(model).param_groups
-    return [dict(params=g["params"], weight_decay=g["weight_decay"], lr=lr, betas=mc.BETAS) for g in groups]
+    return [dict(params=g["params"], weight_decay=g["weight_decay"], lr=lr, betas=tuple(betas)) for g in groups]
 
 
-def train_steps(model, opt, batches, losses: list[float] | None = None) -> None:
-    """make_checkpoint's step: loss, backward, clip at 1.0, step; appends each loss to ``losses``."""
-    for x, y in batches:
+def set_lr(opt, base: list[float], factor: float) -> None:
+    """Each group's lr = its base lr x ``factor`` (in place where torchao keeps lr as a tensor)."""
+    for group, lr in zip(opt.param_groups, base):
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr * factor)
+        else:
+            group["lr"] = lr * factor
+
+
+def train_steps(model, opt, batches, losses: list[float] | None = None, schedule=None) -> None:
+    """make_checkpoint's step: loss, backward, clip at 1.0, step; appends each loss to ``losses``.
+    ``schedule``: lr factor of step t (t from 1), applied to each group's lr as it was on entry."""
+    base = [float(g["lr"]) for g in opt.param_groups]
+    for t, (x, y) in enumerate(batches, start=1):
+        if schedule is not None:
+            set_lr(opt, base, schedule(t))
         loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -164,32 +196,143 @@ def summary(curves: dict[str, list[float]]) -> str:
     return "\n".join(rows)
 
 
-def scratch_optimizer(variant: str, model: torch.nn.Module, lr: float):
-    """A fresh optimizer of ``--from-scratch``'s variant for ``model``."""
-    groups = param_groups(model, lr)
+class NoisyAdamW(torch.optim.AdamW):
+    """fp32 torch AdamW that multiplies each gradient element by (1 + ``sigma`` * N(0, 1)) before stepping,
+    from its own seeded generator: an unbiased perturbation of known size, the control rows."""
+
+    def __init__(self, params, sigma: float, seed: int, **kwargs):
+        super().__init__(params, **kwargs)
+        self.sigma, self.gen = sigma, torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(torch.randn(p.grad.shape, generator=self.gen).mul_(self.sigma).add_(1.0))
+        return super().step(closure)
+
+
+def _third_party(variant: str, groups: list[dict], lr: float):
+    """bitsandbytes AdamW8bit (``bnb``), torchao AdamW4bit / AdamW8bit (``ao4`` / ``ao8``, lr a tensor as
+    torchao requires)."""
     if variant == "bnb":
         import bitsandbytes.optim
 
         return bitsandbytes.optim.AdamW8bit(groups, lr=lr)
-    if variant == "ao4":
-        from torchao.optim import AdamW4bit as TorchaoAdamW4bit
+    import torchao.optim
 
-        return TorchaoAdamW4bit(groups, lr=lr)
+    cls = {"ao4": torchao.optim.AdamW4bit, "ao8": torchao.optim.AdamW8bit}[variant]
+    for g in groups:
+        g["lr"] = torch.tensor(g["lr"])
+    return cls(groups, lr=torch.tensor(lr))
+
+
+def scratch_optimizer(variant: str, model: torch.nn.Module, lr: float, seed: int = 0, betas=mc.BETAS):
+    """A fresh optimizer of ``--from-scratch``'s variant for ``model`` (``seed``: the noise controls' own)."""
+    groups = param_groups(model, lr, betas)
+    if variant in SCRATCH_FACTORIES:
+        return SCRATCH_FACTORIES[variant](groups, lr, seed)
+    if variant in NOISE:
+        return NoisyAdamW(groups, NOISE[variant], seed + 7919, lr=lr)
+    if variant in ("bnb", "ao4", "ao8"):
+        return _third_party(variant, groups, lr)
     cls = {"fp32": torch.optim.AdamW, "ckptq": AdamW8bit, "ckptq4": AdamW4bit}[variant]
     return cls(groups, lr=lr)
 
 
-def from_scratch(args) -> tuple[dict[str, list[float]], str]:
-    """Every variant trained from the same initialization on the same batches."""
+def english_text() -> torch.Tensor:
+    """Plain English text, offline and deterministic: the bytes of Python's own help topics (the language
+    reference's prose, ``pydoc_data.topics``, ~466 KB in Python 3.11), in sorted topic order, as int64 ids."""
+    import pydoc_data.topics
+
+    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+
+def text_batches(cfg: dict, batch_size: int, count: int, seed: int) -> list:
+    """``count`` batches of ``batch_size`` random windows of ``english_text`` (inputs, next-byte targets)."""
+    data, block = english_text(), cfg["block_size"]
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        starts = torch.randint(data.numel() - block - 1, (batch_size,), generator=gen)
+        rows = torch.stack([data[s : s + block + 1] for s in starts.tolist()])
+        out.append((rows[:, :-1], rows[:, 1:]))
+    return out
+
+
+def scratch_data(args, seed: int) -> list:
+    """The batches of one seed: English bytes for ``--data text``, make_checkpoint's Zipf chains otherwise."""
     cfg, batch_size = model_config(args.size)
-    perm = mc._transition_table(cfg["vocab_size"], torch.Generator().manual_seed(args.seed))
-    data = batches(cfg, batch_size, perm, args.steps, args.seed + 1)
+    if args.data == "text":
+        return text_batches(cfg, batch_size, args.steps, seed + 1)
+    perm = mc._transition_table(cfg["vocab_size"], torch.Generator().manual_seed(seed))
+    return batches(cfg, batch_size, perm, args.steps, seed + 1)
+
+
+def warmup_schedule(warmup: int):
+    """lr factor of step t (from 1): t / warmup for the first ``warmup`` steps, then 1; None without warm-up."""
+    return (lambda t: min(1.0, t / warmup)) if warmup > 0 else None
+
+
+def from_scratch_seed(args, seed: int) -> dict[str, list[float]]:
+    """Every variant trained from the same initialization on the same batches, for one seed."""
+    cfg, _ = model_config(args.size)
+    data = scratch_data(args, seed)
     curves: dict[str, list[float]] = {}
-    for variant in ["fp32"] + [v for v in args.variants.split(",") if v in SCRATCH_VARIANTS and v != "fp32"]:
-        torch.manual_seed(args.seed)
+    for variant in ["fp32"] + [v for v in args.variants.split(",") if v != "fp32"]:
+        torch.manual_seed(seed)
         model = mc.GPT(**cfg)
-        train_steps(model, scratch_optimizer(variant, model, args.lr), data, curves.setdefault(variant, []))
-    return curves, f"trained from scratch, lr {args.lr:g}"
+        opt = scratch_optimizer(variant, model, args.lr, seed, args.betas)
+        train_steps(model, opt, data, curves.setdefault(variant, []), warmup_schedule(args.warmup))
+        print(f"seed {seed} {variant}: last {LAST_WINDOW} mean {statistics.fmean(curves[variant][-LAST_WINDOW:]):.4f}",
+              file=sys.stderr, flush=True)
+    return curves
+
+
+def from_scratch(args) -> tuple[dict[str, list[float]], str]:
+    """``from_scratch_seed`` for ``--seed`` (the single-seed report)."""
+    return from_scratch_seed(args, args.seed), f"trained from scratch, lr {args.lr:g}, warm-up {args.warmup}"
+
+
+def window_ratio(losses: list[float], ref: list[float], end: int) -> float:
+    """Mean loss over the ``LAST_WINDOW`` steps ending at step ``end``, relative to ``ref``'s, minus 1."""
+    lo = max(0, end - LAST_WINDOW)
+    return statistics.fmean(losses[lo:end]) / statistics.fmean(ref[lo:end]) - 1.0
+
+
+def seed_table(runs: dict[int, dict[str, list[float]]], end: int) -> str:
+    """Per variant and seed: mean loss of the last 100 steps up to ``end`` vs fp32 on the same seed, and the
+    largest deviation over the seeds."""
+    seeds = sorted(runs)
+    variants = [v for v in runs[seeds[0]] if v != "fp32"]
+    head = f"| steps {max(1, end - LAST_WINDOW + 1)}-{end} vs fp32 | " + " | ".join(f"seed {s}" for s in seeds)
+    rows = [head + " | max abs |",
+            "|---|" + "---:|" * (len(seeds) + 1)]
+    for v in variants:
+        vals = [100 * window_ratio(runs[s][v], runs[s]["fp32"], end) for s in seeds]
+        rows.append(f"| {v} | " + " | ".join(f"{x:+.2f}%" for x in vals) + f" | {max(map(abs, vals)):.2f}% |")
+    fp32 = [statistics.fmean(runs[s]["fp32"][max(0, end - LAST_WINDOW):end]) for s in seeds]
+    rows.append("| (fp32 mean loss) | " + " | ".join(f"{x:.4f}" for x in fp32) + " | |")
+    return "\n".join(rows)
+
+
+def many_seeds(args) -> None:
+    """``--seeds``: every seed, then one table per ``--windows`` entry (the curves to ``--json``, rewritten
+    after each seed)."""
+    runs = {}
+    for seed in args.seed_list:
+        runs[seed] = from_scratch_seed(args, seed)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "runs": {str(s): c for s, c in runs.items()}}, f)
+    cfg, _ = model_config(args.size)
+    n = sum(p.numel() for p in mc.GPT(**cfg).parameters())
+    print(f"{args.size} ({n / 1e6:.2f} M params, {args.data} data), from scratch, lr {args.lr:g}, warm-up "
+          f"{args.warmup}, betas {args.betas}, seeds {','.join(map(str, args.seed_list))}")
+    for end in args.window_list:
+        print(f"\n{seed_table(runs, end)}")
 
 
 def _running_mean(xs: list[float], width: int) -> list[float]:
@@ -216,11 +359,11 @@ def plot(curves: dict[str, list[float]], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="mid")
     parser.add_argument("--pretrain", type=int, default=400, help="torch AdamW steps before the checkpoint")
-    parser.add_argument("--steps", type=int, default=300, help="steps after resuming")
+    parser.add_argument("--steps", type=int, default=300, help="steps after resuming (from scratch: in all)")
     parser.add_argument("--lr", type=float, default=mc.LEARNING_RATE)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
@@ -229,11 +372,41 @@ def main() -> None:
     parser.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (--from-scratch: "
                         f"{', '.join(SCRATCH_VARIANTS)}; fp32 always runs)")
     parser.add_argument("--from-scratch", action="store_true", help="train every variant from initialization instead")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="from scratch in a named setting (sets --size, "
+                        "--data, --lr, --warmup)")
+    parser.add_argument("--data", choices=("zipf", "text"), default="zipf", help="from scratch: make_checkpoint's "
+                        "Zipf chains or English text bytes")
+    parser.add_argument("--warmup", type=int, default=0, help="from scratch: linear lr warm-up steps")
+    parser.add_argument("--betas", type=lambda x: tuple(float(b) for b in x.split(",")), default=mc.BETAS,
+                        help="from scratch: Adam's betas (default %(default)s, make_checkpoint's)")
+    parser.add_argument("--seeds", help="from scratch: comma list of seeds, all run; a table per --windows")
+    parser.add_argument("--windows", help="from scratch with --seeds: comma list of last steps of the 100-step "
+                        "windows compared (default: --steps)")
+    parser.add_argument("--json", help="from scratch with --seeds: write every loss curve here")
+    args = parser.parse_args(argv)
+    if args.preset:
+        args.from_scratch = True
+        vars(args).update(PRESETS[args.preset])
+    if args.seeds:
+        args.from_scratch = True
+        args.seed_list = [int(s) for s in args.seeds.split(",")]
+        args.window_list = [int(w) for w in (args.windows or str(args.steps)).split(",")]
     if args.variants is None:
         args.variants = ",".join(SCRATCH_VARIANTS if args.from_scratch else VARIANTS)
+    known = (*SCRATCH_VARIANTS, *SCRATCH_FACTORIES) if args.from_scratch else VARIANTS
+    unknown = [v for v in args.variants.split(",") if v not in known]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.seeds:
+        many_seeds(args)
+        return
     if args.from_scratch:
         curves, setting = from_scratch(args)
     else:
