@@ -237,6 +237,9 @@ def embedding_rows(variant: str, steps: int = 300) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
     if len(sys.argv) < 2 or sys.argv[1] not in ("resume_fidelity", "step_bias", "embedding_rows"):
         raise SystemExit(__doc__)
     tool, argv = sys.argv[1], sys.argv[2:]
