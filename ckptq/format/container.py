@@ -209,19 +209,3 @@ class Container:
     def close(self) -> None:
         for r in getattr(self, "readers", []):
             r.close()
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-
-
-def parse_size(text: str) -> int:
-    """'300MB', '5GB', '1.5GiB', '123' -> bytes."""
-    m = _SIZE.match(str(text))
-    unit = m.group(2).upper() if m else None
-    if not m or unit not in _UNITS:
-        from ..errors import UsageError
-
-        raise UsageError(f"size {text!r} is not understood; write it like 300MB, 5GB or 2GiB")
-    return int(float(m.group(1)) * _UNITS[unit])
