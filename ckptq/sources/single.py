@@ -132,7 +132,18 @@ def _write_converted(src: str, obj: Any, opts: ConvertOptions, kind: str, t0: fl
     return report
 
 
-class TorchFile(Source):
+class _OneFile(Source):
+    """A source that is one file (or one shard set) ckptq reads whole: ``--replace`` reads its outputs back
+    against it."""
+
+    def check_converted(self, outputs: list[str], trust: bool) -> None:
+        check_converted(self.path, outputs, trust)
+
+    def check_expanded(self, outputs: list[str], trust: bool) -> None:
+        check_expanded(self.path, outputs[0], trust)
+
+
+class TorchFile(_OneFile):
     kind = "torch.save checkpoint"
     type = "torch"
 
@@ -143,12 +154,6 @@ class TorchFile(Source):
         if signpost.is_signpost(obj):
             raise InputError(f"{self.path} is a signpost, not optimizer state: {obj[signpost.SIGNPOST_KEY]}")
         return obj, signpost.unwrap(obj)
-
-    def check_converted(self, outputs: list[str], trust: bool) -> None:
-        check_converted(self.path, outputs, trust)
-
-    def check_expanded(self, outputs: list[str], trust: bool) -> None:
-        check_expanded(self.path, outputs[0], trust)
 
     def convert(self, opts: ConvertOptions) -> ConvertReport:
         t0 = time.perf_counter()
@@ -254,18 +259,9 @@ def _describe_plan(r: InfoReport, obj: Any, held: int, foreign_params: int, mark
                        "them as they are")
 
 
-class ConvertedFile(Source):
+class ConvertedFile(_OneFile):
     kind = "ckptq file"
     type = "converted"
-
-    def __init__(self, path: str):
-        super().__init__(path)
-
-    def check_converted(self, outputs: list[str], trust: bool) -> None:
-        check_converted(self.path, outputs, trust)
-
-    def check_expanded(self, outputs: list[str], trust: bool) -> None:
-        check_expanded(self.path, outputs[0], trust)
 
     def convert(self, opts: ConvertOptions) -> ConvertReport:
         """A converted file re-encoded at the other budget (8 <-> 4): its states decoded, then quantized."""
