@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from . import cpu_runtime, lut
-from .contract import (DenseGroup, StepFlags, StepGroup, StepState, code_bytes, is_flat, layout_rows, mix32, num_blocks,
-                       pack_codes, pack_rows, reference_codes, unpack_codes, unpack_rows)
+from .contract import (DenseGroup, StepFlags, StepGroup, StepState, code_bytes, is_flat, layout_rows, member_steps,
+                       mix32, num_blocks, pack_codes, pack_rows, reference_codes, unpack_codes, unpack_rows)
 
 STEP_CHUNK = 1 << 18  # elements per chunk of the step (whole blocks for every block size): 1 MB temporaries
 
@@ -377,12 +377,8 @@ def adam_dense_step(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, h, maximize: bool
 
 def adam_step_group(group: StepGroup) -> None:
     """The group's members stepped one after another: what every backend's grouped step must equal."""
-    for i, (member, g) in enumerate(zip(group.members, group.grads)):
-        states = tuple(StepState(c, a, cb.qmap, cb.thresholds, cb.encode, bits)
-                       for c, a, cb, bits in zip(member.codes, member.absmax, group.codebooks, group.bits))
-        seed = None if group.seeds is None else int(group.seeds[i])
-        flags = StepFlags(group.block_size, group.ratio, group.maximize, seed, member.row_len)
-        adam_step(member.p, g, states, group.hyper[i], flags)
+    for call in member_steps(group):
+        adam_step(*call)
 
 
 def adam_dense_group(group: DenseGroup) -> None:

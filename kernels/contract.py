@@ -140,6 +140,16 @@ class DenseGroup(NamedTuple):
     cache: dict
 
 
+def member_steps(group: StepGroup):
+    """A ``StepGroup`` as the per-parameter calls it stands for, in member order: (p, grad, states, hyper
+    row, flags) for ``adam_step`` of any backend; a grouped step must equal these calls, bit for bit."""
+    for i, (m, g) in enumerate(zip(group.members, group.grads)):
+        states = tuple(StepState(c, a, cb.qmap, cb.thresholds, cb.encode, bits)
+                       for c, a, cb, bits in zip(m.codes, m.absmax, group.codebooks, group.bits))
+        seed = None if group.seeds is None else int(group.seeds[i])
+        yield m.p, g, states, group.hyper[i], StepFlags(group.block_size, group.ratio, group.maximize, seed, m.row_len)
+
+
 MIX32 = (0x7FEB352D, 0x846CA68B)  # the multipliers of mix32
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckptq.kernels import backend_native, backend_torch
-from ckptq.kernels.contract import DenseGroup, GroupMember, StepCodebooks, StepFlags, StepGroup, StepState
+from ckptq.kernels.contract import DenseGroup, GroupMember, StepCodebooks, StepGroup, member_steps
 from test_native import _assert_same
 from test_native_rows import _hyper, _states
 
@@ -83,12 +83,8 @@ def _next_call(group: StepGroup, call: int) -> StepGroup:
 
 def _member_loop(group: StepGroup) -> None:
     """The C kernels' per-parameter path on each member in turn."""
-    for i, (m, g) in enumerate(zip(group.members, group.grads)):
-        states = tuple(StepState(c, a, cb.qmap, cb.thresholds, cb.encode, bits)
-                       for c, a, cb, bits in zip(m.codes, m.absmax, group.codebooks, group.bits))
-        seed = None if group.seeds is None else int(group.seeds[i])
-        flags = StepFlags(group.block_size, group.ratio, group.maximize, seed, m.row_len)
-        backend_native.adam_step(m.p, g, states, group.hyper[i], flags)
+    for call in member_steps(group):
+        backend_native.adam_step(*call)
 
 
 def _assert_same_members(a: StepGroup, b: StepGroup) -> None:
