@@ -11,6 +11,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def eager_torchao(monkeypatch):
+    """torchao's optimizers step eagerly: the same states and arithmetic as their compiled step, without
+    minutes of C++ compilation per parameter shape."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+
+
 class TinyLM(torch.nn.Module):
     """nanoGPT in miniature: token embedding tied with the output head, a LayerNorm, an MLP."""
 

@@ -17,22 +17,10 @@ import ckptq  # noqa: E402
 from ckptq.codec import quant  # noqa: E402
 from ckptq import info  # noqa: E402
 from ckptq.integrations.accelerate import store_8bit  # noqa: E402
-from ckptq.optim import AdamW8bit  # noqa: E402
 from ckptq.codec.quant import count_qstates  # noqa: E402
 
 STEPS, SAVE = 8, 4
-EXACT = ("AdamW8bit", "torchao AdamW8bit", "torchao AdamW4bit")  # stored without a bit changed
-
-
-@pytest.fixture
-def eager_torchao(monkeypatch):
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
-
-
-def optimizer_class(name: str):
-    if name.startswith("torchao"):
-        return getattr(pytest.importorskip("torchao.optim"), name.split()[1])
-    return AdamW8bit if name == "AdamW8bit" else torch.optim.AdamW
+from integration_optimizers import EXACT, optimizer_class  # noqa: E402
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

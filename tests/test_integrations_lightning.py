@@ -19,22 +19,10 @@ import ckptq  # noqa: E402
 from ckptq.codec.quant import count_qstates, dequantize_state  # noqa: E402
 from ckptq.codec import signpost  # noqa: E402
 from ckptq.integrations.lightning import CkptqCheckpointIO  # noqa: E402
-from ckptq.optim import AdamW8bit  # noqa: E402
 from ckptq import info  # noqa: E402
 
 BATCHES = 4  # steps per epoch; 2 epochs
-EXACT = ("AdamW8bit", "torchao AdamW8bit", "torchao AdamW4bit")  # stored without a bit changed
-
-
-@pytest.fixture
-def eager_torchao(monkeypatch):
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
-
-
-def optimizer_class(name: str):
-    if name.startswith("torchao"):
-        return getattr(pytest.importorskip("torchao.optim"), name.split()[1])
-    return AdamW8bit if name == "AdamW8bit" else torch.optim.AdamW
+from integration_optimizers import EXACT, optimizer_class  # noqa: E402
 
 
 class Net(L.LightningModule):

@@ -31,11 +31,6 @@ OPTIM = {"torch AdamW": "adamw_torch", "torchao 8-bit": "adamw_torch_8bit", "tor
 CONVERTED = ("torch AdamW", "torchao 8-bit", "torchao 4-bit")  # stored by ckptq in optimizer.q8.safetensors
 
 
-@pytest.fixture
-def eager_torchao(monkeypatch):
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
-
-
 class Tokens(torch.utils.data.Dataset):
     """Sequences where token t+1 = (token t + a) mod 256: learnable within a few steps."""
 
