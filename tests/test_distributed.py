@@ -409,6 +409,21 @@ def _str_ids(sd: dict) -> dict:
             "param_groups": [{**g, "params": [str(i) for i in g["params"]]} for g in sd["param_groups"]]}
 
 
+def _resuming(cls, plain: list, sharded: bool, mesh) -> tuple[list, torch.optim.Optimizer, dict]:
+    """``cls`` (lr 1e-2, min_size 1024) over copies of ``plain``, DTensors on ``mesh`` if ``sharded``, stepped
+    once on zero gradients so its state exists (in rows), as a resuming run has it before loading:
+    (params, optimizer, the DCP template of its state)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    params = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]) if sharded else p.detach().clone())
+              for p in plain]
+    opt = cls(params, lr=1e-2, min_size=1024)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    return params, opt, {"optim": _str_ids(opt.state_dict())}
+
+
 def _legacy_flat(sd: dict) -> dict:
     """An AdamW8bit state dict as ckptq wrote folders before the row layout: each qstate flat (one row of all
     elements, blocks crossing rows) and without the ``layout`` scalar."""
@@ -429,7 +444,7 @@ def test_8bit_folders_from_before_the_row_layout_still_load(tmp_path, sharded):
     them re-laid out in its rows (the folder's values, through 8 bits once more)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     import ckptq.dcp
 
@@ -444,13 +459,7 @@ def test_8bit_folders_from_before_the_row_layout_still_load(tmp_path, sharded):
         legacy = _legacy_flat(one.state_dict())
         dcp.save({"optim": _str_ids(legacy)}, checkpoint_id=str(tmp_path / "old"))
         mesh = init_device_mesh("cpu", (1,))
-        params = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]) if sharded else p.detach().clone())
-                  for p in plain]
-        opt = AdamW8bit(params, lr=1e-2, min_size=1024)
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt.step()  # the state exists (rows), as a resuming run has it before loading
-        template = {"optim": _str_ids(opt.state_dict())}
+        params, opt, template = _resuming(AdamW8bit, plain, sharded, mesh)
         dcp.load(template, checkpoint_id=str(tmp_path / "old"), planner=ckptq.dcp.LoadPlanner())
         opt.load_state_dict(template["optim"])
         for i, p in enumerate(params):
@@ -496,13 +505,7 @@ def test_adamw4bit_resumes_from_fp32_and_converted_4bit_dcp_folders(tmp_path, sh
             assert _cli("convert", path, "--bits", 4, "--min-size", 1024).exit_code == 0
             path = tmp_path / "fp32.q4"
         mesh = init_device_mesh("cpu", (1,))
-        params = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]) if sharded else p.detach().clone())
-                  for p in plain]
-        opt = AdamW4bit(params, lr=1e-2, min_size=1024)
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        template = {"optim": _str_ids(opt.state_dict())}
+        params, opt, template = _resuming(AdamW4bit, plain, sharded, mesh)
         dcp.load(template, checkpoint_id=str(path), planner=ckptq.dcp.LoadPlanner())
         opt.load_state_dict(template["optim"])
         back = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in plain])  # the folder in fp32
