@@ -12,6 +12,7 @@ torch; ``ckptq.optim``, ``ckptq.dcp`` and ``ckptq.integrations`` are there witho
 """
 
 import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,20 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'ckptq' has no attribute {name!r}")
     globals()[name] = value
     return value
+
+
+def lazy_attributes(package: str, names: dict):
+    """A PEP 562 ``__getattr__`` for ``package``: ``names`` maps each public name to the submodule that
+    defines it, imported on first use and the value kept on the package."""
+
+    def __getattr__(name: str):
+        if name not in names:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{names[name]}"), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    return __getattr__
 
 
 def __dir__():

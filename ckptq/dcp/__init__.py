@@ -4,15 +4,9 @@ reads folders someone else wrote without running their code (``safe_reader``); `
 ``source`` convert and expand whole DCP folders for the CLI. Names are looked up on first use (PEP 562), so
 the CLI imports torch.distributed.checkpoint only for a DCP folder."""
 
-import importlib
+from .. import lazy_attributes
 
 _NAMES = {"SavePlanner": "planners", "LoadPlanner": "planners", "SafeFileSystemReader": "safe_reader"}
 __all__ = sorted(_NAMES)
 
-
-def __getattr__(name: str):
-    if name not in _NAMES:
-        raise AttributeError(f"module 'ckptq.dcp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"ckptq.dcp.{_NAMES[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _NAMES)

@@ -7,17 +7,11 @@ at this level (``ckptq.codec.tree`` encodes and decodes it).
 The names below are looked up on first use (PEP 562): importing one submodule imports only what it needs.
 """
 
-import importlib
+from .. import lazy_attributes
 
 _NAMES = {"Compression": "container", "Container": "container", "FORMAT_VERSION": "container",
           "READS_VERSIONS": "container", "is_safetensors": "container", "planned_bytes": "container",
           "write": "container", "atomic_outputs": "files", "INDEX_SUFFIX": "index", "SUFFIX": "index"}
 __all__ = sorted(_NAMES)
 
-
-def __getattr__(name: str):
-    if name not in _NAMES:
-        raise AttributeError(f"module 'ckptq.format' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"ckptq.format.{_NAMES[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _NAMES)
