@@ -19,7 +19,7 @@ import torch
 
 from ..codec import policy, qstate, quant
 from ..format import files
-from ..errors import FormatError, InputError, ReadbackError  # noqa: F401 (ReadbackError: raised here)
+from ..errors import FormatError, InputError, ReadbackError
 
 
 @contextmanager
