@@ -237,16 +237,25 @@ def _step_cache(group: StepGroup) -> dict:
     return cache
 
 
+def _ready(group, cache_of) -> tuple[dict, torch.Tensor] | None:
+    """A group's cache (``cache_of(group)``) with this call's gradient addresses in its table, and its hyper
+    where the kernel reads it; None when there is nothing to launch."""
+    if not group.grads:
+        return None
+    cache = cache_of(group)
+    if not cache["launches"]:
+        return None
+    _refresh_grads(cache, group.grads)
+    return cache, _readable(group.hyper, cache["hyper"])
+
+
 def adam_step_group(group: StepGroup) -> None:
     """One launch steps every member (two where some rows are not multiples of 16, or an address not
     16-byte aligned: those take the unvectorized path); bit for bit ``backend_torch.adam_step_group``."""
-    if not group.members:
+    ready = _ready(group, _step_cache)
+    if ready is None:
         return
-    cache = _step_cache(group)
-    if not cache["launches"]:
-        return
-    _refresh_grads(cache, group.grads)
-    hyper = _readable(group.hyper, cache["hyper"])
+    cache, hyper = ready
     seeds = hyper if group.seeds is None else _readable(group.seeds, cache["seeds"])
     amsgrad = len(group.bits) == 3
     books = tuple(group.codebooks) + (() if amsgrad else (group.codebooks[1],))  # x: never read without amsgrad
@@ -279,13 +288,10 @@ def _dense_cache(group: DenseGroup) -> dict:
 def adam_dense_group(group: DenseGroup) -> None:
     """One launch steps every member (two where some are not 16-aligned); bit for bit
     ``backend_torch.adam_dense_group``."""
-    if not group.params:
+    ready = _ready(group, _dense_cache)
+    if ready is None:
         return
-    cache = _dense_cache(group)
-    if not cache["launches"]:
-        return
-    _refresh_grads(cache, group.grads)
-    hyper = _readable(group.hyper, cache["hyper"])
+    cache, hyper = ready
     for chunks, programs, aligned in cache["launches"]:
         _dense_group_kernel[(programs,)](
             chunks, cache["members"], cache["grads"], hyper, group.params[cache["like"]], group.grads[cache["like"]],
