@@ -533,6 +533,8 @@ def _dcp_damage(kind: str, trial: str, rng: random.Random, marker: str, quantize
         return _crafted_metadata(trial, rng, marker)
     if kind == "fifo":
         return _fifo(trial, rng)
+    if kind == "shadow":
+        return _shadowed_metadata(trial, rng)
     if kind == "qstate":  # an 8-bit state's scalars or parts replaced by odd values
         shutil.rmtree(trial)
         where = []
@@ -551,7 +553,36 @@ def _dcp_damage(kind: str, trial: str, rng: random.Random, marker: str, quantize
     return f"lr = {type(lr).__name__}"
 
 
-DCP_KINDS = ("flip", "truncate", "metadata", "pickle", "entry", "qstate", "fifo")
+def _shadowed_metadata(folder: str, rng: random.Random) -> str:
+    """Stored items pointed outside the folder, behind state that hides them from a check that iterates:
+    a container pickled as an OrderedDict whose instance state shadows one of its methods, or a metadata
+    object carrying attributes beyond its fields (issue #27, item 1)."""
+    import collections
+
+    target = rng.choice(["../victim/__0_0.distcp", "/etc/passwd", "__0_0.distcp"])
+    where = []
+
+    def edit(md):
+        for info in md.storage_data.values():
+            info.relative_path = target
+        if rng.random() < 0.6:
+            field = rng.choice(["storage_data", "state_dict_metadata", "planner_data"])
+            name = rng.choice(["items", "keys", "values", "get", "__iter__", "__len__", "__contains__", "_metadata"])
+            od = collections.OrderedDict(getattr(md, field) or {})
+            od.__dict__[name] = rng.choice([set, list, dict, frozenset, 0, "x"])
+            setattr(md, field, od)
+            where.append(f"{field} shadowing {name}")
+        else:
+            holders = [md, *md.storage_data, *md.storage_data.values()]
+            holders += [c for m in md.state_dict_metadata.values() for c in [m, *getattr(m, "chunks", [])]]
+            holder = rng.choice(holders)
+            holder.__dict__[rng.choice(["relative_path_", "items", "fqn2", "__dict__x"])] = target
+            where.append(f"{type(holder).__name__} with extra state")
+    edit_metadata(folder, edit)
+    return f"{where[0]}, data at {target}"
+
+
+DCP_KINDS = ("flip", "truncate", "metadata", "pickle", "entry", "qstate", "fifo", "shadow")
 
 
 def dcp_campaign(trials: int, seed: int, workdir: str) -> dict:

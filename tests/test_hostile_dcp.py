@@ -87,6 +87,60 @@ def test_metadata_globals_are_matched_by_exact_name(tmp_path):
     refused_by_cli(["info", folder], "needs torch.load, which DCP metadata never holds")
 
 
+# --- #27 item 1: containers whose pickled state hides entries from a check that iterates them ------------
+
+def _hide_behind(where: str, name: str, target: str):
+    """Point every stored item at ``target`` and pickle ``where`` (a Metadata field) as an OrderedDict whose
+    instance state shadows ``name``: a check iterating ``.items()`` saw nothing, torch read by key."""
+    import collections
+
+    def edit(md):
+        for info in md.storage_data.values():
+            info.relative_path = target
+        od = collections.OrderedDict(getattr(md, where) or {})
+        od.__dict__[name] = set  # BUILD writes it: od.items() is then set(), an empty iteration
+        setattr(md, where, od)
+    return edit
+
+
+@pytest.mark.parametrize("where", ["storage_data", "state_dict_metadata", "planner_data"])
+@pytest.mark.parametrize("name", ["items", "keys", "values", "get", "__iter__", "__len__"])
+def test_containers_with_shadowing_state_cannot_smuggle_a_path_outside(tmp_path, where, name):
+    victim = dcp_folder(tmp_path / "victim")
+    folder = dcp_folder(tmp_path / "src")
+    edit_metadata(folder, _hide_behind(where, name, f"../victim/__0_0.distcp"))
+    all_commands_refuse(folder, "an OrderedDict with attributes", tmp_path)
+    target = {"model": {"w": torch.empty(16, 256)}}
+    with pytest.raises(CheckpointException, match="OrderedDict with attributes"):
+        dcp.load(target, storage_reader=ckptq.dcp.SafeFileSystemReader(str(folder)), no_dist=True)
+    assert (victim / "__0_0.distcp").exists()
+
+
+@pytest.mark.parametrize("holder", ["index", "storage", "tensor", "chunk", "metadata"])  # TensorProperties pickles a tuple
+def test_metadata_objects_with_state_beyond_their_fields_are_refused(tmp_path, holder):
+    folder = dcp_folder(tmp_path / "src")
+
+    def edit(md):
+        index, info = next(iter(md.storage_data.items()))
+        tensor = next(m for m in md.state_dict_metadata.values() if hasattr(m, "chunks"))
+        obj = {"index": index, "storage": info, "tensor": tensor, "chunk": tensor.chunks[0],
+               "metadata": md}[holder]
+        obj.__dict__["relative_path_"] = "/etc/passwd"
+    edit_metadata(folder, edit)
+    all_commands_refuse(folder, "with attributes ['relative_path_']", tmp_path)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("storage_data", [], "list where a dict belongs"),
+    ("state_dict_metadata", {1: None}, "a key of type int"),
+    ("planner_data", {"k": torch.Size([1])}, "Size in plain data"),
+])
+def test_metadata_fields_of_the_wrong_type_are_refused(tmp_path, field, value, words):
+    folder = dcp_folder(tmp_path / "src")
+    edit_metadata(folder, lambda md: setattr(md, field, value))
+    refused_by_cli(["info", folder], words)
+
+
 # --- item 2: a byte entry (optimizer.param_groups.0.lr) that runs code --------------------------------------
 
 def test_byte_entry_pickle_runs_no_code_in_info_convert_expand(tmp_path):
@@ -285,7 +339,8 @@ def test_honest_folder_info_convert_expand_still_work(tmp_path):
 
 def test_dcp_campaign_runs_no_code_never_hangs_and_refuses_in_one_line(tmp_path):
     """Bit flips and truncations of .metadata and .distcp, crafted metadata values, crafted pickles in
-    .metadata and in byte entries, odd 8-bit state fields, FIFOs: 25 folders of each kind, in a child
+    .metadata and in byte entries, odd 8-bit state fields, FIFOs, containers and objects whose pickled
+    state hides entries (#27): 25 folders of each kind, in a child
     with a time limit."""
     code = (f"import json, logging, sys, warnings; sys.path.insert(0, {HERE!r}); import hostile; "
             "warnings.filterwarnings('ignore'); logging.disable(logging.CRITICAL); "
@@ -296,5 +351,40 @@ def test_dcp_campaign_runs_no_code_never_hangs_and_refuses_in_one_line(tmp_path)
     assert res.pop("examples") == []
     for kind in DCP_KINDS:
         assert sum(res[kind].values()) == 25 and set(res[kind]) <= {"refused", "loaded"}, (kind, res[kind])
-    for kind in ("truncate", "pickle", "entry"):  # each of these must be refused by every command
+    for kind in ("truncate", "pickle", "entry", "shadow"):  # each of these must be refused by every command
         assert res[kind] == {"refused": 25}, (kind, res[kind])
+
+
+def test_olmo_core_storage_info_is_read_by_name_without_importing_olmo_core(tmp_path, monkeypatch):
+    """OLMo-core's .metadata names its own _StorageInfo (torch's three fields): read as data, the folder
+    converts, and nothing named olmo_core is imported."""
+    import dataclasses
+    import pickle
+    import types
+
+    name = "olmo_core.distributed.checkpoint.filesystem"
+
+    @dataclasses.dataclass
+    class _StorageInfo:
+        relative_path: str
+        offset: int
+        length: int
+
+    module = types.ModuleType(name)
+    _StorageInfo.__module__, _StorageInfo.__qualname__ = name, "_StorageInfo"
+    module._StorageInfo = _StorageInfo
+    folder = dcp_folder(tmp_path / "src")
+    with monkeypatch.context() as m:  # only while pickling: the reader must not find it
+        for i, _ in enumerate(name.split(".")):
+            m.setitem(sys.modules, ".".join(name.split(".")[: i + 1]), types.ModuleType(name))
+        m.setitem(sys.modules, name, module)
+        path = folder / ".metadata"
+        md = pickle.loads(path.read_bytes())
+        md.storage_data = {k: _StorageInfo(v.relative_path, v.offset, v.length) for k, v in md.storage_data.items()}
+        path.write_bytes(pickle.dumps(md))
+    assert b"olmo_core" in path.read_bytes()
+    assert cli("convert", folder, "-o", tmp_path / "q8").exit_code == 0
+    assert not [m for m in sys.modules if m.startswith("olmo_core")]
+    back = {"optimizer": {"state": {"w": {"exp_avg": torch.empty(16, 256)}}}}
+    dcp.load(back, storage_reader=ckptq.dcp.SafeFileSystemReader(str(folder)), no_dist=True)
+    assert back["optimizer"]["state"]["w"]["exp_avg"].abs().sum() > 0

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import importlib
 import io
 import math
 import os
@@ -33,7 +32,6 @@ import re
 import stat
 import warnings
 from contextlib import contextmanager
-from pathlib import PurePosixPath, PureWindowsPath
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -46,48 +44,12 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from ..errors import CkptqError, InputError
 from ..format import files
+from . import metadata_pickle
+from .metadata_pickle import first_line as _first_line
 
 MAX_ELEMENTS = 2**48  # per tensor: 1 PiB of bytes; more is a crafted size, not a checkpoint
 
-_DCP = "torch.distributed.checkpoint"
-_OLD = "torch.distributed._shard.sharded_tensor.metadata"  # where torch < 2.2 kept TensorProperties
-METADATA_GLOBALS = frozenset({
-    f"{_DCP}.metadata.Metadata", f"{_DCP}.metadata.TensorStorageMetadata", f"{_DCP}.metadata.BytesStorageMetadata",
-    f"{_DCP}.metadata.ChunkStorageMetadata", f"{_DCP}.metadata.TensorProperties", f"{_DCP}.metadata.MetadataIndex",
-    f"{_DCP}.metadata.StorageMeta", f"{_DCP}.metadata._MEM_FORMAT_ENCODING", f"{_DCP}.filesystem._StorageInfo",
-    f"{_OLD}.TensorProperties", f"{_OLD}.MEM_FORMAT_ENCODING",
-    "torch.Size", "torch.serialization._get_layout",  # a layout pickles as _get_layout("torch.strided")
-    "collections.OrderedDict", "builtins.set", "builtins.frozenset",
-})
-# StorageMeta.checkpoint_id is the path the writer was given: read back as a pure path (no file access,
-# and a folder written on Windows still reads on Linux).
-_PATHS = {f"{module}.{name}": pure for module in ("pathlib", "pathlib._local")
-          for name, pure in (("PosixPath", PurePosixPath), ("PurePosixPath", PurePosixPath),
-                             ("WindowsPath", PureWindowsPath), ("PureWindowsPath", PureWindowsPath))}
-
-
-class _Refused(pickle.UnpicklingError):
-    def __init__(self, name: str):
-        super().__init__(name)
-        self.name = name
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits the globals DCP metadata is made of, by exact name; imports nothing else."""
-
-    def find_class(self, module: str, name: str):
-        full = f"{module}.{name}"
-        if full in _PATHS:
-            return _PATHS[full]
-        if full in METADATA_GLOBALS:
-            return vars(importlib.import_module(module))[name]
-        if module == "torch" and isinstance(vars(torch).get(name), (torch.dtype, torch.layout)):
-            return vars(torch)[name]
-        raise _Refused(full)
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+METADATA_GLOBALS = metadata_pickle.METADATA_GLOBALS  # the classes a .metadata pickle may name, by exact name
 
 
 def load_metadata(folder: str, name: str = ".metadata") -> Metadata:
@@ -101,7 +63,7 @@ def load_metadata(folder: str, name: str = ".metadata") -> Metadata:
     key = (os.path.realpath(folder), name, hashlib.blake2b(raw, digest_size=20).digest())
     md, seen = _checked.pop(key, (None, None))
     if md is None or _data_files(folder, md) != seen:
-        md = _unpickle(raw, path)
+        md = metadata_pickle.unpickle(raw, path)
         check_metadata(md, folder, path)
         seen = _data_files(folder, md)
     _checked[key] = (md, seen)
@@ -121,19 +83,6 @@ def _data_files(folder: str, md) -> tuple | None:
     except OSError:
         return None
     return tuple(sorted((n, s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns) for n, s in stats.items()))
-
-
-def _unpickle(raw: bytes, path: str):
-    try:
-        return _MetadataUnpickler(io.BytesIO(raw)).load()
-    except _Refused as e:
-        name = e.name[:120] if e.name.isprintable() else repr(e.name[:120])
-        raise InputError(f"{path} needs {name}, which DCP metadata never holds; ckptq does not unpickle "
-                         "it (the folder is crafted or damaged)") from None
-    except RecursionError:
-        raise InputError(f"{path} is not readable DCP metadata: nested too deep") from None
-    except Exception as e:  # a damaged pickle raises many types (EOFError, KeyError, TypeError...)
-        raise InputError(f"{path} is not readable DCP metadata: {_first_line(e)}") from None
 
 
 def _bad(path: str, what: str) -> InputError:
@@ -216,7 +165,7 @@ def _check_tensor(key: str, m: TensorStorageMetadata, stored: dict, path: str) -
     if not _complete(m):
         raise _bad(path, f"{key}: its tensor metadata lacks fields")
     props = m.properties
-    if not (isinstance(props, _PROPERTIES) and hasattr(props, "dtype") and isinstance(props.dtype, torch.dtype)):
+    if not (isinstance(props, TensorProperties) and hasattr(props, "dtype") and isinstance(props.dtype, torch.dtype)):
         raise _bad(path, f"{key}: its properties name no dtype")
     size = _dims(m.size, "size", key, path)
     numel = math.prod(size)
@@ -246,13 +195,6 @@ def _check_tensor(key: str, m: TensorStorageMetadata, stored: dict, path: str) -
     pair = _overlapping(boxes)
     if pair:
         raise _bad(path, f"{key}: chunks at {pair[0]} and {pair[1]} overlap")
-
-
-_PROPERTIES = (TensorProperties,)
-try:  # folders written by torch < 2.2
-    _PROPERTIES += (vars(importlib.import_module(_OLD))["TensorProperties"],)
-except (ImportError, KeyError):
-    pass
 
 
 def _overlapping(boxes: list[tuple]) -> tuple | None:
