@@ -388,3 +388,49 @@ def test_olmo_core_storage_info_is_read_by_name_without_importing_olmo_core(tmp_
     back = {"optimizer": {"state": {"w": {"exp_avg": torch.empty(16, 256)}}}}
     dcp.load(back, storage_reader=ckptq.dcp.SafeFileSystemReader(str(folder)), no_dist=True)
     assert back["optimizer"]["state"]["w"]["exp_avg"].abs().sum() > 0
+
+
+# --- #27 items 4 and 5: small metadata that claims much, or costs quadratic time ---------------------------
+
+def _strips(key: str, a: int, shared_bytes: bool, data_file: str | None = None):
+    """Tensor ``key`` as ``a`` row strips of its left half plus ``a`` column strips of its right half
+    (2a chunks that form no grid), each chunk's data the first bytes of the file (``shared_bytes``) or
+    its own range (in ``data_file``, if given)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    def edit(md):
+        m = md.state_dict_metadata[key]
+        info = next(v for k, v in md.storage_data.items() if k.fqn == key)
+        for k in [k for k in md.storage_data if k.fqn == key]:
+            del md.storage_data[k]
+        m.size = torch.Size([a, 2 * a])
+        m.chunks = [ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, a])) for i in range(a)]
+        m.chunks += [ChunkStorageMetadata(torch.Size([0, a + j]), torch.Size([a, 1])) for j in range(a)]
+        for n, c in enumerate(m.chunks):
+            offset = 0 if shared_bytes else n * a * 4
+            md.storage_data[MetadataIndex(key, c.offsets)] = _StorageInfo(data_file or info.relative_path, offset, a * 4)
+    return edit
+
+
+def test_chunks_that_share_their_bytes_are_refused_before_anything_is_allocated(tmp_path):
+    """20,000 chunks all stored in the same 40 KB: a 2 MB folder claimed 800 MB (and took minutes to check)."""
+    folder = dcp_folder(tmp_path / "src")
+    edit_metadata(folder, _strips("optimizer.state.w.exp_avg", 10_000, shared_bytes=True))
+    r = subprocess.run([sys.executable, "-m", "ckptq", "info", str(folder)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3 and "stored in the same bytes" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_many_chunks_that_form_no_grid_are_checked_in_n_log_n(tmp_path):
+    """4,000 strips with bytes of their own (64 MB) read as one tensor: no quadratic check in between."""
+    folder = dcp_folder(tmp_path / "src")
+    key = "optimizer.state.w.exp_avg"
+    a = 2_000
+    data = torch.arange(a * a * 2, dtype=torch.float32)
+    edit_metadata(folder, _strips(key, a, shared_bytes=False, data_file="strips.distcp"))
+    with open(folder / "strips.distcp", "wb") as f:
+        f.write(data.numpy().tobytes())
+    from ckptq.dcp import safe_reader
+
+    md = safe_reader.load_metadata(str(folder))
+    assert len(md.state_dict_metadata[key].chunks) == 2 * a

@@ -100,14 +100,26 @@ def _numel(shape) -> int:
     return n
 
 
-def _group_value(scalars: dict, opt: str, fqn: str, name: str, default):
+_GROUP_PARAMS = re.compile(r"(.+)\.param_groups\.(\d+)\.params")
+
+
+def _group_of(scalars: dict) -> dict:
+    """{(optimizer key, parameter fqn): its param group's index}, from the ``<opt>.param_groups.N.params``
+    lists, the first group naming a parameter winning; one pass over all the lists (not one per parameter)."""
+    where: dict[tuple, str] = {}
+    for key, params in scalars.items():
+        m = _GROUP_PARAMS.fullmatch(key) if isinstance(key, str) else None
+        if m and isinstance(params, (list, tuple)):
+            for fqn in params:
+                where.setdefault((m.group(1), str(fqn)), m.group(2))
+    return where
+
+
+def _group_value(scalars: dict, groups: dict, opt: str, fqn: str, name: str, default):
     if f"{opt}.param_groups.{fqn}.{name}" in scalars:  # flatten_optimizer_state_dict (torchtitan)
         return scalars[f"{opt}.param_groups.{fqn}.{name}"]
-    for key, params in scalars.items():
-        m = re.fullmatch(re.escape(opt) + r"\.param_groups\.(\d+)\.params", key)
-        if m and isinstance(params, (list, tuple)) and fqn in map(str, params):
-            return scalars.get(f"{opt}.param_groups.{m.group(1)}.{name}", default)
-    return default
+    index = groups.get((opt, fqn))
+    return default if index is None else scalars.get(f"{opt}.param_groups.{index}.{name}", default)
 
 
 def make_plan(path: str, md, min_size: int) -> Plan:
@@ -123,10 +135,11 @@ def make_plan(path: str, md, min_size: int) -> Plan:
             param.roles[found["key"]] = (key, m)
         else:
             p.exact[key] = m
+    groups = _group_of(p.scalars)
     for (opt, fqn), param in params.items():
         param.step = p.scalars.get(f"{opt}.state.{fqn}.step", 0)
-        param.group = {"eps": _group_value(p.scalars, opt, fqn, "eps", 1e-8),
-                       "betas": _group_value(p.scalars, opt, fqn, "betas", (0.9, 0.999))}
+        param.group = {"eps": _group_value(p.scalars, groups, opt, fqn, "eps", 1e-8),
+                       "betas": _group_value(p.scalars, groups, opt, fqn, "betas", (0.9, 0.999))}
         p.params.append(param)
     return p
 

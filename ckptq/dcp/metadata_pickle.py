@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import importlib
 import io
 import pickle
@@ -99,7 +100,13 @@ def unpickle(raw: bytes, path: str) -> Metadata:
         raise InputError(f"{path} is not readable DCP metadata: {first_line(e)}") from None
     if type(md) is not Metadata:
         raise InputError(f"{path} is not readable DCP metadata: it holds {type(md).__name__[:40]}, not a Metadata")
-    return _Rebuild(path).metadata(md)
+    paused = gc.isenabled()
+    gc.disable()  # the rebuild makes only acyclic objects; collections would walk the whole graph again and again
+    try:
+        return _Rebuild(path).metadata(md)
+    finally:
+        if paused:
+            gc.enable()
 
 
 _PROPERTY_CLASSES = [TensorProperties]
@@ -108,6 +115,17 @@ try:  # folders written by torch < 2.2
 except (ImportError, KeyError):
     pass
 _LEAVES = (type(None), bool, int, float, complex, str, bytes)
+_REQUIRED = object()
+_DEFAULTS: dict[type, dict] = {}
+
+
+def _defaults(cls) -> dict:
+    """{field name: a function giving its default, or _REQUIRED} of a dataclass, computed once."""
+    if cls not in _DEFAULTS:
+        _DEFAULTS[cls] = {f.name: (lambda v=f.default: v) if f.default is not dataclasses.MISSING
+                          else f.default_factory if f.default_factory is not dataclasses.MISSING else _REQUIRED
+                          for f in dataclasses.fields(cls)}
+    return _DEFAULTS[cls]
 
 
 class _Rebuild:
@@ -138,20 +156,18 @@ class _Rebuild:
         if type(obj) not in classes:
             raise self.refuse(f"{type(obj).__name__[:40]} where a {classes[0].__name__} belongs")
         state = vars(obj)
-        fields = dataclasses.fields(classes[0])
-        extra = set(state) - {f.name for f in fields}
-        if extra:
-            raise self.refuse(f"a {classes[0].__name__} with attributes {sorted(map(str, extra))[:3]}")
+        defaults = _defaults(classes[0])
+        if not state.keys() <= defaults.keys():
+            extra = sorted(map(str, state.keys() - defaults.keys()))[:3]
+            raise self.refuse(f"a {classes[0].__name__} with attributes {extra}")
         out = {}
-        for f in fields:
-            if f.name in state:
-                out[f.name] = state[f.name]
-            elif f.default is not dataclasses.MISSING:
-                out[f.name] = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                out[f.name] = f.default_factory()
+        for name, default in defaults.items():
+            if name in state:
+                out[name] = state[name]
+            elif default is _REQUIRED:
+                raise self.refuse(f"a {classes[0].__name__} that lacks its field {name}")
             else:
-                raise self.refuse(f"a {classes[0].__name__} that lacks its field {f.name}")
+                out[name] = default()
         return out
 
     def items(self, obj, what: str) -> list:

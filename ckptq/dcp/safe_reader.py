@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from ..errors import CkptqError, InputError
 from ..format import files
-from . import metadata_pickle
+from . import boxes as boxes_, metadata_pickle
 from .metadata_pickle import first_line as _first_line
 
 MAX_ELEMENTS = 2**48  # per tensor: 1 PiB of bytes; more is a crafted size, not a checkpoint
@@ -122,6 +122,7 @@ def _plain_name(name) -> bool:
 def _check_storage(storage: dict, folder: str, path: str) -> dict:
     """Where each item is stored: plain file names in ``folder``, regular files, byte ranges inside them."""
     sizes: dict[str, int] = {}
+    ranges: dict[str, list] = {}
     for index, info in storage.items():
         if not (isinstance(index, MetadataIndex) and _complete(index) and isinstance(index.fqn, str)
                 and isinstance(info, _StorageInfo) and _complete(info)):
@@ -135,7 +136,8 @@ def _check_storage(storage: dict, folder: str, path: str) -> dict:
             raise InputError(f"{path}: {index.fqn} is stored through DCP stream transforms {transforms!r:.80}; "
                              "ckptq reads only untransformed DCP data")
         if not (_count(info.offset) and _count(info.length)):
-            raise _bad(path, f"{index.fqn}: offset {info.offset!r:.40} and length {info.length!r:.40} must be integers >= 0")
+            raise _bad(path, f"{index.fqn}: offset {_short(info.offset)} and length {_short(info.length)} must be "
+                             "integers from 0 to 2**63")
         if name not in sizes:
             if not os.path.lexists(os.path.join(folder, name)):
                 raise InputError(f"{folder}: cannot read {name}, which its metadata names: no such file")
@@ -144,11 +146,24 @@ def _check_storage(storage: dict, folder: str, path: str) -> dict:
         if info.offset + info.length > sizes[name]:
             raise _bad(path, f"{index.fqn}: its data at bytes {info.offset}..{info.offset + info.length} lies beyond "
                              f"the end of {name} ({sizes[name]} bytes)")
+        ranges.setdefault(name, []).append((info.offset, info.length, index.fqn))
+    for name, spans in ranges.items():  # items that share bytes would give one input byte many outputs
+        pair = boxes_.overlapping_ranges(spans)
+        if pair:
+            raise _bad(path, f"{pair[0][2]} and {pair[1][2]} are stored in the same bytes of {name} "
+                             f"({pair[1][0]}..{min(pair[0][0] + pair[0][1], pair[1][0] + pair[1][1])})")
     return storage
 
 
+def _short(v) -> str:
+    """``v`` for a message: an integer of thousands of digits cannot even be printed (Python's limit)."""
+    if type(v) is int and abs(v) >= 2**64:
+        return f"an integer of {v.bit_length()} bits"
+    return f"{v!r:.40}"
+
+
 def _count(v) -> bool:
-    return type(v) is int and v >= 0
+    return type(v) is int and 0 <= v < 2**63
 
 
 def _dims(v, what: str, key: str, path: str) -> tuple:
@@ -192,25 +207,13 @@ def _check_tensor(key: str, m: TensorStorageMetadata, stored: dict, path: str) -
             boxes.append((offsets, sizes))
     if total != numel:
         raise _bad(path, f"{key}: its chunks cover {total} of its {numel} elements")
-    pair = _overlapping(boxes)
+    try:
+        pair = boxes_.overlapping(boxes)
+    except boxes_.TooIrregular:
+        raise _bad(path, f"{key}: its {len(boxes)} chunks of {len(size)} dimensions form no grid, which no sharding "
+                         "writes, and are too many to check") from None
     if pair:
         raise _bad(path, f"{key}: chunks at {pair[0]} and {pair[1]} overlap")
-
-
-def _overlapping(boxes: list[tuple]) -> tuple | None:
-    """The offsets of two overlapping boxes ((offsets, sizes), none empty), if any: a sweep along the
-    dimension with the most distinct offsets, each box compared with those still open there."""
-    if len(boxes) < 2 or not boxes[0][0]:
-        return None
-    dim = max(range(len(boxes[0][0])), key=lambda d: len({o[d] for o, _ in boxes}))
-    open_: list[tuple] = []
-    for offsets, sizes in sorted(boxes, key=lambda b: b[0][dim]):
-        open_ = [b for b in open_ if b[0][dim] + b[1][dim] > offsets[dim]]
-        for o, s in open_:
-            if all(a < b + t and b < a + u for a, u, b, t in zip(offsets, sizes, o, s)):
-                return o, offsets
-        open_.append((offsets, sizes))
-    return None
 
 
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
