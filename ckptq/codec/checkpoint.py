@@ -11,25 +11,75 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import InputError, UsageError
-from ..format import files
+from ..format import files, torch_zip
 
 QUANTIZABLE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def load_torch(path: str, trust: bool = False) -> Any:
     """``torch.load`` onto the CPU with ``weights_only=True`` (``trust=True`` allows full unpickling),
-    memory-mapped where the file allows. Errors become one-line :class:`InputError`."""
+    memory-mapped where the file allows. Errors become one-line :class:`InputError`.
+
+    A memory-mapped load does not check that each storage's zip record holds its bytes (a strict load
+    does), so the records are checked first (``format.torch_zip``); a trusted file, whose pickle only torch
+    can read, is loaded strictly instead. What is loaded is then checked to be what torch's consumers see
+    (``check_loaded``)."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such file")
+    mapped = zipfile.is_zipfile(path) and not trust
+    if mapped:
+        torch_zip.check_records(path)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=not trust, mmap=zipfile.is_zipfile(path))
+        obj = torch.load(path, map_location="cpu", weights_only=not trust, mmap=mapped)
     except pickle.UnpicklingError as e:
         raise InputError(_unsafe_message(path, e)) from None
     except Exception as e:  # torch raises many types for damaged files (RuntimeError, KeyError, EOFError...)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
         raise InputError(f"{path} is not a readable torch checkpoint (truncated or not made by torch.save): {first}") from None
     files.check_nesting(obj, path)  # what walks it next recurses: refuse absurd nesting in one line
+    check_loaded(obj, path)
     return obj
+
+
+def check_loaded(obj: Any, path: str) -> None:
+    """InputError unless no object in ``obj`` carries instance state that shadows its class's attributes.
+    A pickle BUILD writes state onto the OrderedDicts (and tensors) that weights-only unpickling makes:
+    an ``items`` attribute would hide a state dict's entries from ckptq's walks, which call
+    ``.items()``, while torch's consumers still read them; a tensor's ``untyped_storage`` or ``numel``
+    would make ckptq misread it. No honest checkpoint holds such state (``_metadata`` on a state dict,
+    or a library's own tags on a Parameter, shadow nothing)."""
+    seen, stack = set(), [obj]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        state = getattr(node, "__dict__", None) if isinstance(node, (dict, torch.Tensor)) else None
+        if state:
+            shadowed = sorted(str(name) for name in state if hasattr(type(node), name))
+            if shadowed:
+                raise InputError(f"{path} holds a {type(node).__name__} object with attributes {shadowed[:3]} that "
+                                 "shadow its own methods, which torch.save never writes; the file is crafted, so "
+                                 "ckptq refuses it")
+            stack.extend(state.values())
+        if isinstance(node, dict):
+            stack.extend(dict.keys(node))
+            stack.extend(dict.values(node))
+        elif isinstance(node, (list, tuple, set, frozenset)):
+            stack.extend(node)
+
+
+def repeats_bytes(t: torch.Tensor) -> bool:
+    """Whether some elements of ``t`` share memory: a stride of 0 along a dimension longer than 1 (an
+    ``expand``ed tensor), or strides that interleave. Such a tensor holds fewer bytes than its elements
+    need, so reading it element by element (to quantize, or to decode its codes) would make output
+    that no input bytes back: a 4-byte storage claiming 2**40 elements."""
+    span = 1  # elements spanned by the dimensions taken so far, from the innermost
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride < span:
+            return True
+        span += stride * (size - 1)
+    return False
 
 
 def _unsafe_message(path: str, e: Exception) -> str:
@@ -126,6 +176,8 @@ def storage_key(t: torch.Tensor) -> tuple:
     DTensor) has no storage of its own, so it shares none: keyed by identity."""
     if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and hasattr(t, "__tensor_flatten__"):
         return ("wrapper", id(t))
+    if t.layout != torch.strided:  # sparse and other layouts have no one storage
+        return ("layout", id(t))
     s = t.untyped_storage()
     return (t.device.type, s.data_ptr(), s.nbytes()) if s.nbytes() else ("empty", id(t))
 
@@ -140,4 +192,5 @@ def shared_storages(obj: Any) -> set:
 
 
 def is_quantizable(t: Any, min_size: int) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype in QUANTIZABLE_DTYPES and t.numel() >= min_size
+    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.dtype in QUANTIZABLE_DTYPES
+            and t.numel() >= min_size)

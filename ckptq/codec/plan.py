@@ -120,8 +120,12 @@ def exact_reason(key: str, t: torch.Tensor, adam: bool, min_size: int, shared: s
         raise InputError(f"state {key!r} is a meta tensor (shape only, no data); the checkpoint cannot be converted")
     if not adam or key not in ADAM_MOMENTS:
         return "not an Adam moment"
+    if t.layout != torch.strided:
+        return f"a {str(t.layout).removeprefix('torch.')} tensor, not a dense one"
     if not checkpoint.is_quantizable(t, min_size):
         return "below min_size"
+    if checkpoint.repeats_bytes(t):  # quantizing it would write more than the input holds
+        return "a view that repeats its bytes (stride 0 or overlapping)"
     if checkpoint.storage_key(t) in shared:
         return "shares storage"
     lo, hi = (float(v) for v in torch.aminmax(t.detach().reshape(-1)))  # one pass; NaN propagates

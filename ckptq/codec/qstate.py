@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import FormatError
+from .checkpoint import repeats_bytes
 from ..kernels.contract import WIDTHS, code_bytes, num_blocks
 from .policy import LAYOUTS, RATIO_TRANSFORM, TRANSFORMS
 
@@ -76,6 +77,11 @@ class QState:
             raise FormatError(f"ratio state has eps {self.eps!r} and divisor {self.divisor!r}; it is corrupt")
         if self.layout not in LAYOUTS:
             raise FormatError(f"quantized state has layout {str(self.layout)[:20]!r}; upgrade ckptq")
+        for part in ("codes", "absmax", "qmap"):  # decoding reads them element by element
+            t = getattr(self, part)
+            if isinstance(t, torch.Tensor) and repeats_bytes(t):
+                raise FormatError(f"quantized state's {part} repeat their bytes (a stride-0 or overlapping view "
+                                  f"of shape {list(t.shape)}); it is crafted or corrupt")
 
     @property
     def is_ratio(self) -> bool:

@@ -130,6 +130,11 @@ class _Flattener:
         raise UsageError(f"cannot store {type(obj).__name__} at {path}: only dict and OrderedDict mappings")
 
     def tensor(self, t: torch.Tensor, path: str) -> dict:
+        if not (t.dtype in SAFETENSORS_NAMES or t.dtype.is_complex) or t.layout != torch.strided:
+            kind = t.dtype if t.layout == torch.strided else t.layout
+            raise UsageError(f"cannot store the {str(kind).removeprefix('torch.')} tensor at {path or '/'}: ckptq "
+                             "stores dense tensors of the safetensors dtypes (and complex ones), and writes nothing "
+                             "it could not read back; dequantize or densify it first")
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         key = storage_key(t)

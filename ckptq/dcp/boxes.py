@@ -1,5 +1,5 @@
-"""Whether boxes overlap: a DCP tensor's chunks (offsets, sizes), and the byte ranges its items take in
-a data file. Each check takes O(n log n) in the number of boxes, so that a small crafted ``.metadata``
+"""Whether boxes overlap: a DCP tensor's chunks (offsets, sizes); the byte ranges its items take in a
+data file are checked by ``ckptq.format.spans``. Each check takes O(n log n) in the number of boxes, so that a small crafted ``.metadata``
 with thousands of chunks is answered in moments (a pairwise comparison took minutes).
 
 - Chunks that form a grid (every real sharding does: FSDP, TP, HSDP, uneven shards) are checked by
@@ -32,17 +32,6 @@ def overlapping(boxes: list[tuple]) -> tuple | None:
     if len(boxes[0][0]) <= 2:
         return _sweep_2d(boxes)
     return _sweep_pairwise(boxes)
-
-
-def overlapping_ranges(ranges: list[tuple]) -> tuple | None:
-    """Two overlapping (start, length, ...) ranges of nonzero length, if any."""
-    reach = None  # the range reaching furthest so far
-    for r in sorted(r for r in ranges if r[1]):
-        if reach is not None and r[0] < reach[0] + reach[1]:
-            return reach, r
-        if reach is None or r[0] + r[1] > reach[0] + reach[1]:
-            reach = r
-    return None
 
 
 def _one_cell_each(boxes: list[tuple]) -> bool:

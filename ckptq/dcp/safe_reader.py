@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorStorageMetadata)
 
 from ..errors import CkptqError, InputError
-from ..format import files
+from ..format import files, spans as spans_
 from . import boxes as boxes_, metadata_pickle
 from .metadata_pickle import first_line as _first_line
 
@@ -148,7 +148,7 @@ def _check_storage(storage: dict, folder: str, path: str) -> dict:
                              f"the end of {name} ({sizes[name]} bytes)")
         ranges.setdefault(name, []).append((info.offset, info.length, index.fqn))
     for name, spans in ranges.items():  # items that share bytes would give one input byte many outputs
-        pair = boxes_.overlapping_ranges(spans)
+        pair = spans_.overlapping_ranges(spans)
         if pair:
             raise _bad(path, f"{pair[0][2]} and {pair[1][2]} are stored in the same bytes of {name} "
                              f"({pair[1][0]}..{min(pair[0][0] + pair[0][1], pair[1][0] + pair[1][1])})")
