@@ -36,8 +36,8 @@ def load_torch(path: str, trust: bool = False) -> Any:
     except Exception as e:  # torch raises many types for damaged files (RuntimeError, KeyError, EOFError...)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
         raise InputError(f"{path} is not a readable torch checkpoint (truncated or not made by torch.save): {first}") from None
-    files.check_nesting(obj, path)  # what walks it next recurses: refuse absurd nesting in one line
     check_loaded(obj, path)
+    files.check_nesting(obj, path)  # what walks it next recurses: refuse absurd nesting in one line
     return obj
 
 

@@ -172,8 +172,8 @@ MAX_NESTING = 100  # containers in a checkpoint nest a few levels; each level of
 
 
 def _parts(node, inner) -> tuple | None:
-    if isinstance(node, dict):
-        return (*node.keys(), *node.values())
+    if isinstance(node, dict):  # read as dict reads itself, whatever a subclass instance says
+        return (*dict.keys(node), *dict.values(node))
     if isinstance(node, (list, tuple, set, frozenset)):
         return tuple(node)
     return inner(node) if inner else None

@@ -9,8 +9,8 @@ compressed bytes. ``check_records`` restores the strict load's guarantee on the 
 pickle alone (``data.pkl``, through torch's own weights-only unpickler, with storages stood in for by
 meta storages that hold no data) to learn each storage's key and size, then requires of each record what
 a strict load requires and more: present once, stored uncompressed, exactly the storage's size, its bytes
-inside the file and shared with no other record. ``verify_crcs`` adds the one check a strict load makes
-by reading the data: each record's CRC-32 (``--replace`` runs it before deleting an original).
+inside the file and shared with no other record. ``verify_crcs`` checks what no torch.load checks, each
+record's CRC-32: ``--replace`` runs it before it deletes an original, which must not be a damaged one.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def check_records(path: str) -> None:
 
 def verify_crcs(path: str) -> None:
     """InputError unless every record of the zip at ``path`` matches the CRC-32 its directory records
-    (what a strict torch.load checks as it reads); reads the file once, a few MB at a time."""
+    (torch.save writes them; torch.load does not check them); reads the file once, a few MB at a time."""
     with files.open_regular(path, "torch.save checkpoint") as f:
         try:
             with zipfile.ZipFile(f) as z:

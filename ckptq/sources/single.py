@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import time
+import zipfile
 from typing import Any
 
 from .. import __version__, format
 from ..codec import checkpoint, foreign, plan, policy, qstate, quant, signpost, tree
 from ..errors import InputError, NothingToConvertError
-from ..format import torch_stream
+from ..format import torch_stream, torch_zip
 from . import outputs, readback
 from .original import Original
 from .base import Source
@@ -23,12 +24,14 @@ def check_converted(src: str, outputs: list[str], trust: bool = False) -> None:
     """ReadbackError (and ``outputs`` removed) unless the converted ``outputs`` (file, or index + shards) of
     ``src`` (a torch.save file, or a converted file re-encoded at another width) decode to exactly what
     convert meant to write; each tensor's crc32 is checked as it is read."""
-    if format.is_safetensors(src):  # re-encoded at another width: its decoded states are the source
-        want = tree.Converted(src).read(dequantize=True)
-    else:
-        want = checkpoint.load_torch(src, trust=trust)
-    foreign.to_torch(want)  # bitsandbytes / torchao state is converted from its fp32 form, as convert does
     with readback.discarding(outputs):
+        if format.is_safetensors(src):  # re-encoded at another width: its decoded states are the source
+            want = tree.Converted(src).read(dequantize=True)
+        else:  # compared with what a strict torch.load sees: record sizes, and each record's checksum
+            want = checkpoint.load_torch(src, trust=trust)
+            if zipfile.is_zipfile(src) and not trust:
+                torch_zip.verify_crcs(src)
+        foreign.to_torch(want)  # bitsandbytes / torchao state is converted from its fp32 form, as convert does
         conv = tree.Converted(outputs[0], verify=True)
         try:
             readback.check_converted(want, conv.read(dequantize=False), outputs[0])
