@@ -9,7 +9,6 @@ storage, read as if it did). Run as a script for figures: ``python tests/hostile
 from __future__ import annotations
 
 import collections
-import io
 import os
 import random
 import shutil

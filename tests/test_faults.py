@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckptq
-from ckptq.format.files import TMP_MARK, remove_stale_temps
+from ckptq.format.atomic import TMP_MARK, remove_stale_temps
 from ckptq.kernels import native
 
 
@@ -133,10 +133,31 @@ def test_kill_9_leaves_recognisable_temps_that_the_next_write_removes(point, ckp
     assert _temps(out) == [live.name]
 
 
-def test_cleanup_ignores_other_hosts_and_unrelated_files(tmp_path):
-    names = [f".a{TMP_MARK}otherhost-1-abc.tmp", f".a{TMP_MARK}{socket.gethostname()}-1x-abc.tmp", "a.tmp",
-             f"a{TMP_MARK}.txt"]
-    for n in names:
-        (tmp_path / n).write_bytes(b"")
-    assert remove_stale_temps(str(tmp_path)) == []
-    assert sorted(os.listdir(tmp_path)) == sorted(names)
+def test_cleanup_removes_only_temps_a_dead_run_recorded(tmp_path, monkeypatch):
+    """A name proves nothing (#27.6: a user's ``.report.txt.ckptq-tmp-<host>-4000000-mine.tmp`` was deleted by
+    any convert into its folder): only a file a finished ckptq process recorded, still the same file
+    (device, inode), is removed."""
+    import json
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    host = socket.gethostname()
+    lookalikes = [f".report.txt{TMP_MARK}{host}-4000000-mine.tmp", f".a{TMP_MARK}otherhost-1-abc.tmp",
+                  f".a{TMP_MARK}{host}-1x-abc.tmp", "a.tmp", f"a{TMP_MARK}.txt"]
+    for n in lookalikes:
+        (tmp_path / n).write_bytes(b"the user's")
+    recorded, replaced = tmp_path / f".c{TMP_MARK}{host}-4000001-x.tmp", tmp_path / f".d{TMP_MARK}{host}-4000001-y.tmp"
+    recorded.write_bytes(b"left by a killed run")
+    replaced.write_bytes(b"left by a killed run")
+    entries = [{"path": str(p), "dev": p.stat().st_dev, "ino": p.stat().st_ino} for p in (recorded, replaced)]
+    (tmp_path / "other").write_bytes(b"the user's, at the same name")
+    os.replace(tmp_path / "other", replaced)  # another file (another inode) at that name now
+    journal = tmp_path / "cache" / "ckptq" / "temps" / f"{host}-4000001-abcdef.jsonl"  # pid 4000001: gone
+    journal.parent.mkdir(parents=True)
+    journal.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    alive = journal.with_name(f"{host}-{os.getpid()}-abcdef.jsonl")  # this process: alive
+    alive.write_text(json.dumps({"path": str(tmp_path / lookalikes[0]), "dev": 0, "ino": 0}) + "\n")
+    ckptq.save({"a": torch.ones(2)}, str(tmp_path / "out.safetensors"))  # any write sweeps
+    assert not recorded.exists() and replaced.read_bytes() == b"the user's, at the same name"
+    assert all((tmp_path / n).read_bytes() == b"the user's" for n in lookalikes)
+    assert not journal.exists() and alive.exists()
+    assert remove_stale_temps() == []

@@ -108,7 +108,7 @@ def _hide_behind(where: str, name: str, target: str):
 def test_containers_with_shadowing_state_cannot_smuggle_a_path_outside(tmp_path, where, name):
     victim = dcp_folder(tmp_path / "victim")
     folder = dcp_folder(tmp_path / "src")
-    edit_metadata(folder, _hide_behind(where, name, f"../victim/__0_0.distcp"))
+    edit_metadata(folder, _hide_behind(where, name, "../victim/__0_0.distcp"))
     all_commands_refuse(folder, "an OrderedDict with attributes", tmp_path)
     target = {"model": {"w": torch.empty(16, 256)}}
     with pytest.raises(CheckpointException, match="OrderedDict with attributes"):

@@ -103,3 +103,88 @@ def test_replace_of_a_dcp_folder_checks_the_output_then_removes_the_source(tmp_p
     assert r.exit_code == 0 and "removed" in r.output and not src.exists()
     r = run("expand", tmp_path / "q8", "-o", tmp_path / "back", "--replace")
     assert r.exit_code == 0 and not (tmp_path / "q8").exists() and (tmp_path / "back" / ".metadata").exists()
+
+
+# --- #27 item 6: files ckptq did not write are never removed or overwritten ---------------------------------
+
+def test_expand_in_place_leaves_a_users_file_of_the_old_temp_name_alone(tmp_path):
+    """`expand checkpoint-4 --replace` with a user's `.optimizer.pt.ckptq-expand.tmp` there deleted it."""
+    from ckptq.optim import AdamW8bit
+    from test_folders import TinyLM, param_groups, train
+
+    d = trainer_folder(tmp_path)
+    model = TinyLM()
+    opt = AdamW8bit(param_groups(model), lr=1e-2, min_size=64)
+    train(model, opt, 2)
+    torch.save(opt.state_dict(), d / "optimizer.pt")
+    mine = d / ".optimizer.pt.ckptq-expand.tmp"
+    mine.write_text("my notes")
+    assert run("expand", d, "--replace").exit_code == 0
+    assert mine.read_text() == "my notes"
+    assert "exp_avg" in torch.load(d / "optimizer.pt", weights_only=True)["state"][0]
+
+
+@pytest.mark.parametrize("content, what", [
+    (None, "a zip archive that torch.save did not write"),
+    (b'{"notes": "ckptq.format", "x": 1}', "JSON that only mentions ckptq.format"),
+    (b"\x80\x02}q\x00.", "a plain pickle"),
+])
+def test_force_identifies_outputs_by_their_structure(tmp_path, content, what):
+    """`--force` overwrote a user's important.zip (any PK\\x03\\x04 counted as torch) and a JSON file with the
+    text "ckptq.format" in it."""
+    import zipfile
+
+    src = trainer_folder(tmp_path / "t") / "optimizer.pt"
+    assert run("convert", src, "-o", tmp_path / "c.q8.safetensors").exit_code == 0
+    target = tmp_path / "important.out"
+    if content is None:
+        with zipfile.ZipFile(target, "w") as z:
+            z.writestr("archive/data.txt", "the user's")
+    else:
+        target.write_bytes(content)
+    before = target.read_bytes()
+    one_line_error(run("convert", src, "-o", target, "--force"), 4, "nothing was written")
+    one_line_error(run("expand", tmp_path / "c.q8.safetensors", "-o", target, "--force"), 4, "nothing was written")
+    assert target.read_bytes() == before, what
+
+
+def test_force_still_replaces_real_outputs(tmp_path):
+    src = trainer_folder(tmp_path / "t") / "optimizer.pt"
+    q8, pt = tmp_path / "c.q8.safetensors", tmp_path / "c.pt"
+    for _ in range(2):
+        assert run("convert", src, "-o", q8, "--force").exit_code == 0
+        assert run("expand", q8, "-o", pt, "--force").exit_code == 0
+    assert run("convert", src, "-o", tmp_path / "s.q8.safetensors", "--max-shard-size", "20KB").exit_code == 0
+    assert run("convert", src, "-o", tmp_path / "s.q8.safetensors", "--max-shard-size", "20KB", "--force").exit_code == 0
+
+
+def test_force_replaces_a_dcp_folder_only_as_ckptq_wrote_it(tmp_path):
+    """A converted folder into which the user put a file is not ckptq's alone any more: --force refuses it.
+    A user's folder named like the old fixed temp folder is never touched."""
+    src = _dcp_folder(tmp_path / "src")
+    out = tmp_path / "q8"
+    (tmp_path / "q8.ckptq-tmp").mkdir()
+    (tmp_path / "q8.ckptq-tmp" / ".ckptq").write_text("{}")
+    (tmp_path / "q8.ckptq-tmp" / "mine.txt").write_text("the user's")
+    assert run("convert", src, "-o", out).exit_code == 0
+    assert run("convert", src, "-o", out, "--force").exit_code == 0  # unchanged: replaced
+    (out / "notes.txt").write_text("the user's")
+    one_line_error(run("convert", src, "-o", out, "--force"), 4, "not a folder ckptq wrote", "nothing was written")
+    assert (out / "notes.txt").read_text() == "the user's"
+    assert (tmp_path / "q8.ckptq-tmp" / "mine.txt").read_text() == "the user's"
+    assert [n for n in os.listdir(tmp_path) if "ckptq-tmp-" in n] == []
+
+
+def test_convert_all_replace_never_follows_a_link_out_of_the_run(tmp_path):
+    """`convert run --all --replace` followed run/checkpoint-3, a symlink to a folder elsewhere, and deleted
+    the optimizer.pt there."""
+    run_dir = tmp_path / "run"
+    trainer_folder(run_dir, step=1)
+    elsewhere = trainer_folder(tmp_path / "elsewhere", step=3)
+    (run_dir / "checkpoint-3").symlink_to(elsewhere, target_is_directory=True)
+    before = digests(elsewhere)
+    r = run("convert", run_dir, "--all", "--replace")
+    assert r.exit_code == 0 and "checkpoint-3 (a symlink, not followed)" in r.output, r.output
+    assert digests(elsewhere) == before
+    assert not (run_dir / "checkpoint-1" / "optimizer.pt").exists() or \
+        (run_dir / "checkpoint-1" / "optimizer.q8.safetensors").exists()

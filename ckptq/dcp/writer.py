@@ -5,6 +5,7 @@ existing folder is replaced only if it carries one), and the ranks of a torchrun
 from __future__ import annotations
 
 import json
+import tempfile
 import os
 import shutil
 import warnings
@@ -65,9 +66,49 @@ def _copy_companions(src: str, dst: str) -> None:
             shutil.copystat(source, target)
 
 
+def _listing(folder: str) -> dict:
+    """{relative path: size, or "folder" / "link"} of everything under ``folder`` but the marker, links not followed."""
+    found, pending = {}, [""]
+    while pending:
+        rel = pending.pop()
+        for entry in os.scandir(os.path.join(folder, rel)):
+            name = os.path.join(rel, entry.name)
+            if name == MARKER:
+                continue
+            if entry.is_symlink():
+                found[name] = "link"
+            elif entry.is_dir(follow_symlinks=False):
+                found[name] = "folder"
+                pending.append(name)
+            else:
+                found[name] = entry.stat(follow_symlinks=False).st_size
+    return found
+
+
+def _write_marker(folder: str) -> None:
+    """The marker, listing every file ckptq wrote into ``folder`` (what a later --force may remove)."""
+    with open(os.path.join(folder, MARKER), "w") as f:
+        json.dump({"created_by": f"ckptq {__version__}", "kind": "dcp", "files": _listing(folder)}, f)
+
+
 def written_by_ckptq(path: str) -> bool:
-    """Whether the folder ``path`` carries ckptq's marker (a folder ``convert`` or ``expand`` wrote)."""
-    return os.path.isfile(os.path.join(path, MARKER)) and not os.path.islink(path)
+    """Whether the folder ``path`` holds exactly what ckptq wrote there (``convert`` or ``expand``): its
+    marker lists every file, with its size, and nothing was added, removed or resized since. A folder
+    written by ckptq before markers listed files counts only if it holds nothing but DCP's own files."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
+    try:
+        with files.open_regular(os.path.join(path, MARKER), "marker") as f:
+            marker = json.loads(f.read(1 << 20))
+        listing = _listing(path)
+    except (InputError, OSError, ValueError):
+        return False
+    if not (isinstance(marker, dict) and marker.get("kind") == "dcp"
+            and str(marker.get("created_by", "")).startswith("ckptq ")):
+        return False
+    if "files" in marker:
+        return marker["files"] == listing
+    return all(n == ".metadata" or n.endswith(".distcp") for n in listing)
 
 
 def _check_replaceable(dst: str, force: bool) -> None:
@@ -75,9 +116,16 @@ def _check_replaceable(dst: str, force: bool) -> None:
         return
     if not force:
         raise OutputExistsError(f"{dst} exists; pass --force to overwrite it")
-    if not (os.path.isdir(dst) and written_by_ckptq(dst)):
-        raise OutputExistsError(f"{dst} exists and is not a folder ckptq wrote (no {MARKER} in it); --force replaces "
-                                "only ckptq's own outputs, so nothing was written: choose another output path")
+    if not written_by_ckptq(dst):
+        raise OutputExistsError(f"{dst} exists and is not a folder ckptq wrote, as it wrote it (its {MARKER} must list "
+                                "everything in it); --force replaces only ckptq's own outputs, so nothing was written: "
+                                "choose another output path or remove it yourself")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _rank0() -> bool:
@@ -91,21 +139,20 @@ def write_folder(dst: str, state: dict, producers: dict, force: bool, src: str |
     from torch.distributed.checkpoint import FileSystemWriter
 
     _check_replaceable(dst, force)
-    tmp = f"{dst.rstrip('/')}.ckptq-tmp"
-    if _rank0():
-        if os.path.lexists(tmp) and not written_by_ckptq(tmp):
-            raise OutputExistsError(f"{tmp} exists (a temp folder of another run?); remove it to write {dst}")
-        files.remove_path(tmp)
-        os.makedirs(tmp)
+    tmp = None
+    if _rank0():  # a folder of this run's own: no other run's, and no user's, has its name
+        parent, name = os.path.split(os.path.abspath(dst.rstrip("/")))
+        tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}.ckptq-tmp-")
+        os.chmod(tmp, 0o777 & ~_umask())
         try:
             _copy_companions(src, tmp) if src else None
-            with open(os.path.join(tmp, MARKER), "w") as f:
-                json.dump({"created_by": f"ckptq {__version__}", "kind": "dcp"}, f)
         except BaseException:
             files.remove_path(tmp)
             raise
     if dist.is_initialized():
-        dist.barrier()
+        shared = [tmp]
+        dist.broadcast_object_list(shared, src=0)
+        tmp = shared[0]
     writer = FileSystemWriter(tmp, single_file_per_rank=True, thread_count=1, sync_files=True)
     try:
         with warnings.catch_warnings():
@@ -121,8 +168,15 @@ def write_folder(dst: str, state: dict, producers: dict, force: bool, src: str |
     if dist.is_initialized():
         dist.barrier()
     if _rank0():
-        files.remove_path(dst)  # a folder ckptq wrote (_check_replaceable)
-        os.replace(tmp, dst)
+        try:
+            _write_marker(tmp)
+            if os.path.lexists(dst):  # checked again now: a folder ckptq wrote, unchanged since
+                _check_replaceable(dst, force)
+                files.remove_path(dst)
+            os.replace(tmp, dst)
+        except BaseException:
+            files.remove_path(tmp)
+            raise
 
 
 def join_torchrun() -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .. import __version__
 from ..codec import plan as codec_plan, policy, tree
 from ..errors import InputError
-from ..format import container, files
+from ..format import atomic, container
 from .ranks import INFO_KEY
 
 
@@ -58,7 +58,7 @@ def write_all(finals: list[str], planned: list[Planned], force: bool, progress=N
         if progress:
             progress(done, total)
 
-    with files.atomic_outputs(finals, force, "ckptq") as tmps:
+    with atomic.atomic_outputs(finals, force, "ckptq") as tmps:
         for pl, tmp in zip(planned, tmps):
             container.write(tmp, pl.skeleton, pl.stored, pl.meta, force=True, on_tensor=on_tensor)
 

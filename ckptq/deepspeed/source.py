@@ -11,7 +11,7 @@ import time
 
 from ..codec import tree
 from ..errors import FormatError, InputError, UsageError
-from ..format import files, torch_stream
+from ..format import atomic, torch_stream
 from ..sources.base import Source
 from ..sources.options import ConvertOptions, ExpandOptions, InfoOptions
 from ..sources.reports import ConvertReport, ExpandReport, InfoReport, StateRow
@@ -69,7 +69,7 @@ def _expand_ranks(src: str, opts: ExpandOptions) -> tuple[str, list[str]]:
     metas = [plan.converted_meta(p.q8) for p in parts]
     if os.path.isdir(src):
         ranks.check_world(every, {p.q8: m[ranks.INFO_KEY].get("world_size") for p, m in zip(parts, metas)})
-    with files.atomic_outputs([p.pt for p in parts], opts.force, "torch") as tmps:
+    with atomic.atomic_outputs([p.pt for p in parts], opts.force, "torch") as tmps:
         for p, tmp in zip(parts, tmps):
             conv = tree.Converted(p.q8, opts.verify)
             try:
@@ -90,7 +90,7 @@ def _expand_universal(src: str, opts: ExpandOptions) -> tuple[str, list[str]]:
     for _, c in found:
         plan.converted_meta(c)
     finals = [os.path.join(f, n + ".pt") for f, _ in found for n in universal.MOMENT_FILES]
-    with files.atomic_outputs(finals, opts.force, "torch") as tmps:
+    with atomic.atomic_outputs(finals, opts.force, "torch") as tmps:
         for i, (_, c) in enumerate(found):
             conv = tree.Converted(c, opts.verify)
             obj = conv.read(dequantize=True)

@@ -11,7 +11,7 @@ from .. import lazy_attributes
 
 _NAMES = {"Compression": "container", "Container": "container", "FORMAT_VERSION": "container",
           "READS_VERSIONS": "container", "is_safetensors": "container", "planned_bytes": "container",
-          "write": "container", "atomic_outputs": "files", "INDEX_SUFFIX": "index", "SUFFIX": "index"}
+          "write": "container", "atomic_outputs": "atomic", "INDEX_SUFFIX": "index", "SUFFIX": "index"}
 __all__ = sorted(_NAMES)
 
 __getattr__ = lazy_attributes(__name__, _NAMES)

@@ -23,12 +23,12 @@ import torch
 from . import index, integrity, reader, safetensors_io
 from ..errors import FormatError
 from .dtypes import FROM_SAFETENSORS
-from .files import atomic_outputs, open_regular
+from .atomic import atomic_outputs
+from .files import open_regular
 from .safetensors_io import Stored
 from .index import INDEX_SUFFIX, SUFFIX
-from .header import parse_json
+from .header import FORMAT_NAME, parse_json
 
-FORMAT_NAME = "ckptq"
 FORMAT_VERSION = 3
 READS_VERSIONS = (1, 2, 3)
 

@@ -1,31 +1,18 @@
-"""Opening inputs safely and writing outputs atomically.
+"""Opening inputs safely, removing a path, and bounding the nesting of what was loaded.
 
 Inputs: only regular files are read. A FIFO, socket or device named as an input (or as a shard in an
 index) would block ``open`` or read forever, so files are opened non-blocking and checked with
-``fstat`` before a byte is read.
-
-Outputs: each is written to a temp file beside it and renamed into place when complete. Temp names are
-recognisable, ``.<name>.ckptq-tmp-<host>-<pid>-<random>.tmp`` (``.r`` appended while a header is
-relocated), so that what a killed run (``kill -9``, power loss) left behind can be told apart: every
-write removes the temp files in its output folder that this host's dead processes left and that belong
-to the same user. Anything else is left alone; such files can also be deleted by hand at any time when
-no ckptq run is writing to that folder.
+``fstat`` before a byte is read. (Outputs: ``ckptq.format.atomic``; what a file is: ``identify``.)
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import socket
 import stat
-import tempfile
-from contextlib import contextmanager
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
-from ..errors import InputError, OutputExistsError
-
-TMP_MARK = ".ckptq-tmp-"
+from ..errors import InputError
 
 
 def remove_path(path: str) -> None:
@@ -59,113 +46,6 @@ def is_regular(path: str) -> bool:
         return stat.S_ISREG(os.stat(path).st_mode)
     except OSError:
         return False
-
-
-def _tmp_prefix(final: str) -> str:
-    return f".{os.path.basename(final)}{TMP_MARK}{socket.gethostname()}-{os.getpid()}-"
-
-
-def _stale(folder: str, name: str) -> bool:
-    """A temp file of ours (same host, same user) whose writing process is gone."""
-    m = re.fullmatch(rf"\..+{re.escape(TMP_MARK)}{re.escape(socket.gethostname())}-(\d+)-\w+\.tmp(\.r)?", name)
-    if not m:
-        return False
-    try:
-        if os.lstat(os.path.join(folder, name)).st_uid != os.geteuid():
-            return False
-        os.kill(int(m.group(1)), 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, OverflowError):  # alive but not ours (EPERM), or gone already
-        return False
-    return False
-
-
-def remove_stale_temps(folder: str) -> list[str]:
-    """Delete the temp files that killed ckptq runs of this user on this host left in ``folder``."""
-    removed = []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return removed
-    for name in names:
-        if TMP_MARK in name and _stale(folder, name):
-            try:
-                os.unlink(os.path.join(folder, name))
-                removed.append(name)
-            except OSError:
-                pass
-    return removed
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-KINDS = ("ckptq", "torch")  # what an output is: a ckptq file (or shard index), a torch.save file
-
-
-def kind_of(path: str) -> str | None:
-    """What the regular file at ``path`` is, by its first bytes: "ckptq" (a safetensors file or shard index
-    that ckptq wrote), "torch" (a torch.save zip or pickle), or None (anything else, or not a regular file)."""
-    try:
-        with open_regular(path, "output") as f:
-            head = f.read(1 << 16)
-    except InputError:
-        return None
-    if head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02":
-        return "torch"
-    return "ckptq" if b'"ckptq.format"' in head else None
-
-
-def check_replaceable(path: str, force: bool, kind: str) -> None:
-    """OutputExistsError unless nothing is at ``path``, or ``force`` is given and it is a regular file of
-    ``kind`` (an output ckptq could have written there) or empty: ckptq never replaces a folder, a link to
-    one, a special file, or a file of another kind, whatever the flags."""
-    if not os.path.lexists(path):
-        return
-    if not force:
-        raise OutputExistsError(f"{path} exists; pass --force (Python: force=True) to overwrite it")
-    found = kind_of(path) if os.path.isfile(path) else None
-    if found != kind and not (os.path.isfile(path) and os.path.getsize(path) == 0):  # an empty file holds nothing
-        what = ("a folder" if os.path.isdir(path) else "not a regular file" if not os.path.isfile(path)
-                else "a torch.save checkpoint" if found == "torch" else "a ckptq file" if found == "ckptq"
-                else "not a checkpoint file")
-        want = "ckptq file" if kind == "ckptq" else "torch.save file"
-        raise OutputExistsError(f"{path} exists and is {what}; --force replaces only a {want} (what this command "
-                                "writes), so nothing was written: choose another output path or remove it yourself")
-
-
-@contextmanager
-def atomic_outputs(finals: list[str], force: bool, kind: str) -> Iterator[list[str]]:
-    """Temp paths beside each final path; all renamed into place on success, all removed on failure
-    (including Ctrl-C). An existing final path is replaced only with ``force`` and only if it is a file of
-    ``kind`` ("ckptq" or "torch", ``check_replaceable``)."""
-    for p in finals:
-        check_replaceable(p, force, kind)
-    tmps: list[str] = []
-    try:
-        for folder in {os.path.dirname(os.path.abspath(p)) for p in finals}:
-            if not os.path.isdir(folder):
-                raise InputError(f"output folder {folder} does not exist")
-            remove_stale_temps(folder)
-        for p in finals:
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(p)), prefix=_tmp_prefix(p), suffix=".tmp")
-            os.close(fd)
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual permissions
-            tmps.append(tmp)
-        yield tmps
-        for tmp, p in zip(tmps, finals):
-            os.replace(tmp, p)
-    except BaseException:
-        for tmp in tmps:
-            for leftover in (tmp, tmp + ".r"):
-                if os.path.exists(leftover):
-                    os.unlink(leftover)
-        raise
-
 
 
 MAX_NESTING = 100  # containers in a checkpoint nest a few levels; each level of a recursive walk takes stack

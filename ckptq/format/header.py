@@ -12,6 +12,8 @@ import numpy as np
 from ..errors import FormatError
 
 MAX_HEADER = 100_000_000  # safetensors' own limit
+FORMAT_NAME = "ckptq"  # a ckptq file's ``__metadata__["ckptq.format"]``
+SHARDS_KEY = "ckptq.shards"  # in a ckptq shard index's metadata: the shards and their checksums
 # Arrays and objects inside one another. A skeleton at its limit (``codec.skeleton.MAX_DEPTH``, 100 nodes)
 # nests about 300 deep (a dict node is an object, its list of pairs, a pair); 512 also leaves json's
 # recursive parser room below Python's default recursion limit (1,000).

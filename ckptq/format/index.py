@@ -14,11 +14,10 @@ import os
 from . import integrity
 from ..errors import FormatError, InputError
 from .files import open_regular
-from .header import MAX_HEADER, parse_json
+from .header import MAX_HEADER, SHARDS_KEY, parse_json
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
-SHARDS_KEY = "ckptq.shards"
 
 
 def index_bytes(metadata: dict, weight_map: dict, shard_crcs: dict[str, str]) -> bytes:

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from . import integrity
+from . import atomic, integrity
 from .dtypes import SAFETENSORS_NAMES
 
 _BIG = 10**15  # placeholder width for offsets/sizes while reserving header space
@@ -169,7 +169,9 @@ def _relocate(f, tmp, head, data_start) -> str:
     reserve = (len(head) + 7) // 8 * 8
     f.flush()
     sealed, crc = _sealed(head, reserve)
-    with open(tmp, "rb") as src, open(tmp + ".r", "wb") as dst:
+    fd = os.open(tmp + ".r", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # never a file already there
+    atomic.record_temp(tmp + ".r")
+    with open(tmp, "rb") as src, os.fdopen(fd, "wb") as dst:
         dst.write(sealed)
         src.seek(data_start)
         while chunk := src.read(1 << 24):

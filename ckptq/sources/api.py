@@ -9,7 +9,7 @@ from typing import Any
 import os
 
 from .. import format
-from ..format.files import kind_of
+from ..format.identify import kind_of
 from ..codec import checkpoint, policy, quant, tree
 from ..errors import InputError
 from . import folders

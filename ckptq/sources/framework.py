@@ -15,6 +15,7 @@ import re
 import time
 
 from ..errors import NothingToConvertError, UsageError
+from ..format import atomic
 from . import folders
 from .original import Original, sync_folder
 from .base import Source
@@ -75,17 +76,13 @@ class FrameworkFolder(Source):
         return report
 
     def _expand_in_place(self, src: str, opts: ExpandOptions) -> ExpandReport:
-        """An 8-bit torch.save file -> fp32 under the same name: written beside it, checked, renamed over it."""
-        tmp = os.path.join(os.path.dirname(src), f".{os.path.basename(src)}.ckptq-expand.tmp")
-        try:
+        """An 8-bit torch.save file -> fp32 under the same name: written to a temp of this run's own beside it,
+        checked, renamed over it (on failure only that temp is removed)."""
+        with atomic.atomic_outputs([src], True, "torch") as (tmp,):
             part = self._detect(src).expand(ExpandOptions(output=tmp, force=True, verify=opts.verify, trust=opts.trust,
                                                           progress=opts.progress))
             self._detect(src).check_expanded([tmp], opts.trust)
-            os.replace(tmp, src)
-            sync_folder(src)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        sync_folder(src)
         part.outputs = [src]
         return part
 
@@ -111,12 +108,19 @@ def _replace_off(opts):
 _STEP = re.compile(r"(?:checkpoint-|global_step|step-|epoch=\d+-step=)(\d+)")
 
 
+def linked_folders(path: str) -> list[str]:
+    """Names in a run's folder that look like checkpoint folders but are symlinks (not followed)."""
+    return sorted(n for n in os.listdir(path) if _STEP.fullmatch(n) and os.path.islink(os.path.join(path, n)))
+
+
 def checkpoint_folders(path: str) -> list[str]:
-    """The checkpoint folders a run's output folder holds, oldest first (by the step in their names)."""
+    """The checkpoint folders a run's output folder holds, oldest first (by the step in their names). A
+    symlink is never one: it may lead out of the folder the user named (``linked_folders`` lists them)."""
     found = []
     for name in os.listdir(path):
         m = _STEP.fullmatch(name)
-        if m and os.path.isdir(os.path.join(path, name)):
+        full = os.path.join(path, name)
+        if m and os.path.isdir(full) and not os.path.islink(full):
             found.append((int(m.group(1)), name))
     return [os.path.join(path, name) for _, name in sorted(found)]
 
@@ -146,6 +150,7 @@ class RunFolder(Source):
         subs = checkpoint_folders(self.path)
         keep = subs[len(subs) - opts.keep_last:] if opts.keep_last else []
         report = ConvertReport(self.path, self.kind, bits=opts.bits, skipped=[os.path.basename(k) for k in keep])
+        report.skipped += [f"{name} (a symlink, not followed)" for name in linked_folders(self.path)]
         for sub in subs[: len(subs) - len(keep)]:
             try:
                 report.add(self._detect(sub).convert(opts))

@@ -4,6 +4,7 @@ only the very file (or folder) that was converted is ever deleted."""
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 
 from ..errors import InputError
@@ -48,7 +49,9 @@ class Original:
         try:
             for out in outputs:
                 sync_folder(out)
-            aside = f"{self.path.rstrip(os.sep)}.ckptq-removing-{os.getpid()}"
+            aside = f"{self.path.rstrip(os.sep)}.ckptq-removing-{os.getpid()}-{secrets.token_hex(6)}"
+            if os.path.lexists(aside):  # a rename would replace it; the name is random, so this is not ours
+                raise InputError(f"{aside} exists; it was not removed and {self.path} was kept (remove or rename it)")
             os.rename(self.path, aside)
             if self._key(os.lstat(aside), aside) != self.key:
                 os.rename(aside, self.path)
