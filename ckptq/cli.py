@@ -51,22 +51,36 @@ def _fail(message: str, code: int):
     sys.exit(code)
 
 
+def _on_disk(mark: int) -> str:
+    """What a failed command leaves, for its message: nothing, or the outputs it completed (the original
+    is deleted only after everything else succeeded, so it is still there)."""
+    from .format import atomic
+
+    done = atomic.written_since(mark)
+    if not done:
+        return "no output was written"
+    return f"{', '.join(done[:3])}{' ...' if len(done) > 3 else ''} written and complete; the original was kept"
+
+
 def _run(fn, *args, **kwargs):
     """Call a library function; every failure becomes one line on stderr and a non-zero exit."""
+    from .format import atomic
+
+    mark = len(atomic.WRITTEN)
     try:
         return fn(*args, **kwargs)
     except CkptqError as e:
         _fail(str(e), e.exit_code)
     except KeyboardInterrupt:
-        _fail("interrupted; no output was written", 130)
+        _fail(f"interrupted; {_on_disk(mark)}", 130)
     except OSError as e:
         where = f" ({e.filename})" if e.filename else ""
         hint = "disk full: " if e.errno == errno.ENOSPC else ""
-        _fail(f"{hint}{e.strerror or e}{where}; no output was written", 7)
+        _fail(f"{hint}{e.strerror or e}{where}; {_on_disk(mark)}", 7)
     except MemoryError:
-        _fail("out of memory; no output was written", 8)
+        _fail(f"out of memory; {_on_disk(mark)}", 8)
     except Exception as e:  # a bug: still one line, and no partial output (writes are atomic)
-        _fail(f"internal error ({type(e).__name__}: {e}); no output was written; please report it", 70)
+        _fail(f"internal error ({type(e).__name__}: {e}); {_on_disk(mark)}; please report it", 70)
 
 
 def _return_freed_memory() -> None:

@@ -188,3 +188,40 @@ def test_convert_all_replace_never_follows_a_link_out_of_the_run(tmp_path):
     assert digests(elsewhere) == before
     assert not (run_dir / "checkpoint-1" / "optimizer.pt").exists() or \
         (run_dir / "checkpoint-1" / "optimizer.q8.safetensors").exists()
+
+
+# --- #27 item 7: a failure message says what is on disk ----------------------------------------------------
+
+def test_a_failure_after_the_output_was_written_says_so(tmp_path, monkeypatch):
+    """A DCP folder holding a dangling symlink under convert --replace exited 7 "no output was written"
+    while the output folder was complete."""
+    import errno
+
+    from ckptq.sources import original
+
+    src = trainer_folder(tmp_path) / "optimizer.pt"
+
+    def busy(path):
+        raise OSError(errno.EBUSY, "Device or resource busy", path)
+
+    monkeypatch.setattr(original.files, "remove_path", busy)
+    r = run("convert", src, "--replace")
+    one_line_error(r, 3, "optimizer.q8.safetensors written and checked", "could not be deleted", "it was kept")
+    assert src.exists() and (src.parent / "optimizer.q8.safetensors").exists()
+    monkeypatch.undo()
+
+    def broken(*args, **kwargs):  # the read-back hits an I/O error: the output is there, complete
+        raise OSError(errno.EIO, "Input/output error", str(src))
+
+    monkeypatch.setattr(single, "check_converted", broken)
+    (src.parent / "optimizer.q8.safetensors").unlink()
+    r = run("convert", src, "--replace")
+    one_line_error(r, 7, "Input/output error", "optimizer.q8.safetensors written and complete; the original was kept")
+    assert src.exists()
+
+
+def test_a_dangling_symlink_in_a_dcp_folder_does_not_fail_replace(tmp_path):
+    src = _dcp_folder(tmp_path / "fp32")
+    (src / "dangling").symlink_to(tmp_path / "nowhere")
+    r = run("convert", src, "-o", tmp_path / "q8", "--replace")
+    assert r.exit_code == 0 and not src.exists() and (tmp_path / "q8" / ".metadata").exists(), r.output

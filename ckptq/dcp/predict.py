@@ -20,7 +20,7 @@ from ..sources.options import InfoOptions
 from ..sources.reports import InfoReport, StateRow
 from . import folder
 
-MARKER_BYTES = 64  # the .ckptq marker file a converted folder holds (a short JSON line)
+MARKER_BYTES = 128  # the .ckptq marker a converted folder holds: a JSON line listing its few files
 
 
 def _saved_len(obj) -> int:

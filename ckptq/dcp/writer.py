@@ -8,6 +8,7 @@ import json
 import tempfile
 import os
 import shutil
+import stat
 import warnings
 
 import torch
@@ -18,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import __version__
 from ..errors import InputError, OutputExistsError
-from ..format import files
+from ..format import atomic, files
 from . import safe_reader
 
 MARKER = ".ckptq"  # in every folder ckptq writes: {"created_by": ..., "kind": "dcp"}
@@ -174,6 +175,7 @@ def write_folder(dst: str, state: dict, producers: dict, force: bool, src: str |
                 _check_replaceable(dst, force)
                 files.remove_path(dst)
             os.replace(tmp, dst)
+            atomic.WRITTEN.append(dst)
         except BaseException:
             files.remove_path(tmp)
             raise
@@ -210,4 +212,6 @@ def gathered(value) -> list:
 
 
 def folder_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    """The bytes of the regular files directly in ``path`` (links not followed: one may dangle)."""
+    sizes = (os.lstat(os.path.join(path, f)) for f in os.listdir(path))
+    return sum(st.st_size for st in sizes if stat.S_ISREG(st.st_mode))

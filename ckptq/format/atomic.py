@@ -29,6 +29,13 @@ from ..errors import InputError, OutputExistsError
 from .identify import kind_of
 
 TMP_MARK = ".ckptq-tmp-"
+WRITTEN: list[str] = []  # outputs put in place by this process (``atomic_outputs``, DCP folders), in order
+
+
+def written_since(mark: int) -> list[str]:
+    """The outputs put in place since ``len(WRITTEN)`` was ``mark`` that are still on disk (a read-back that
+    failed removed its output again): what an error message must say was written."""
+    return [p for p in dict.fromkeys(WRITTEN[mark:]) if os.path.lexists(p)]
 
 
 def journal_dir() -> str:
@@ -183,6 +190,7 @@ def atomic_outputs(finals: list[str], force: bool, kind: str) -> Iterator[list[s
         yield tmps
         for tmp, p in zip(tmps, finals):
             os.replace(tmp, p)
+            WRITTEN.append(p)
     except BaseException:
         for tmp in tmps:
             for leftover in (tmp, tmp + ".r"):

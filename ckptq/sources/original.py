@@ -20,6 +20,24 @@ def sync_folder(path: str) -> None:
         os.close(fd)
 
 
+def _delete(path: str, original: str, outputs: list[str]) -> None:
+    """Delete ``path`` (the original, renamed aside); if that fails, put a file back under its own name and
+    say exactly what is left (a folder may be part deleted)."""
+    try:
+        files.remove_path(path)
+    except OSError as e:
+        left = "it was kept"
+        if path != original and os.path.lexists(path):
+            try:
+                os.rename(path, original)
+            except OSError:
+                left = f"it is at {path}"
+            if os.path.isdir(original):
+                left += " (a folder: part of it may be deleted)"
+        raise InputError(f"{', '.join(outputs)} written and checked, but {original} could not be deleted "
+                         f"({e.strerror}); {left}") from None
+
+
 class SourceChangedError(InputError):
     """The original changed while it was converted; it was kept."""
 
@@ -58,10 +76,13 @@ class Original:
                 raise SourceChangedError(
                     f"{self.path} changed while it was converted (another program rewrote it); it was kept: the "
                     f"output ({', '.join(outputs)}) holds the version that was read, check which one you want")
-            files.remove_path(aside)
+            _delete(aside, self.path, outputs)
             for extra in also:
-                files.remove_path(extra)
+                _delete(extra, extra, outputs)
             sync_folder(self.path)
             return [self.path, *also]
+        except OSError as e:  # before the rename: nothing was moved
+            raise InputError(f"{', '.join(outputs)} written and checked, but {self.path} could not be deleted "
+                             f"({e.strerror}); it was kept") from None
         finally:
             os.close(self._fd)

@@ -1,6 +1,6 @@
 """Where outputs may go: never onto an input, never around one (a folder holding the input would be
 replaced with it), never inside a folder input (that would modify it). Files replace only files of their
-own kind (``format.files.check_replaceable``); folders only folders ckptq wrote (``ckptq.dcp.folder``)."""
+own kind (``format.atomic.check_replaceable``); folders only folders ckptq wrote (``ckptq.dcp.folder``)."""
 
 from __future__ import annotations
 
