@@ -39,13 +39,20 @@ def _progress(quiet: bool, desc: str):
             bar.close()
 
 
+def _shown(text) -> str:
+    """One printable line (``sources.reports.shown``; imported here only when something is printed)."""
+    from .sources.reports import shown
+
+    return shown(text)
+
+
 def _fail(message: str, code: int):
     """One line on stderr (under torchrun: from rank 0 only) and exit ``code``; ranks leave their process
     group first, so none aborts (gloo's SIGABRT when a process exits with the group alive)."""
     dist = sys.modules.get("torch.distributed")
     joined = dist is not None and dist.is_available() and dist.is_initialized()
     if not joined or dist.get_rank() == 0:
-        click.echo(f"ckptq: error: {message}", err=True)
+        click.echo(f"ckptq: error: {_shown(message)}", err=True)
     if joined:
         dist.destroy_process_group()
     sys.exit(code)
@@ -118,7 +125,7 @@ def main():
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     """Library warnings (e.g. the C kernels falling back to PyTorch) as one line, like errors."""
-    text = str(message)
+    text = _shown(message)
     return f"{text if text.startswith('ckptq: ') else 'ckptq: ' + text}\n".replace("ckptq: ckptq:", "ckptq:")
 
 
@@ -142,7 +149,7 @@ def _report(r, quiet: bool, as_json: bool) -> None:
     elif not quiet:
         click.echo(r.text())
     for line in getattr(r, "warnings", []) if not as_json else []:
-        click.echo(f"warning: {line}", err=True)
+        click.echo(f"warning: {_shown(line)}", err=True)
 
 
 @main.command(short_help="Store Adam moments at 8 or 4 bits per value.")

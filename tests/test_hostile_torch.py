@@ -115,3 +115,36 @@ def test_torch_file_campaign_refuses_records_and_shadows_and_bounds_every_output
     assert res["records"] == {"refused": 25} and res["shadow"] == {"refused": 25}, res
     assert sum(res["views"].values()) == 25 and set(res["views"]) <= {"refused", "loaded"}, res
     assert set(res) == set(TORCH_KINDS)
+
+
+_KEYS = ["bad\nkey", "\x1b[2J\x1b[31mEVIL", "tab\there\r", "rtl\u202eoverride", "x\ud800y"]
+
+
+@pytest.mark.parametrize("key", _KEYS)
+def test_names_are_printed_escaped_on_one_line(tmp_path, key):
+    """A key holding a newline gave a two-line error; an optimizer key with ESC sequences was printed raw
+    by info on a terminal; a lone surrogate was an internal error (exit 70)."""
+    obj = clean_object()
+    state = obj["optimizer"]["state"]
+    state[key] = state.pop(0)
+    state[key]["exp_avg"][0, 0] = float("nan")  # a warning that names the state
+    obj["optimizer"]["param_groups"][0]["params"] = [key if p == 0 else p for p in obj["optimizer"]["param_groups"][0]["params"]]
+    obj["model"][key] = torch.ones(2)
+    torch.save(obj, tmp_path / "ckpt.pt")
+    for args in (["info", tmp_path / "ckpt.pt"], ["convert", tmp_path / "ckpt.pt"]):
+        r = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+        assert r.exit_code in (0, 2) and "internal error" not in r.output, r.output
+        assert key not in r.output and not any(c in r.output for c in key if not c.isprintable() and c != "\n"), \
+            repr(r.output)
+        if r.exit_code:
+            assert len(r.output.strip().splitlines()) == 1, r.output
+        else:
+            assert key.encode("unicode_escape", "backslashreplace").decode()[:6] in r.output, r.output
+
+
+def test_a_lightning_checkpoint_with_ckptq_states_but_no_optimizer_states_is_refused(tmp_path):
+    obj = clean_object()
+    torch.save({"epoch": 0, "state_dict": obj["model"], "ckptq_optimizer_states": [obj["optimizer"]]}, tmp_path / "x.ckpt")
+    for args in (["info", tmp_path / "x.ckpt"], ["expand", tmp_path / "x.ckpt", "-o", tmp_path / "y.ckpt"]):
+        r = cli(*args)
+        assert r.exit_code == 3 and "no optimizer_states list" in r.output and len(r.output.splitlines()) == 1, r.output

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from ..errors import InputError
+
 SIGNPOST_KEY = "ckptq_signpost"
 LIGHTNING_STATES = "ckptq_optimizer_states"  # [None or the optimizer's state dict as ckptq stores it]
 LIGHTNING_TORCHAO = "ckptq_torchao_optimizers"  # indices of optimizers whose states are torchao's
@@ -66,6 +68,10 @@ def unwrap(checkpoint: dict) -> int:
     in ``optimizer_states``, in place, and drop ckptq's keys; returns how many. 0 for anything else."""
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(LIGHTNING_STATES), list):
         return 0
+    slots = checkpoint.get("optimizer_states")
+    if not isinstance(slots, list) or len(slots) != len(checkpoint[LIGHTNING_STATES]):
+        raise InputError(f"the checkpoint holds {LIGHTNING_STATES} ({len(checkpoint[LIGHTNING_STATES])} states) but no "
+                         "optimizer_states list of the same length beside it, as ckptq writes them; it is damaged")
     stored = checkpoint.pop(LIGHTNING_STATES)
     checkpoint.pop(LIGHTNING_TORCHAO, None)
     n = 0

@@ -67,6 +67,16 @@ def mark(obj: Any, key: str | None, block_size: int, min_size: int, bits: int = 
     return p
 
 
+def _text(s: str, path: str) -> str:
+    """A string as the header's UTF-8 JSON holds it; a lone surrogate (which no UTF-8 can hold) refused."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"cannot store the string {s!r:.60} at {path or '/'}: it holds a lone surrogate, which is not "
+                         "valid Unicode and cannot be written as UTF-8; fix the key or value") from None
+    return s
+
+
 def _join(path: str, key: Any) -> str:
     return f"{path}/{key}" if path else str(key)
 
@@ -91,7 +101,9 @@ class _Flattener:
         return name
 
     def node(self, obj: Any, path: str) -> Any:
-        if obj is None or isinstance(obj, (bool, str)):
+        if isinstance(obj, str):
+            return _text(obj, path)
+        if obj is None or isinstance(obj, bool):
             return obj
         if isinstance(obj, int):
             return obj

@@ -8,6 +8,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+def shown(text) -> str:
+    """``text`` safe to print on a terminal, on one line: every character that is not printable (control
+    characters such as newline or ESC, which a crafted key could use to redraw the screen; format
+    characters; lone surrogates) as a Python escape."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   if not 0xD800 <= ord(c) <= 0xDFFF else f"\\u{ord(c):04x}" for c in text)
+
+
+def _names(items) -> str:
+    return ", ".join(shown(i) for i in items)
+
+
 def mb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e6:,.1f} MB"
 
@@ -60,16 +75,16 @@ class ConvertReport:
 
     def text(self) -> str:
         if not self.outputs and self.skipped:  # convert --all with every checkpoint converted or kept
-            return f"nothing to convert; left as they are: {', '.join(self.skipped)}"
-        lines = [f"wrote {', '.join(self.outputs)}: {mb(self.output_bytes)} from {mb(self.source_bytes)} "
+            return f"nothing to convert; left as they are: {_names(self.skipped)}"
+        lines = [f"wrote {_names(self.outputs)}: {mb(self.output_bytes)} from {mb(self.source_bytes)} "
                  f"({ratio_words(self.source_bytes, self.output_bytes)}) in {self.seconds:.1f} s; {self.quantized} "
                  f"states {self.bits}-bit, {self.kept_small} small kept exact"
                  + (f"; read {self.foreign_states} params of bitsandbytes/torchao 8-bit state" if self.foreign_states
                     else "")]
         if self.skipped:
-            lines.append(f"left as they are: {', '.join(self.skipped)}")
+            lines.append(f"left as they are: {_names(self.skipped)}")
         if self.removed:
-            lines.append(f"removed {', '.join(self.removed)} (outputs read back and checked)")
+            lines.append(f"removed {_names(self.removed)} (outputs read back and checked)")
         if self.parts and self.removed:
             lines.append(f"saved {mb(self.source_bytes - self.output_bytes)} in all")
         return "\n".join(lines)
@@ -99,9 +114,9 @@ class ExpandReport:
         return asdict(self)
 
     def text(self) -> str:
-        lines = [f"wrote {self.output}: {mb(self.output_bytes)} in {self.seconds:.1f} s"]
+        lines = [f"wrote {_names(self.outputs)}: {mb(self.output_bytes)} in {self.seconds:.1f} s"]
         if self.removed:
-            lines.append(f"removed {', '.join(self.removed)} (outputs read back and checked)")
+            lines.append(f"removed {_names(self.removed)} (outputs read back and checked)")
         return "\n".join(lines)
 
 
@@ -167,27 +182,28 @@ class InfoReport:
         return d
 
     def text(self, indent: str = "") -> str:
-        lines = [f"{indent}{self.path}  ({self.kind})", f"{indent}  size: {mb(self.bytes)}"
+        lines = [f"{indent}{shown(self.path)}  ({shown(self.kind)})", f"{indent}  size: {mb(self.bytes)}"
                  + self._source_words()]
         opts = {k: v for k, v in self.options.items() if k not in ("source", "source_bytes", "quantized")}
         if opts:
-            lines.append(f"{indent}  " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in opts.items()))
-        lines += [f"{indent}  {k.replace('_', ' ')}: {v}" for k, v in self.details.items() if not isinstance(v, (list, dict))]
+            lines.append(f"{indent}  " + ", ".join(shown(f"{k.replace('_', ' ')} {v}") for k, v in opts.items()))
+        lines += [f"{indent}  {shown(k.replace('_', ' '))}: {shown(v)}" for k, v in self.details.items()
+                  if not isinstance(v, (list, dict))]
         if self.states:
             lines.append(f"{indent}  {'state':<16}{'width':>8}{'tensors':>9}{'elements':>14}{'stored':>13}")
             for r in sorted(self.states, key=lambda r: (r.bits is None, r.role, -(r.bits or 0))):
                 width = f"{r.bits}-bit" if r.bits else "exact"
-                lines.append(f"{indent}  {r.role:<16}{width:>8}{r.tensors:>9}{r.elements:>14,}{mb(r.stored_bytes):>13}")
+                lines.append(f"{indent}  {shown(r.role):<16}{width:>8}{r.tensors:>9}{r.elements:>14,}{mb(r.stored_bytes):>13}")
         if self.would_write is not None:
             bits = self.options.get("bits", 8)
-            stored = ", ".join(f"{r.tensors} {r.role} {r.bits}-bit" for r in self.would_store)
+            stored = ", ".join(f"{r.tensors} {shown(r.role)} {r.bits}-bit" for r in self.would_store)
             lines.append(f"{indent}  convert{f' --bits {bits}' if bits != 8 else ''} would write ~{mb(self.would_write)} "
                          f"({ratio_words(self.bytes, self.would_write)})" + (f": {stored}" if stored else ""))
-        lines += [f"{indent}  note: {n}" for n in self.notes] + [f"{indent}  warning: {w}" for w in self.warnings]
+        lines += [f"{indent}  note: {shown(n)}" for n in self.notes] + [f"{indent}  warning: {shown(w)}" for w in self.warnings]
         return "\n".join(lines + [p.text(indent + "  ") for p in self.parts])
 
     def _source_words(self) -> str:
         source, before = self.options.get("source"), self.options.get("source_bytes")
         if not (isinstance(before, int) and before > 0 and self.bytes):
             return ""
-        return f"; from {source} ({mb(before)}): {ratio_words(before, self.bytes)}"
+        return f"; from {shown(source)} ({mb(before)}): {ratio_words(before, self.bytes)}"
