@@ -258,3 +258,32 @@ def test_zero_campaign_runs_no_code_writes_nothing_unsafe_and_refuses_in_one_lin
         assert sum(res[kind].values()) == 20 and set(res[kind]) <= {"refused", "loaded"}, (kind, res[kind])
     for kind in ("globals", "nesting", "latest"):  # each of these must be refused by every command
         assert res[kind] == {"refused": 20}, (kind, res[kind])
+
+
+# --- #27 item 11: the set of rank files ------------------------------------------------------------------
+
+@pytest.mark.parametrize("stray", ["zero_pp_rank_01_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_0_optim_states.pt",
+                                   "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"])
+def test_a_stray_rank_file_that_shadows_a_rank_is_refused(tmp_path, stray):
+    """A stray zero_pp_rank_01_* shadowed rank 1: the real rank-1 file was silently not converted."""
+    save = copy(tmp_path)
+    step = save / "global_step3"
+    shutil.copy(step / "zero_pp_rank_0_mp_rank_00_optim_states.pt", step / stray)
+    before = sorted(os.listdir(step))
+    for args in (["info", save], ["convert", save], ["expand", save]):
+        refused(args, "move")
+    assert sorted(os.listdir(step)) == before
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "folder"])
+def test_a_rank_file_that_is_not_a_regular_file_is_refused(tmp_path, target):
+    """A rank file symlinked to /dev/zero was silently skipped (as if converted already)."""
+    save = copy(tmp_path)
+    rank1 = save / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    rank1.unlink()
+    if target == "folder":
+        rank1.mkdir()
+    else:
+        rank1.symlink_to(target)
+    for args in (["info", save], ["convert", save]):
+        refused(args, "is not a regular file")

@@ -87,10 +87,14 @@ def partitions(path: str) -> list[Partition]:
         return [Partition(os.path.dirname(path), os.path.basename(path)[: -len(m[4])], int(m[2]), int(m[3]))]
     folder = tag_folder(path)
     found = {}
-    for name in os.listdir(folder):
+    for name in sorted(os.listdir(folder)):
         m = _RANK_FILE.match(name)
         if m:
-            found[(int(m[3]), int(m[2]))] = Partition(folder, name[: -len(m[4])], int(m[2]), int(m[3]))
+            part = _partition(folder, name, m)
+            other = found.setdefault((part.mp_rank, part.rank), part)
+            if other.stem != part.stem:
+                raise InputError(f"{folder} holds two optimizer files of rank {part.rank} (mp rank {part.mp_rank:02d}): "
+                                 f"{other.stem} and {part.stem}; the folder mixes checkpoints (move one out)")
     if not found:
         raise InputError(f"{folder} holds no DeepSpeed ZeRO optimizer files (zero_pp_rank_R_mp_rank_00_optim_states.pt)")
     for mp in sorted({mp for mp, _ in found}):
@@ -104,6 +108,20 @@ def partitions(path: str) -> list[Partition]:
         raise InputError(f"{folder}: model-parallel ranks have different numbers of ZeRO partitions {sizes}; "
                          "the folder mixes checkpoints")
     return [found[k] for k in sorted(found)]
+
+
+def _partition(folder: str, name: str, m: re.Match) -> Partition:
+    """A rank file's partition; InputError unless its name is one DeepSpeed writes (ranks as it formats
+    them: ``zero_pp_rank_1``, never ``_01``) and it is a regular file (a link to a device is not)."""
+    rank, mp = int(m[2]), int(m[3])
+    if m[2] != str(rank) or m[3] != f"{mp:02d}":
+        raise InputError(f"{os.path.join(folder, name)}: DeepSpeed names rank {rank} of mp rank {mp} "
+                         f"zero_pp_rank_{rank}_mp_rank_{mp:02d}; a file named otherwise is not one of its rank files "
+                         "(move it out of the folder)")
+    if not files.is_regular(os.path.join(folder, name)):
+        raise InputError(f"{os.path.join(folder, name)} is not a regular file; a rank file must be one "
+                         "(move it out of the folder)")
+    return Partition(folder, name[: -len(m[4])], rank, mp)
 
 
 def world_size_of(osd: dict) -> int | None:
