@@ -68,6 +68,14 @@ SKELETON_EDITS = {
     "stride out of bounds": ('"offset": 0, "stride": [1, 3]', '"offset": 0, "stride": [1, 30]', "reaches element"),
     "negative stride": ('"offset": 0, "stride": [1, 3]', '"offset": 0, "stride": [1, -3]', "invalid stride"),
     "huge offset": ('"offset": 0, "stride": [1, 3]', '"offset": 1000000000000, "stride": [1, 3]', "reaches element"),
+    # #27.8: views that torch.save writes but torch.load cannot read back
+    "stride 2**70": ('"offset": 0, "stride": [1, 3]', '"offset": 0, "stride": [1, 1180591620717411303424]', "invalid stride"),
+    "offset 2**70 of an empty view": ('"shape": [3, 2], "data": "model/pos", "offset": 0, "stride": [1, 3]',
+                                      '"shape": [0, 2], "data": "model/pos", "offset": 1180591620717411303424, "stride": [1, 3]',
+                                      "invalid stride"),
+    "offset past the storage of an empty view": ('"shape": [3, 2], "data": "model/pos", "offset": 0, "stride": [1, 3]',
+                                                 '"shape": [0, 2], "data": "model/pos", "offset": 7, "stride": [1, 3]',
+                                                 "reaches element"),
     "device cuda:999": ('{"device": "cpu"}', '{"device": "cuda:999"}', "cannot read back"),
     "unknown dtype name": ('"transform": "sqrt", "dtype": "float32"', '"transform": "sqrt", "dtype": "Tensor"', "dtype"),
     "integer state dtype": ('"transform": "sqrt", "dtype": "float32"', '"transform": "sqrt", "dtype": "int64"', "not a float"),
@@ -321,3 +329,22 @@ def test_a_flip_anywhere_in_the_header_is_reported_as_a_header_checksum_failure(
         f.seek(8 + n - 1)
         f.write(bytes([b ^ 0x01]))
     refused(plain, "the header .* fails its checksum", ChecksumError)
+
+
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.quint8, torch.qint32])
+def test_tensors_ckptq_could_not_read_back_are_refused_before_writing(tmp_path, dtype):
+    """#27.8: a qint8 moment: convert exited 0 and ckptq's own reader then called the output corrupt."""
+    import warnings
+
+    from click.testing import CliRunner
+    from ckptq.cli import main
+
+    q = torch.quantize_per_tensor(torch.randn(64, 128), 0.1, 0 if dtype != torch.qint32 else 0, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.save({"optimizer": {"state": {0: {"step": torch.tensor(1.0), "exp_avg": q, "exp_avg_sq": torch.rand(64, 128)}},
+                                  "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "params": [0]}]}},
+                   tmp_path / "q.pt")
+        r = CliRunner().invoke(main, ["convert", str(tmp_path / "q.pt")], catch_exceptions=False)
+    assert r.exit_code == 2 and "writes nothing it could not read back" in r.output, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.pt"]
