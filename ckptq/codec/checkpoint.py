@@ -12,6 +12,7 @@ import torch
 
 from ..errors import InputError, UsageError
 from ..format import files, torch_zip
+from .views import repeats_bytes  # noqa: F401  (the planner's name for it)
 
 QUANTIZABLE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -69,17 +70,6 @@ def check_loaded(obj: Any, path: str) -> None:
             stack.extend(node)
 
 
-def repeats_bytes(t: torch.Tensor) -> bool:
-    """Whether some elements of ``t`` share memory: a stride of 0 along a dimension longer than 1 (an
-    ``expand``ed tensor), or strides that interleave. Such a tensor holds fewer bytes than its elements
-    need, so reading it element by element (to quantize, or to decode its codes) would make output
-    that no input bytes back: a 4-byte storage claiming 2**40 elements."""
-    span = 1  # elements spanned by the dimensions taken so far, from the innermost
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
-        if stride < span:
-            return True
-        span += stride * (size - 1)
-    return False
 
 
 def _unsafe_message(path: str, e: Exception) -> str:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import FormatError
-from .checkpoint import repeats_bytes
+from .views import repeats_bytes
 from ..kernels.contract import WIDTHS, code_bytes, num_blocks
 from .policy import LAYOUTS, RATIO_TRANSFORM, TRANSFORMS
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from . import atomic, integrity
+from . import integrity, journal
 from .dtypes import SAFETENSORS_NAMES
 
 _BIG = 10**15  # placeholder width for offsets/sizes while reserving header space
@@ -170,7 +170,7 @@ def _relocate(f, tmp, head, data_start) -> str:
     f.flush()
     sealed, crc = _sealed(head, reserve)
     fd = os.open(tmp + ".r", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # never a file already there
-    atomic.record_temp(tmp + ".r")
+    journal.record_temp(tmp + ".r")
     with open(tmp, "rb") as src, os.fdopen(fd, "wb") as dst:
         dst.write(sealed)
         src.seek(data_start)

@@ -1,0 +1,18 @@
+"""Tensors as views of their storage."""
+
+from __future__ import annotations
+
+import torch
+
+
+def repeats_bytes(t: torch.Tensor) -> bool:
+    """Whether some elements of ``t`` share memory: a stride of 0 along a dimension longer than 1 (an
+    ``expand``ed tensor), or strides that interleave. Such a tensor holds fewer bytes than its elements
+    need, so reading it element by element (to quantize, or to decode its codes) would make output
+    that no input bytes back: a 4-byte storage claiming 2**40 elements."""
+    span = 1  # elements spanned by the dimensions taken so far, from the innermost
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride < span:
+            return True
+        span += stride * (size - 1)
+    return False
