@@ -197,6 +197,7 @@ class TorchFile(_OneFile):
             r.kind, r.notes = "ckptq signpost (no optimizer state)", [obj[signpost.SIGNPOST_KEY]]
             return r
         signpost.unwrap(obj)
+        plan.recognise_all(obj, opts.key)  # what cannot be read (heavyball's nested state) is said first
         held = _count_qstates(obj, r)
         for s in tree.flatten(obj)[1]:  # the tensors as stored (shared storage once), by their state key
             if s.role in ("exact", "codebook"):
@@ -207,6 +208,8 @@ class TorchFile(_OneFile):
         marked = tree.mark(obj, opts.key, opts.block_size, opts.min_size, opts.bits)
         r.details["optimizers"] = ", ".join("/".join(map(str, f.path)) or "<root>" for f in marked.optimizers) or \
             "no optimizer state dict found"
+        if marked.optimizers:
+            r.details["recognised"] = "; ".join(marked.recognised())
         _describe_plan(r, obj, held, foreign_params, marked, opts)
         return r
 
