@@ -175,3 +175,40 @@ def test_heavyball_state_is_refused_in_one_line(tmp_path):
         r = run(cmd, src)
         assert r.exit_code == 3 and "heavyball" in r.output and len(r.output.strip().splitlines()) == 1, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hb.pt"]
+
+
+BNB_ONE_STATE = {  # bitsandbytes class, its arguments, the torch state key and the class that resumes it
+    "Lion8bit": ({"lr": 1e-4}, "exp_avg", _lion),
+    "PagedLion8bit": ({"lr": 1e-4}, "exp_avg", _lion),
+    "Lion32bit": ({"lr": 1e-4}, "exp_avg", _lion),
+    "SGD8bit": ({"lr": 0.1, "momentum": 0.9}, "momentum_buffer", lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    "RMSprop8bit": ({"lr": 1e-3}, "square_avg", lambda ps: torch.optim.RMSprop(ps, lr=1e-3)),
+    "Adagrad8bit": ({"lr": 0.01}, "sum", lambda ps: torch.optim.Adagrad(ps, lr=0.01)),
+}
+
+
+@pytest.mark.parametrize("cls", sorted(BNB_ONE_STATE))
+def test_bitsandbytes_one_state_optimizers_read_into_their_torch_counterparts(tmp_path, cls):
+    """state1 alone (no state2): info and convert read it (they refused it as damaged), expand gives the
+    values bitsandbytes decodes to under the torch counterpart's key, and that class loads and steps."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import bitsandbytes.functional as F
+
+    kwargs, key, counterpart = BNB_ONE_STATE[cls]
+    ps, opt = _train(lambda ps: getattr(bnb.optim, cls)(ps, **kwargs))
+    sd = opt.state_dict()
+    q = sd["state"][0]["__bnb_optimizer_quant_state__"]
+    want = q["state1"] if q["state1"].dtype == torch.float32 else \
+        F.dequantize_blockwise(q["state1"], absmax=q["absmax1"], code=q["qmap1"], blocksize=256)
+    src = tmp_path / "optimizer.pt"
+    torch.save(sd, src)
+    info = json.loads(run("info", src, "--json").output)
+    assert info["details"]["foreign_8bit_params"] == 2 and [r["role"] for r in info["would_store"]] == [key]
+    assert run("expand", src, "-o", tmp_path / "fp32.pt").exit_code == 0
+    back = torch.load(tmp_path / "fp32.pt", weights_only=True)
+    assert torch.equal(back["state"][0][key], want) and "__bnb_optimizer_quant_state__" not in back["state"][0]
+    _step_from(counterpart, ps, back)
+    report = ckptq.convert(str(src), str(tmp_path / "o.q8.safetensors"))
+    assert report.foreign_states == 2 and report.quantized == 1
+    dense = ckptq.load(str(tmp_path / "o.q8.safetensors"), dequantize=True)["state"][0][key]
+    assert _rel(dense, want) < 0.01

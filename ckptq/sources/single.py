@@ -255,7 +255,7 @@ def _describe_plan(r: InfoReport, obj: Any, held: int, foreign_params: int, mark
     r.warnings += marked.warnings()
     if foreign_params:
         r.notes.append(f"{foreign_params} parameters hold bitsandbytes/torchao 8-bit state: convert re-encodes it as "
-                       "ckptq's, expand turns it into torch AdamW's fp32 state")
+                       "ckptq's, expand turns it into its torch counterpart's fp32 state (AdamW's, SGD's, Lion's, ...)")
     if held:
         r.notes.append(f"holds {held} ckptq low-bit states (saved from AdamW8bit/AdamW4bit or a ckptq integration): "
                        "`ckptq expand` turns them into fp32 state; AdamW8bit.load_state_dict and ckptq.load read "
