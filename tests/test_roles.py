@@ -212,3 +212,24 @@ def test_bitsandbytes_one_state_optimizers_read_into_their_torch_counterparts(tm
     assert report.foreign_states == 2 and report.quantized == 1
     dense = ckptq.load(str(tmp_path / "o.q8.safetensors"), dequantize=True)["state"][0][key]
     assert _rel(dense, want) < 0.01
+
+
+def test_the_input_width_caps_the_default_budget(eager_torchao):
+    """The planner's hook for "without --bits, never write a wider state than the input's": torchao's
+    AdamW4bit state caps the default at 4 bits, 8-bit state (torchao's, bitsandbytes') and fp32 leave 8."""
+    from ckptq.codec import plan
+
+    ao = pytest.importorskip("torchao.optim")
+    bnb = pytest.importorskip("bitsandbytes")
+    for make, budget in ((ao.AdamW4bit, 4), (ao.AdamW8bit, 8), (bnb.optim.AdamW8bit, 8), (torch.optim.AdamW, None)):
+        _, opt = _train(lambda ps: make(ps, lr=1e-3), shape=(128, 64))
+        obj = {"optimizer": opt.state_dict()}
+        assert plan.input_budget(obj) == budget, make
+        assert plan.default_budget(obj) == (budget or 8)
+    from ckptq.codec import quant
+
+    _, opt = _train(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    sd = opt.state_dict()  # ckptq's own 4-bit state, as a resumed run saves it
+    sd["state"][0]["momentum_buffer"] = quant.quantize_state(sd["state"][0]["momentum_buffer"], "momentum_buffer",
+                                                             128, bits=4, role="first")
+    assert plan.input_budget({"optimizer": sd}) == 4

@@ -138,6 +138,13 @@ def to_torch(obj: Any) -> int:
 _TORCHAO_BITS = {"OptimState8bit": 8, "OptimState4bit": 4}
 
 
+def torchao_bits(t: Any) -> int | None:
+    """The code width of a torchao optimizer state (8 or 4; its fp8 state: 8), None for anything else."""
+    if not is_torchao(t):
+        return None
+    return _TORCHAO_BITS.get(type(t).__name__, 8)
+
+
 def _swap_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes between torchao's packing and ckptq's (the same swap both ways)."""
     return (codes << 4) | (codes >> 4)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, policy, quant, roles
+from . import checkpoint, foreign, policy, qstate, quant, roles
 from ..errors import InputError
 
 DEFAULT_MIN_SIZE = 4096  # smaller states stay exact: their codebooks and scales would not pay for themselves
@@ -258,6 +258,34 @@ def _keep_centered(decisions: list[Decision], block_size: int, bits: int) -> Non
     if bool((s < a.square()).any()):
         for d in pair.values():
             d.exact, d.role = CENTERED, None
+
+
+def input_budget(obj: Any) -> int | None:
+    """The narrowest budget (``policy.BUDGETS``) of the low-bit optimizer state ``obj`` holds as loaded, before
+    ``foreign.to_torch`` decodes it: 4 for torchao's 4-bit states or ckptq states narrower than 8 bits, 8 for
+    8-bit ones (torchao's, bitsandbytes', ckptq's); None when it holds none. The hook behind "without --bits,
+    never write a wider state than the input's": a source resolves the default width as
+    ``default_budget(obj)`` (a torchao AdamW4bit checkpoint converted at 8 bits grew 1.19x)."""
+    widths = set()
+    for found in checkpoint.find_optimizers(obj):
+        for pstate in found.state_dict["state"].values():
+            if not isinstance(pstate, dict):
+                continue
+            if foreign.kind(pstate) == "bitsandbytes":
+                q = pstate.get(foreign.BNB_NESTED, pstate)
+                widths |= {8} if isinstance(q, dict) and getattr(q.get("state1"), "dtype", None) == torch.uint8 else set()
+            for v in pstate.values():
+                if qstate.is_qstate(v) and isinstance(v.get("bits"), int):
+                    widths.add(v["bits"])
+                elif foreign.is_torchao(v):
+                    widths.add(foreign.torchao_bits(v))
+    widths.discard(None)
+    return (4 if min(widths) < 8 else 8) if widths else None
+
+
+def default_budget(obj: Any) -> int:
+    """The budget ``convert`` uses when none is asked for: 8, or the input's own when it is narrower."""
+    return min(8, input_budget(obj) or 8)
 
 
 def convert_width(d: Decision, bits: int) -> int:
