@@ -81,7 +81,7 @@ class Plan:
                     f"ckptq stores the moments of {policy.KNOWN_OPTIMIZERS}, and keeps anything else exact")
         why = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()) if r not in (NOT_A_MOMENT, FACTORED))
         hint = f"; lower --min-size (now {min_size})" if reasons.get("below min_size") else ""
-        return f"none of the moments can be stored low-bit ({why}; {'; '.join(self.recognised())}){hint}"
+        return f"none of the moments can be stored low-bit ({why}){hint}; {'; '.join(self.recognised())}"
 
     def recognised(self) -> list[str]:
         """Per optimizer: where it is, what it was recognised as, and the float states it keeps exact by role
