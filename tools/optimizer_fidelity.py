@@ -283,11 +283,13 @@ def main() -> None:
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     names = [n for n in (args.only.split(",") if args.only else OPTIMIZERS) if not (args.sweep and n in SKIP)]
     rows = []
-    for name in names:
-        rows += sweep(name, args.steps, args.codecs) if args.sweep else after_convert(name, args.steps)
     cols = ["optimizer", "key", "codec", "worst", "median", "tensors"] if args.sweep else \
         ["optimizer", "state", "bytes_per_param", "worst", "median", "tensors"]
-    print(_table(rows, cols))
+    print("\n".join(_table([], cols).splitlines()[:2]), flush=True)
+    for name in names:  # each optimizer's rows as soon as they are measured
+        new = sweep(name, args.steps, args.codecs) if args.sweep else after_convert(name, args.steps)
+        print("\n".join(_table(new, cols).splitlines()[2:]), flush=True)
+        rows += new
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
