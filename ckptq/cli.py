@@ -254,13 +254,17 @@ def info(path, bits, min_size, block_size, key, trust, as_json):
               help="sdpa: flash/memory-efficient kernels (no seq² scores kept); eager: scores kept.")
 @click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True, type=int, help="8-bit state: as in convert.")
 @click.option("--min-size", default=DEFAULT_MIN_SIZE, show_default=True, type=int, help="8-bit state: as in convert.")
+@click.option("--optimizer", type=click.Choice(["adamw", "muon", "sgd", "lion", "adafactor"]), default="adamw",
+              show_default=True, help="Whose state to count: Muon as runs pair it (AdamW for embeddings, head, "
+                                      "1-D), SGD with momentum, Adafactor factored (transformers' defaults).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts (bytes).")
-def estimate(model, batch_size, seq_len, world_size, zero_stage, precision, attention, block_size, min_size, as_json):
-    """What full fine-tuning with AdamW needs per device, and its checkpoint on disk. MODEL: a Hugging Face
-    config.json, a folder holding one, or a parameter count (7B, 125M)."""
+def estimate(model, batch_size, seq_len, world_size, zero_stage, precision, attention, block_size, min_size, optimizer,
+             as_json):
+    """What full fine-tuning with AdamW (or --optimizer) needs per device, and its checkpoint on disk. MODEL: a
+    Hugging Face config.json, a folder holding one, or a parameter count (7B, 125M)."""
     from .estimate.memory import Setup, estimate as run
 
-    setup = Setup(batch_size, seq_len, world_size, zero_stage, precision, attention, block_size, min_size)
+    setup = Setup(batch_size, seq_len, world_size, zero_stage, precision, attention, block_size, min_size, optimizer)
     r = _run(run, model, setup)
     click.echo(json.dumps(r.as_dict(), indent=1) if as_json else _format_estimate(r.as_dict()))
 
@@ -269,13 +273,16 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:,.2f} GiB"
 
 
+_OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon", "sgd": "SGD", "lion": "Lion", "adafactor": "Adafactor"}
+
+
 def _format_estimate(r: dict) -> str:
     s, d, t, c = r["setup"], r["per_device"], r["totals"], r["checkpoint"]
     tokens = f"batch {s['batch_size']} x {s['seq_len']} tokens" if s["seq_len"] else f"batch {s['batch_size']}"
     lines = [f"{r['model']}: {r['params']:,} parameters; {s['precision']}, {tokens}, {s['attention']} attention, "
              f"{s['world_size']} device(s), ZeRO stage {s['zero_stage']}",
-             f"per device{'':<24}{'AdamW fp32':>14}{'ckptq 8-bit':>14}{'4-bit':>14}"]
-    opts = ("adamw_fp32", "ckptq_8bit", "ckptq_4bit")
+             f"per device{'':<24}{_OPTIMIZER_NAMES[s['optimizer']] + ' fp32':>14}{'ckptq 8-bit':>14}{'4-bit':>14}"]
+    opts = (f"{s['optimizer']}_fp32", "ckptq_8bit", "ckptq_4bit")
     single = [("weights", "weights (compute dtype)"), ("master_weights", "master weights (fp32)"),
               ("gradients", "gradients"), ("gathered_for_compute", "gathered for compute"),
               ("activations", "activations"), ("activations_checkpointed", "activations, checkpointed"),

@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ckptq.codec import quant
+from ckptq.codec import codebooks, quant
 import ckptq
 from ckptq.cli import main
 from ckptq.errors import InputError
@@ -98,8 +98,9 @@ def test_a_group_without_params_and_meta_tensors_are_clear_errors(tmp_path):
         ckptq_info(str(_save(tmp_path, {"optimizer": sd}, "b.pt")))
 
 
-def test_only_adam_moments_are_quantized(tmp_path):
-    """SGD's momentum next to AdamW: the AdamW moments are 8-bit, the momentum stays exact."""
+def test_each_optimizer_beside_another_is_stored_by_its_own_roles(tmp_path):
+    """SGD's momentum next to AdamW: the AdamW moments are 8-bit as Adam's pair, the momentum 8-bit as a
+    signed first moment (ckptq.codec.roles), on its own codebook."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(8192))
     sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
@@ -107,12 +108,16 @@ def test_only_adam_moments_are_quantized(tmp_path):
     sgd.step()
     path = _save(tmp_path, {"adamw": _adamw_state(), "sgd": sgd.state_dict()})
     report = ckptq.convert(str(path), str(tmp_path / "o.safetensors"))
-    assert report.optimizers == 2 and report.quantized == 4
+    assert report.optimizers == 2 and report.quantized == 5
     back = ckptq.load(str(tmp_path / "o.safetensors"))
-    assert torch.equal(back["sgd"]["state"][0]["momentum_buffer"], sgd.state_dict()["state"][0]["momentum_buffer"])
+    buf = back["sgd"]["state"][0]["momentum_buffer"]
+    assert buf["transform"] == "none" and buf["qmap"].tolist() == codebooks.power_map(True, 1.5).tolist()
+    assert back["adamw"]["state"][0]["exp_avg"]["transform"] == "ratio"
+    want = sgd.state_dict()["state"][0]["momentum_buffer"]
+    assert float((quant.dequantize_state(buf) - want).norm() / want.norm()) < 0.01
 
 
-def test_non_adam_optimizers_alone_are_refused_plainly(tmp_path):
+def test_optimizers_with_nothing_to_store_low_bit_are_refused_plainly(tmp_path):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(128, 96))
     opt = torch.optim.Adafactor([p], lr=1e-2)
@@ -120,10 +125,11 @@ def test_non_adam_optimizers_alone_are_refused_plainly(tmp_path):
     opt.step()
     path = _save(tmp_path, {"optimizer": opt.state_dict()})
     r = run("convert", path)
-    assert r.exit_code == 3 and "holds no Adam moments to store low-bit" in r.output and "row_var" in r.output
+    assert r.exit_code == 3 and "holds no moments to store low-bit" in r.output and "row_var" in r.output
+    assert "torch.optim.Adafactor" in r.output and "factored" in r.output
     info = json.loads(run("info", path, "--json").output)
-    assert info["would_store"] == [] and info["would_write"] is None and "holds no Adam moments" in info["notes"][0]
-    # transformers' Adafactor keeps eps as a tuple and has no betas: not Adam, no crash
+    assert info["would_store"] == [] and info["would_write"] is None and "holds no moments" in info["notes"][0]
+    # an optimizer ckptq does not recognise (no betas, eps a tuple): everything exact, no crash
     sd = _adamw_state()
     for g in sd["param_groups"]:
         g.pop("betas")

@@ -121,6 +121,38 @@ def test_quantized_state_sizes():
     assert state_bytes(model, 8, 256, 4096, sharded=True) == common + 8 * 5000
 
 
+def test_each_optimizer_counts_its_own_state():
+    """--optimizer: SGD and Lion keep one moment per parameter, Muon one for the hidden matrices and AdamW's
+    two for the embedding, head and 1-D tensors, Adafactor a row and a column per matrix (kept fp32) and one
+    moment per 1-D tensor; each moment 8-bit where it is large enough, as convert stores it."""
+    model = Model("hand", 512 * 64 + 64 * 256 + 256 + 5000 + 512 * 64,
+                  (("model.embed_tokens.weight", (512, 64)), ("model.layers.0.mlp.weight", (64, 256)),
+                   ("model.layers.0.norm.weight", (256,)), ("model.layers.0.flat", (5000,)), ("lm_head.weight", (512, 64))))
+    emb, mlp, flat = 512 * (64 + 4), 64 * (256 + 4), 5000 + 4 * 20  # one 8-bit moment of each; the norm is small
+    fp32 = {"adamw": 8 * model.count, "sgd": 4 * model.count, "lion": 4 * model.count,
+            "muon": 8 * (2 * 512 * 64 + 256 + 5000) + 4 * 64 * 256,
+            "adafactor": 4 * (512 + 64 + 64 + 256 + 512 + 64) + 4 * (256 + 5000)}
+    eight = {"adamw": 2 * (2 * emb + mlp + flat) + 8 * 256, "sgd": 2 * emb + mlp + flat + 4 * 256,
+             "muon": 2 * (2 * emb + flat) + mlp + 8 * 256,
+             "adafactor": 4 * (512 + 64 + 64 + 256 + 512 + 64) + 4 * 256 + flat}
+    eight["lion"] = eight["sgd"]
+    for opt in fp32:
+        assert state_bytes(model, None, 256, 4096, False, opt) == fp32[opt], opt
+        assert state_bytes(model, 8, 256, 4096, False, opt) == eight[opt], opt
+
+
+def test_estimate_takes_the_optimizer():
+    r = estimate("1000M", Setup(optimizer="sgd"))
+    assert r.per_device["optimizer_sgd_fp32"] == 4 * 10**9 and r.checkpoint["fp32"] == 8 * 10**9
+    assert r.per_device["optimizer_ckptq_8bit"] == 10**9 + 4 * math.ceil(10**9 / 256)
+    assert set(r.totals) == {"sgd_fp32", "ckptq_8bit", "ckptq_4bit"}
+    out = run("1000M", "--optimizer", "muon")
+    assert out.exit_code == 0 and "Muon fp32" in out.output and "3.73 GiB" in out.output  # 4 B per parameter
+    with pytest.raises(UsageError, match="optimizer 'adam8' must be one of adamw, muon"):
+        estimate("1B", Setup(optimizer="adam8"))
+    assert run("1B", "--optimizer", "adam8").exit_code == 2
+
+
 @pytest.mark.parametrize("stage,sharded", [(0, ()), (1, ("master_weights", "opt")), (2, ("master_weights", "opt", "gradients")),
                                            (3, ("master_weights", "opt", "gradients", "weights"))])
 def test_zero_stages_shard_what_they_should(stage, sharded):

@@ -20,7 +20,9 @@ import torch
 from safetensors import safe_open
 
 import ckptq
+import golden_roles
 from ckptq.codec import codebooks, ops
+from ckptq.codec.quant import count_qstates
 from test_format import assert_same
 
 GOLDEN_V1 = os.path.join(os.path.dirname(__file__), "golden", "v1.safetensors")
@@ -210,3 +212,36 @@ def test_third_party_decoder_agrees(pid, role, golden):
     siblings = {k: v for k, v in pstate["dict"]}
     ours = ckptq.load(golden, dequantize=True)["optimizer"]["state"][pid][role]
     assert np.array_equal(_numpy_decode(golden, siblings[role], siblings), ours.numpy())
+
+
+@pytest.mark.parametrize("name", sorted(golden_roles.OPTIMIZERS))
+def test_role_golden_files_are_pinned(tmp_path, name):
+    """Per optimizer, what convert writes for its roles at 8 and 4 bits: the writer's bytes, and the object."""
+    path, obj = golden_roles.path(name), golden_roles.golden_object(name)
+    if os.environ.get("CKPTQ_REGEN_GOLDEN"):
+        ckptq.save(obj, path, info=INFO, force=True)
+    out = str(tmp_path / "again.safetensors")
+    ckptq.save(golden_roles.golden_object(name), out, info=INFO)
+    assert open(out, "rb").read() == open(path, "rb").read(), "the writer's bytes changed: that is a format change"
+    assert count_qstates(ckptq.load(path)) >= 2
+    dense = ckptq.load(path, dequantize=True)
+    with safe_open(path, "np") as f:
+        skeleton = json.loads(f.metadata()["ckptq.skeleton"])
+    assert _numpy_walk(path, skeleton, dense) == count_qstates(ckptq.load(path))
+
+
+def _numpy_walk(path, node, obj) -> int:
+    """Decode every quantized node of a skeleton with the spec-only decoder; it must equal ckptq's values."""
+    n = 0
+    if isinstance(node, dict) and ("dict" in node or "odict" in node):
+        items = node.get("dict", node.get("odict"))
+        siblings = {k: v for k, v in items if not isinstance(k, dict)}
+        for k, v in items:
+            if isinstance(v, dict) and "quantized" in v:
+                assert np.array_equal(_numpy_decode(path, v, siblings), obj[k].numpy()), k
+                n += 1
+            elif not isinstance(k, dict):
+                n += _numpy_walk(path, v, obj[k])
+    elif isinstance(node, dict) and "list" in node:
+        n += sum(_numpy_walk(path, v, o) for v, o in zip(node["list"], obj))
+    return n

@@ -13,3 +13,5 @@ BUDGETS = (8, 4)
 DEFAULT_BLOCK_SIZES = {8: 256, 4: 128}
 DEFAULT_BLOCK_SIZE = DEFAULT_BLOCK_SIZES[8]
 LAYOUTS = ("flat", "rows")  # blocks over all elements (format 1, 2) or along rows (format 3)
+RATIO_TRANSFORM = "ratio"
+TRANSFORMS = ("none", "sqrt", RATIO_TRANSFORM)  # "none" and "sqrt" are the kernels' (ops.TRANSFORMS)

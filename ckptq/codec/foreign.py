@@ -3,8 +3,10 @@
 bitsandbytes (``AdamW8bit``/``Adam8bit``): per parameter ``{"step": int, "state1", "state2", "qmap1",
 "qmap2", "absmax1", "absmax2"}`` (blockwise: value = qmap[code] * absmax[i // block]) or ``max1``/``max2``
 (one scale per tensor), flat in releases before 0.45 and nested under ``__bnb_optimizer_quant_state__``
-since; ``state1``/``state2`` are fp32 tensors for parameters below its ``min_8bit_size``. ``state1`` is
-Adam's first moment and ``state2`` its second, both stored as they are (no sqrt).
+since; ``state1``/``state2`` are fp32 tensors for parameters below its ``min_8bit_size`` (and in its 32-bit
+optimizers). ``state1`` is Adam's first moment and ``state2`` its second, both stored as they are (no sqrt).
+Its one-state optimizers (Lion8bit, PagedLion8bit, Lion32bit, SGD8bit, RMSprop8bit, Adagrad8bit) hold only
+``state1``, read into the state key of their torch (or lion-pytorch) counterpart (``_one_state``).
 
 torchao (``torchao.optim.AdamW8bit``/``4bit``/``Fp8``): ``exp_avg``/``exp_avg_sq`` are tensor subclasses
 (``OptimState8bit``...) whose ``dequantize()`` gives the fp32 values; loading such a file needs torchao
@@ -73,12 +75,37 @@ def _block_size(numel: int, n_blocks: int, i: int) -> int:
     raise InputError(f"bitsandbytes state{i}: {n_blocks} scales for {numel} values fit no block size; it is damaged")
 
 
-def _from_bnb(pstate: dict) -> dict:
+def _one_state(group: dict) -> tuple[str, dict]:
+    """(the torch state key of a bitsandbytes one-state optimizer's ``state1``, the param-group entries its
+    torch counterpart needs). bitsandbytes saves no optimizer name; its ``Optimizer1State`` passes them as
+    ``betas`` and ``eps``: (momentum, dampening) and 0 for SGD8bit (which requires momentum; its kernel
+    ignores dampening), (beta1, beta2) and 0 for Lion, (alpha, momentum) and eps for RMSprop8bit (which
+    requires momentum 0), (0, 0) and eps for Adagrad8bit."""
+    betas, eps = group.get("betas", (0.0, 0.0)), float(group.get("eps", 0.0))
+    b1, b2 = (float(b) for b in betas) if isinstance(betas, (list, tuple)) and len(betas) == 2 else (0.0, 0.0)
+    if eps == 0.0:
+        if b2 == 0.0:
+            return "momentum_buffer", {"momentum": b1, "dampening": 0.0, "nesterov": False}
+        return "exp_avg", {}  # Lion: lion-pytorch reads lr, betas and weight_decay, as bitsandbytes saves them
+    if b1 == 0.0 and b2 == 0.0:
+        return "sum", {"lr_decay": 0.0, "initial_accumulator_value": 0.0}
+    return "square_avg", {"alpha": b1, "momentum": b2, "centered": False}
+
+
+def _from_bnb(pstate: dict, group: dict) -> dict:
+    """One parameter's bitsandbytes state in its torch counterpart's form; ``group`` (its param group) gets
+    the entries that counterpart needs, where it lacks them."""
     q = pstate[BNB_NESTED] if isinstance(pstate.get(BNB_NESTED), dict) else pstate
     numel = q["state1"].numel() if isinstance(q.get("state1"), torch.Tensor) else 0
     step = pstate.get("step", 0)
     out = {k: v for k, v in pstate.items() if k != BNB_NESTED and k not in _BNB_KEYS}
     out["step"] = torch.tensor(float(step.item() if isinstance(step, torch.Tensor) else step), dtype=torch.float32)
+    if "state2" not in q and isinstance(q.get("state1"), torch.Tensor):
+        key, entries = _one_state(group)
+        for name, value in entries.items():
+            group.setdefault(name, value)
+        out[key] = _bnb_moment(q, 1, numel).reshape(q["state1"].shape)
+        return out
     out["exp_avg"] = _bnb_moment(q, 1, numel).reshape(q["state1"].shape)
     out["exp_avg_sq"] = _bnb_moment(q, 2, numel).reshape(q["state1"].shape)
     return out
@@ -93,19 +120,29 @@ def _from_torchao(pstate: dict) -> dict:
 
 def to_torch(obj: Any) -> int:
     """Rewrite, in place, every bitsandbytes/torchao per-parameter state inside ``obj``'s optimizer state
-    dicts into torch Adam's fp32 form (``step``, ``exp_avg``, ``exp_avg_sq``). Returns how many."""
+    dicts into its torch counterpart's fp32 form (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``; a one-state
+    optimizer's ``_one_state``). Returns how many."""
     n = 0
     for found in checkpoint.find_optimizers(obj):
         state = found.state_dict["state"]
+        groups = {pid: g for g in found.state_dict["param_groups"] if isinstance(g, dict)
+                  for pid in (g.get("params") if isinstance(g.get("params"), (list, tuple)) else ())}
         for pid, pstate in list(state.items()):
             k = kind(pstate)
             if k is not None:
-                state[pid] = _from_bnb(pstate) if k == "bitsandbytes" else _from_torchao(pstate)
+                state[pid] = _from_bnb(pstate, groups.get(pid, {})) if k == "bitsandbytes" else _from_torchao(pstate)
                 n += 1
     return n
 
 
 _TORCHAO_BITS = {"OptimState8bit": 8, "OptimState4bit": 4}
+
+
+def torchao_bits(t: Any) -> int | None:
+    """The code width of a torchao optimizer state (8 or 4; its fp8 state: 8), None for anything else."""
+    if not is_torchao(t):
+        return None
+    return _TORCHAO_BITS.get(type(t).__name__, 8)
 
 
 def _swap_nibbles(codes: torch.Tensor) -> torch.Tensor:

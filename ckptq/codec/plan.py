@@ -1,15 +1,18 @@
-"""What ``convert`` stores 8-bit and what it keeps exact, decided once: ``convert`` applies the plan,
+"""What ``convert`` stores low-bit and what it keeps exact, decided once: ``convert`` applies the plan,
 ``info`` reports it.
 
-ckptq quantizes the moments of the Adam family (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) of
-optimizers whose param groups carry Adam's ``betas``: torch's Adam, AdamW, NAdam, RAdam, and the like.
-Anything else (SGD's momentum, Adafactor's factored moments, steps, weights) is kept bit-exact. A state is
-also kept exact when quantizing it would lose more than 8 bits' worth: below ``min_size`` elements,
-sharing storage with another tensor, holding NaN/Inf or values beyond fp32, or a second moment with
-negative values (its sqrt would be NaN). A first moment is stored as the ratio to its second moment
-(``ckptq.qstate``) unless that ratio would overflow fp32 or the step's eps' is not a positive number; then
-it is quantized on its own. Param groups that cannot be Adam's (``betas`` outside [0, 1), a non-numeric
-``eps``, no ``params``) are errors, before anything is written.
+Each optimizer state dict is read by role (``ckptq.codec.roles``): the optimizer is recognised from its state
+keys and its param groups' hyperparameters (torch's Adam, AdamW, NAdam, RAdam, Adamax, SGD, RMSprop, Adagrad,
+Muon, Adafactor; lion-pytorch's Lion; transformers' Adafactor; bitsandbytes' optimizers, read into torch's
+form first by ``ckptq.codec.foreign``), and each state key it keeps has a role whose codec ``ckptq.codec.policy``
+gives. Anything else (steps, factored statistics, unknown keys, every state of an optimizer not recognised,
+weights) is kept bit-exact. A state is also kept exact when quantizing it would lose more than its width's
+worth: below ``min_size`` elements, sharing storage with another tensor, holding NaN/Inf or values beyond
+fp32, or a second moment or max-norm with negative values (its sqrt would be NaN). Adam's first moment is
+stored as the ratio to its second moment (``ckptq.qstate``) unless that ratio would overflow fp32 or the
+step's eps' is not a positive number; then it is quantized on its own. Param groups that cannot be what
+they say (``betas`` outside [0, 1), a non-numeric ``eps``, no ``params``) are errors, before anything is
+written.
 """
 
 from __future__ import annotations
@@ -21,16 +24,17 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, policy
+from . import checkpoint, foreign, policy, qstate, quant, roles
 from ..errors import InputError
 
 DEFAULT_MIN_SIZE = 4096  # smaller states stay exact: their codebooks and scales would not pay for themselves
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
 _FP32_MAX = torch.finfo(torch.float32).max
-# Why a state is kept exact although it is an Adam moment; the first ones are ordinary, the rest are
-# reported as warnings (the data would have been damaged).
-ORDINARY = ("not an Adam moment", "below min_size", "shares storage")
+NOT_A_MOMENT, FACTORED = "not a moment", "factored statistics (small)"
+# Why a state is kept exact; the first ones are ordinary, the rest are reported as warnings (the data would
+# have been damaged).
+ORDINARY = (NOT_A_MOMENT, FACTORED, "below min_size", "shares storage")
 _RATIO_CHUNK = 1 << 22
 
 
@@ -40,6 +44,7 @@ class Decision:
     key: str  # the state key
     tensor: torch.Tensor
     exact: str | None = None  # why it is kept exact; None: stored 8-bit
+    role: str | None = roles.ADAM  # its role (``ckptq.codec.roles``); None: not a moment
     divisor: tuple | None = None  # first moments stored as a ratio: (divisor key, its tensor, eps')
     divides: bool = False  # a second moment that a first moment is stored relative to
     note: str | None = None  # why a first moment is not stored as a ratio
@@ -53,6 +58,7 @@ class Decision:
 class Plan:
     optimizers: list = field(default_factory=list)  # checkpoint.Found
     decisions: list[Decision] = field(default_factory=list)
+    kinds: list = field(default_factory=list)  # roles.Kind of each optimizer, in order
 
     @property
     def quantized(self) -> list[Decision]:
@@ -70,13 +76,24 @@ class Plan:
     def nothing_to_quantize(self, min_size: int) -> str:
         """Why the plan stores nothing low-bit, and what to do."""
         reasons = Counter(d.exact for d in self.decisions)
-        if set(reasons) <= {"not an Adam moment"}:
-            keys = sorted({d.key for d in self.decisions})
-            return (f"the optimizer state holds no Adam moments to store low-bit (found: {', '.join(keys) or 'no tensors'}); "
-                    "ckptq converts Adam/AdamW state (exp_avg, exp_avg_sq), nothing else")
-        why = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()) if r != "not an Adam moment")
+        if set(reasons) <= {NOT_A_MOMENT, FACTORED}:
+            return (f"the optimizer state holds no moments to store low-bit ({'; '.join(self.recognised())}); "
+                    f"ckptq stores the moments of {policy.KNOWN_OPTIMIZERS}, and keeps anything else exact")
+        why = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()) if r not in (NOT_A_MOMENT, FACTORED))
         hint = f"; lower --min-size (now {min_size})" if reasons.get("below min_size") else ""
-        return f"none of the Adam moments can be stored low-bit ({why}){hint}"
+        return f"none of the moments can be stored low-bit ({why}){hint}; {'; '.join(self.recognised())}"
+
+    def recognised(self) -> list[str]:
+        """Per optimizer: where it is, what it was recognised as, and the float states it keeps exact by role
+        (moments kept exact for their size or damage are the warnings' and counts' business)."""
+        lines = []
+        for found, kind in zip(self.optimizers, self.kinds):
+            mine = [d for d in self.decisions if d.path[: len(found.path)] == found.path]
+            kept = {reason: sorted({d.key for d in mine if d.exact == reason}) for reason in (FACTORED, NOT_A_MOMENT)}
+            words = [f"{', '.join(keys)} {reason}" for reason, keys in kept.items() if keys]
+            where = "/".join(map(str, found.path)) or "<root>"
+            lines.append(f"{where}: {kind.name}" + (f" (kept exact: {'; '.join(words)})" if words else ""))
+        return lines
 
     def warnings(self) -> list[str]:
         """One line per state kept exact because quantizing it would have damaged it, and per first moment
@@ -94,32 +111,38 @@ def _number(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) else None
 
 
-def _check_groups(found: checkpoint.Found) -> bool:
-    """Whether the optimizer is of the Adam family; InputError for a group no optimizer could have saved."""
+def _check_groups(found: checkpoint.Found) -> roles.Kind:
+    """The optimizer ``found`` holds (``roles.recognise``); InputError for a group no optimizer could have saved."""
     where = "/".join(map(str, found.path)) or "<root>"
     groups = found.state_dict["param_groups"]
     for i, g in enumerate(groups):
         if not isinstance(g, dict) or not isinstance(g.get("params"), (list, tuple)):
             raise InputError(f"optimizer at {where}: param group {i} has no 'params' list; the state dict is damaged")
-    if not groups or not all("betas" in g for g in groups):
-        return False
-    for i, g in enumerate(groups):
-        betas, eps = g["betas"], _number(g.get("eps", 1e-8))
-        b = [_number(x) for x in betas] if isinstance(betas, (list, tuple)) else []
-        if len(b) != 2 or any(x is None or not 0.0 <= x < 1.0 for x in b):
-            raise InputError(f"optimizer at {where}: param group {i} has betas {betas!r}; Adam's are two numbers "
-                             "in [0, 1). Fix the checkpoint's param_groups or pass --key to pick another optimizer")
-        if eps is None or not math.isfinite(eps) or eps < 0:
-            raise InputError(f"optimizer at {where}: param group {i} has eps {g.get('eps')!r}; Adam's is a finite "
-                             "number >= 0. Fix the checkpoint's param_groups")
-    return True
+    kind = roles.recognise(found.state_dict, where)
+    if groups and all("betas" in g for g in groups):
+        for i, g in enumerate(groups):
+            _check_betas(g, i, where)
+    return kind
 
 
-def exact_reason(key: str, t: torch.Tensor, adam: bool, min_size: int, shared: set) -> str | None:
+def _check_betas(g: dict, i: int, where: str) -> None:
+    betas, eps = g["betas"], _number(g.get("eps", 1e-8))
+    b = [_number(x) for x in betas] if isinstance(betas, (list, tuple)) else []
+    if len(b) != 2 or any(x is None or not 0.0 <= x < 1.0 for x in b):
+        raise InputError(f"optimizer at {where}: param group {i} has betas {betas!r}; they are two numbers "
+                         "in [0, 1). Fix the checkpoint's param_groups or pass --key to pick another optimizer")
+    if eps is None or not math.isfinite(eps) or eps < 0:
+        raise InputError(f"optimizer at {where}: param group {i} has eps {g.get('eps')!r}; it is a finite "
+                         "number >= 0. Fix the checkpoint's param_groups")
+
+
+def exact_reason(key: str, t: torch.Tensor, role: str | None, min_size: int, shared: set,
+                 factored: bool = False) -> str | None:
+    """Why state ``key`` (of ``role``; None: not a moment) is kept exact, or None: it is stored low-bit."""
     if t.is_meta:
         raise InputError(f"state {key!r} is a meta tensor (shape only, no data); the checkpoint cannot be converted")
-    if not adam or key not in ADAM_MOMENTS:
-        return "not an Adam moment"
+    if role is None or (role == roles.ADAM and key not in ADAM_MOMENTS):
+        return FACTORED if factored else NOT_A_MOMENT
     if t.layout != torch.strided:
         return f"a {str(t.layout).removeprefix('torch.')} tensor, not a dense one"
     if not checkpoint.is_quantizable(t, min_size):
@@ -133,8 +156,9 @@ def exact_reason(key: str, t: torch.Tensor, adam: bool, min_size: int, shared: s
         return "holds NaN/Inf"
     if max(-lo, hi) > _FP32_MAX:
         return "holds values beyond float32"
-    if key in SECOND_MOMENTS and lo < 0:
-        return "negative second moment (an Adam second moment is >= 0)"
+    if lo < 0 and (key in SECOND_MOMENTS if role == roles.ADAM else role in roles.NON_NEGATIVE):
+        what = "max-norm" if role == roles.MAX_NORM else "second moment"
+        return f"negative {what} (a {what} is >= 0)"
     return None
 
 
@@ -144,7 +168,7 @@ def unsafe_moments(dense: dict) -> str | None:
     for key, t in dense.items():
         local = t.to_local() if hasattr(t, "to_local") else t
         if local.numel() and key in ADAM_MOMENTS:
-            reason = exact_reason(key, local, True, 1, set())
+            reason = exact_reason(key, local, roles.ADAM, 1, set())
             if reason:
                 return f"{key} {reason}"
     return None
@@ -178,33 +202,97 @@ def _pair_ratio(decisions: dict, group: dict, step: Any) -> None:
             m.note = f"its ratio to {v_key} would not fit float32 (step {step!r}); stored 8-bit on its own"
 
 
-def make_plan(obj: Any, key: str | None, min_size: int) -> Plan:
-    """The plan for ``obj`` (a loaded checkpoint): which optimizer state tensors are stored 8-bit."""
+def make_plan(obj: Any, key: str | None, min_size: int, block_size: int | None = None, bits: int = 8) -> Plan:
+    """The plan for ``obj`` (a loaded checkpoint): which optimizer state tensors are stored low-bit (under the
+    budget ``bits`` in blocks of ``block_size``, which only centered RMSprop's check needs)."""
     shared = checkpoint.shared_storages(obj)
     plan = Plan(checkpoint.find_optimizers(obj, key))
     for f in plan.optimizers:
-        adam = _check_groups(f)
+        kind = _check_groups(f)
+        plan.kinds.append(kind)
         groups = {pid: g for g in f.state_dict["param_groups"] for pid in g["params"]}
         for pid, pstate in f.state_dict["state"].items():
-            if isinstance(pstate, dict):
-                plan.decisions += decide(f.path + ("state", pid), pstate, groups.get(pid, {}), min_size, adam, shared)
+            if not isinstance(pstate, dict):
+                continue
+            decisions = decide(f.path + ("state", pid), pstate, groups.get(pid, {}), min_size, kind, shared)
+            if groups.get(pid, {}).get("centered") and kind.role("grad_avg"):
+                _keep_centered(decisions, block_size or policy.default_block_size(bits), bits)
+            plan.decisions += decisions
     return plan
 
 
-def decide(path: tuple, pstate: dict, group: dict, min_size: int, adam: bool = True, shared: set = frozenset()) \
-        -> list[Decision]:
+def recognise_all(obj: Any, key: str | None = None) -> list[roles.Kind]:
+    """What each optimizer state dict in ``obj`` was saved by (``roles.recognise``); InputError for state
+    ckptq cannot read."""
+    return [_check_groups(f) for f in checkpoint.find_optimizers(obj, key)]
+
+
+ADAM = roles.Kind("Adam", {"exp_avg": roles.ADAM, "exp_avg_sq": roles.ADAM, "max_exp_avg_sq": roles.ADAM})
+
+
+def decide(path: tuple, pstate: dict, group: dict, min_size: int, kind: roles.Kind = ADAM,
+           shared: set = frozenset()) -> list[Decision]:
     """One parameter's decisions: each float state tensor in ``pstate`` (its state dict, or the moments a DCP
-    folder holds for it) stored low-bit or kept exact and why, the first moment stored as a ratio where it
-    fits; ``group``: its param group (eps, betas), ``path``: where the state dict sits."""
+    folder holds for it) stored low-bit by its role in ``kind`` or kept exact and why, Adam's first moment
+    stored as a ratio where it fits; ``group``: its param group (eps, betas), ``path``: where it sits."""
     decisions = {}
     for name, t in pstate.items():
         if isinstance(t, torch.Tensor) and name != "step" and t.is_floating_point():
-            decisions[name] = Decision(path, name, t, exact_reason(name, t, adam, min_size, shared))
-    _pair_ratio(decisions, group, pstate.get("step", 0))
+            role = kind.role(name)
+            why = exact_reason(name, t, role, min_size, shared, name in kind.factored)
+            decisions[name] = Decision(path, name, t, why, role if why is None else None)
+    if kind.ratio:
+        _pair_ratio(decisions, group, pstate.get("step", 0))
     return list(decisions.values())
+
+
+CENTERED = "centered RMSprop: square_avg - grad_avg^2 would turn negative once rounded"
+
+
+def _keep_centered(decisions: list[Decision], block_size: int, bits: int) -> None:
+    """Centered RMSprop divides by sqrt(square_avg - grad_avg^2): where rounding made that negative, its step
+    would be NaN. Where the decoded pair keeps square_avg >= grad_avg^2 everywhere, every later step does too
+    (alpha * s + (1 - alpha) * g^2 >= (alpha * a + (1 - alpha) * g)^2 whenever s >= a^2, by convexity);
+    else both stay exact. Checked at the width and block size convert gives them."""
+    pair = {d.key: d for d in decisions if d.exact is None and d.key in ("square_avg", "grad_avg")}
+    if len(pair) < 2:
+        return
+    s, a = (quant.dequantize_state(quant.quantize_state(d.tensor, d.key, block_size, bits=convert_width(d, bits),
+                                                        role=d.role)).double() for d in pair.values())
+    if bool((s < a.square()).any()):
+        for d in pair.values():
+            d.exact, d.role = CENTERED, None
+
+
+def input_budget(obj: Any) -> int | None:
+    """The narrowest budget (``policy.BUDGETS``) of the low-bit optimizer state ``obj`` holds as loaded, before
+    ``foreign.to_torch`` decodes it: 4 for torchao's 4-bit states or ckptq states narrower than 8 bits, 8 for
+    8-bit ones (torchao's, bitsandbytes', ckptq's); None when it holds none. The hook behind "without --bits,
+    never write a wider state than the input's": a source resolves the default width as
+    ``default_budget(obj)`` (a torchao AdamW4bit checkpoint converted at 8 bits grew 1.19x)."""
+    widths = set()
+    for found in checkpoint.find_optimizers(obj):
+        for pstate in found.state_dict["state"].values():
+            if not isinstance(pstate, dict):
+                continue
+            if foreign.kind(pstate) == "bitsandbytes":
+                q = pstate.get(foreign.BNB_NESTED, pstate)
+                widths |= {8} if isinstance(q, dict) and getattr(q.get("state1"), "dtype", None) == torch.uint8 else set()
+            for v in pstate.values():
+                if qstate.is_qstate(v) and isinstance(v.get("bits"), int):
+                    widths.add(v["bits"])
+                elif foreign.is_torchao(v):
+                    widths.add(foreign.torchao_bits(v))
+    widths.discard(None)
+    return (4 if min(widths) < 8 else 8) if widths else None
+
+
+def default_budget(obj: Any) -> int:
+    """The budget ``convert`` uses when none is asked for: 8, or the input's own when it is narrower."""
+    return min(8, input_budget(obj) or 8)
 
 
 def convert_width(d: Decision, bits: int) -> int:
     """The code width convert gives a quantized state under a budget of ``bits`` per value
     (``policy.convert_width``)."""
-    return policy.convert_width(bits, d.key, ratio=d.divisor is not None, divisor=d.divides)
+    return policy.convert_width(bits, d.key, ratio=d.divisor is not None, divisor=d.divides, role=d.role)

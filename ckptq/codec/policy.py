@@ -13,12 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UsageError
-from . import codebooks
+from . import codebooks, roles
 from .defaults import (BLOCK_SIZES, BUDGETS, DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZES, DEFAULT_MIN_SIZE,  # noqa: F401
-                       LAYOUTS, MOMENT_KEYS, RATIO_PAIRS, SECOND_MOMENTS)
-
-RATIO_TRANSFORM = "ratio"
-TRANSFORMS = ("none", "sqrt", RATIO_TRANSFORM)  # "none" and "sqrt" are the kernels' (ops.TRANSFORMS)
+                       LAYOUTS, MOMENT_KEYS, RATIO_PAIRS, RATIO_TRANSFORM, SECOND_MOMENTS, TRANSFORMS)
 
 
 def check_budget(bits: int) -> int:
@@ -55,6 +52,8 @@ CODEBOOKS = {
     "4bit-lloyd-gaussian": codebooks.lloyd_gaussian_map,
     "6bit-lloyd-gaussian": codebooks.lloyd_gaussian_map_6bit,
     "2bit-geometric-3": functools.partial(codebooks.geometric_map, 2, 3.0),
+    "power-unsigned-2": functools.partial(codebooks.power_map, False, 2.0),
+    "4bit-geometric-1.2": functools.partial(codebooks.geometric_map, 4, 1.2),
 }
 @dataclass(frozen=True)
 class Policy:
@@ -101,8 +100,34 @@ RATIO_POLICIES = {8: RATIO_POLICY, 6: Policy("6bit-lloyd-gaussian", RATIO_TRANSF
                   4: Policy("4bit-lloyd-gaussian", RATIO_TRANSFORM)}
 
 
-def policy_for(key: str, bits: int = 8) -> Policy:
-    """The policy of a state stored on its own (not as a ratio) with codes of ``bits`` bits."""
+# The roles of other optimizers than Adam (``ckptq.codec.roles``), by code width. Chosen by the update error
+# of one real step of each optimizer from the decoded state, on checkpoints of a tiny GPT trained 300 steps
+# with it (tools/optimizer_fidelity.py --sweep; the table is in docs/FORMAT.md, "Roles"):
+# - first moments alone: at 8 bits ±(k/127)^1.5 was best on all six optimizers (SGD 0.51% worst tensor,
+#   Muon 6.4%, Lion 7.2%, against 0.58%, 8.2%, 8.3% on Adam's ±(k/127)^2.5 and 0.88%, 10.1%, 9.2% on
+#   bitsandbytes' dynamic map); at 4 bits the 16-level Lloyd-Max map (SGD 7.6% against 8.3% for ±(k/7)^1.5).
+# - second moments alone (square_avg, sum, variance): sqrt on (k/255)^3 as Adam's, within 0.05 points of
+#   the best (sqrt on (k/255)^2) and keeping twice its decades from 0 (the zero-point problem); at 4 bits
+#   sqrt on 1.2^(k-15), no zero (RMSprop 1.7%, Adagrad 5.8%, against 2.4% and 7.8% on 1.3^(k-15)).
+# - max-norms (exp_inf, divided by as they are): (k/255)^2 (0.48%, against 0.54% on (k/255)^3); 4 bits
+#   1.2^(k-15) (5.3%, against 7.7% on 1.3^(k-15)).
+ROLE_POLICIES = {
+    8: {roles.FIRST: Policy("power-signed-1.5", "none"), roles.SECOND: Policy("power-unsigned-3", "sqrt"),
+        roles.MAX_NORM: Policy("power-unsigned-2", "none")},
+    4: {roles.FIRST: Policy("4bit-lloyd-gaussian", "none"), roles.SECOND: Policy("4bit-geometric-1.2", "sqrt"),
+        roles.MAX_NORM: Policy("4bit-geometric-1.2", "none")},
+}
+KNOWN_OPTIMIZERS = ("torch.optim Adam, AdamW, NAdam, RAdam, Adamax, SGD, RMSprop, Adagrad, Muon and Adafactor, "
+                    "lion-pytorch's Lion, transformers' Adafactor and bitsandbytes' optimizers")
+
+
+def policy_for(key: str, bits: int = 8, role: str | None = None) -> Policy:
+    """The policy of a state stored on its own (not as a ratio) with codes of ``bits`` bits: by its ``role``
+    (``ckptq.codec.roles``) for other optimizers than Adam, else by its Adam state key."""
+    if role not in (None, roles.ADAM):
+        if bits not in ROLE_POLICIES or role not in ROLE_POLICIES[bits]:
+            raise UsageError(f"{role} states take 8 or 4 bits, not {bits}")
+        return ROLE_POLICIES[bits][role]
     if bits not in PLAIN_POLICIES:
         raise UsageError(f"{bits}-bit codes hold ratio states only; store {key!r} with 8, 4 or 2 bits")
     table, default = PLAIN_POLICIES[bits]
@@ -115,10 +140,11 @@ def ratio_policy(bits: int = 8) -> Policy:
     return RATIO_POLICIES[bits]
 
 
-def convert_width(bits: int, key: str, ratio: bool = False, divisor: bool = False) -> int:
+def convert_width(bits: int, key: str, ratio: bool = False, divisor: bool = False, role: str | None = None) -> int:
     """The code width ``ckptq convert`` gives a state under a budget of ``bits`` per value (``BUDGETS``):
     8 bits, every state 8. 4 bits: a first moment stored as a ratio (``ratio``) 6 and the second moment it
-    divides (``divisor``) 2, which keeps 8 bits per parameter for the pair; any other state 4.
+    divides (``divisor``) 2, which keeps 8 bits per parameter for the pair; any other state 4, whatever its
+    ``role`` (no other optimizer's update cancels one state's error the way Adam's ratio does).
 
     Why 6 + 2 in a file: the update error a checkpoint carries is the ratio's own rounding error (v's
     cancels out), and at 4 bits per value no code brings it below 6.25% (a Gaussian's rate-distortion

@@ -49,7 +49,7 @@ import torch
 from ..errors import FormatError
 from .views import repeats_bytes
 from ..kernels.contract import WIDTHS, code_bytes, num_blocks
-from .policy import LAYOUTS, RATIO_TRANSFORM, TRANSFORMS
+from .defaults import LAYOUTS, RATIO_TRANSFORM, TRANSFORMS
 
 CODEC = "blockwise"
 SUPPORTED_BITS = WIDTHS

@@ -49,10 +49,10 @@ def _empty_parts(shape, bits: int, block_size: int, layout: str, device) -> tupl
 
 
 def quantize_state(t: torch.Tensor, key: str, block_size: int = DEFAULT_BLOCK_SIZE, backend: str = "auto",
-                   bits: int = 8, layout: str = "rows") -> dict:
-    """Quantize one optimizer state tensor under the policy for its state key (dict form), with codes of
-    ``bits`` bits (8, 4 or 2: ``policy.convert_width`` says which a state of a converted file gets)."""
-    pol = policy_for(key, ops.check_bits(bits))
+                   bits: int = 8, layout: str = "rows", role: str | None = None) -> dict:
+    """Quantize one optimizer state tensor under the policy for its role, or its Adam state key (dict form),
+    with codes of ``bits`` bits (8, 4 or 2: ``policy.convert_width`` says which a state of a converted file gets)."""
+    pol = policy_for(key, ops.check_bits(bits), role)
     qmap = pol.qmap().to(t.device)
     codes, absmax = ops.quantize_blockwise(t, qmap, block_size, pol.transform, backend, bits,
                                            row_len=row_len_of(t.shape, layout))
@@ -83,11 +83,11 @@ def quantize_ratio(m: torch.Tensor, v: torch.Tensor, eps: float, block_size: int
 
 
 def quantize_as(t: torch.Tensor, key: str, block_size: int, bits: int, divisor: tuple | None = None,
-                backend: str = "auto", layout: str = "rows") -> dict:
-    """The one moment quantizer behind every writer: state ``t`` (key ``key``) on its own, or, with
-    ``divisor`` = (its second moment's key, that exact tensor, eps'), as the ratio to it."""
+                backend: str = "auto", layout: str = "rows", role: str | None = None) -> dict:
+    """The one moment quantizer behind every writer: state ``t`` (key ``key``, of ``role``) on its own, or,
+    with ``divisor`` = (its second moment's key, that exact tensor, eps'), as the ratio to it."""
     if divisor is None:
-        return quantize_state(t, key, block_size, backend, bits, layout)
+        return quantize_state(t, key, block_size, backend, bits, layout, role)
     divisor_key, v, eps = divisor
     return quantize_ratio(t, v.to(t.device), eps, block_size, backend, divisor_key, bits, layout)
 

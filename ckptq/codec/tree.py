@@ -37,12 +37,13 @@ class PendingQuant:
     device: str = "cpu"  # where quantization runs ("cuda": the Triton kernels); inputs stay on the CPU
     bits: int = 8  # code width: 8, 6, 4 or 2 (``policy.convert_width``)
     layout: str = "rows"  # "rows" (what convert writes) or "flat" (re-creating a file of format 1 or 2)
+    role: str | None = None  # its role (``ckptq.codec.roles``): which policy it gets; None: by its Adam key
     _result: dict | None = field(default=None, repr=False)
 
     def result(self) -> dict:
         if self._result is None:
             self._result = quant.quantize_as(self.tensor.to(self.device), self.key, self.block_size, self.bits,
-                                             self.divisor, self.backend, self.layout)
+                                             self.divisor, self.backend, self.layout, self.role)
         return self._result
 
     def take(self, part: str) -> torch.Tensor:
@@ -57,13 +58,13 @@ def mark(obj: Any, key: str | None, block_size: int, min_size: int, bits: int = 
     """The plan for ``obj``, applied: each state it stores low-bit replaced, in place, by a lazy
     ``PendingQuant`` (quantized when a writer reaches it, on ``device``), in the row layout at the width
     ``convert_width`` gives it under the budget ``bits``. ``convert`` writes the result; ``info`` sizes it."""
-    p = plan.make_plan(obj, key, min_size)
+    p = plan.make_plan(obj, key, min_size, block_size, bits)
     for d in p.quantized:
         node = obj
         for k in d.path:
             node = node[k]
         node[d.key] = PendingQuant(d.tensor, d.key, block_size, backend, divisor=d.divisor, device=device,
-                                   bits=plan.convert_width(d, bits))
+                                   bits=plan.convert_width(d, bits), role=d.role)
     return p
 
 
@@ -174,7 +175,7 @@ class _Flattener:
     def quantized(self, q, path: str) -> dict:
         lazy = isinstance(q, PendingQuant)
         if lazy:
-            pol = policy.ratio_policy(q.bits) if q.divisor else policy.policy_for(q.key, q.bits)
+            pol = policy.ratio_policy(q.bits) if q.divisor else policy.policy_for(q.key, q.bits, q.role)
             qmap, bits, layout = pol.qmap(), q.bits, q.layout
             meta = {"block_size": q.block_size, "transform": pol.transform,
                     "shape": list(q.tensor.shape), "dtype": dtype_name(q.tensor.dtype)}

@@ -42,16 +42,44 @@ def moment_bytes(shape: tuple, bits: int, block_size: int) -> int:
     return rows * (math.ceil(length * bits / 8) + 4 * math.ceil(length / block_size)) if length else 0
 
 
-def state_bytes(model: Model, bits: int, block_size: int, min_size: int, sharded: bool) -> int:
-    """Both Adam moments of every parameter at ``bits``: tensors below ``min_size`` elements keep fp32 state
-    (``checkpoint.is_quantizable``, the rule convert and the optimizer apply); ``sharded`` (FSDP2, ZeRO over
-    DTensors) so do 1-D tensors, whose one row is split across ranks (``dtensor.shardable``)."""
+OPTIMIZERS = ("adamw", "muon", "sgd", "lion", "adafactor")
+_MUON_SKIPS = ("embed", "wte", "wpe", "lm_head")  # Muon runs leave these (and 1-D tensors) to AdamW
+
+
+def tensor_states(optimizer: str, name: str, shape: tuple) -> tuple[int, int]:
+    """(moments of the parameter's shape, fp32 elements of factored statistics) ``optimizer`` keeps for one
+    parameter tensor. AdamW two; SGD (momentum) and Lion one; Muon one for the hidden matrices and AdamW's
+    two for embeddings, the head and 1-D tensors (as Moonlight and modded-nanogpt run it; a bare count is
+    taken as hidden matrices); Adafactor (transformers' defaults: no first moment) a row and a column
+    statistic for a matrix, kept exact (``ckptq.codec.roles``), and one second moment for a 1-D tensor."""
+    if optimizer in ("sgd", "lion"):
+        return 1, 0
+    if optimizer == "muon":
+        hidden = (len(shape) == 2 and not any(s in name for s in _MUON_SKIPS)) or not name
+        return (1, 0) if hidden else (2, 0)
+    if optimizer == "adafactor":
+        if not name:  # a bare count: the statistics of a square matrix of that many values
+            return 0, 2 * math.isqrt(math.prod(shape))
+        if len(shape) < 2:
+            return 1, 0
+        return 0, math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
+    return 2, 0
+
+
+def state_bytes(model: Model, bits: int | None, block_size: int, min_size: int, sharded: bool,
+                optimizer: str = "adamw") -> int:
+    """The optimizer's state of every parameter, its moments at ``bits`` (None: fp32): tensors below ``min_size``
+    elements keep fp32 state (``checkpoint.is_quantizable``, the rule convert and the optimizer apply);
+    ``sharded`` (FSDP2, ZeRO over DTensors) so do 1-D tensors, whose one row is split across ranks
+    (``dtensor.shardable``). Factored statistics stay fp32."""
     total = 0
-    for shape, times in model.shape_counts():  # a decoder layer's shapes once, times the layer count
+    for name, shape, times in model.named_shape_counts():  # a decoder layer's shapes once, times the layers
         n = math.prod(shape)
+        moments, factored = tensor_states(optimizer, name, tuple(shape))
         meta = torch.empty(shape, device="meta")
-        quantized = checkpoint.is_quantizable(meta, min_size) and (not sharded or len(shape) >= 2)
-        total += times * (2 * moment_bytes(tuple(shape), bits, block_size) if quantized else FP32_MOMENTS * n)
+        quantized = bits and checkpoint.is_quantizable(meta, min_size) and (not sharded or len(shape) >= 2)
+        one = moment_bytes(tuple(shape), bits, block_size) if quantized else 4 * n
+        total += times * (moments * one + 4 * factored)
     return total
 
 
@@ -65,9 +93,12 @@ class Setup:
     attention: str = "sdpa"
     block_size: int = policy.DEFAULT_BLOCK_SIZE
     min_size: int = policy.DEFAULT_MIN_SIZE
+    optimizer: str = "adamw"  # one of OPTIMIZERS: whose state is counted
 
     def check(self) -> None:
         """UsageError naming the first bad value."""
+        if not isinstance(self.optimizer, str) or self.optimizer not in OPTIMIZERS:
+            raise UsageError(f"optimizer {self.optimizer!r:.40} must be one of {', '.join(OPTIMIZERS)}")
         for name, (low, high) in _BOUNDS.items():
             if not (name == "seq_len" and self.seq_len is None):
                 _check_count(name, getattr(self, name), low, high)
@@ -120,11 +151,17 @@ def _shard(nbytes: int, setup: Setup, from_stage: int) -> int:
 
 
 def _optimizer_states(model: Model, setup: Setup) -> dict:
+    """{"<optimizer>_fp32", "ckptq_8bit", "ckptq_4bit"}: the optimizer's state per device before sharding."""
     # a bare parameter count has no shapes: counted as tensors of whole rows, as real models' matrices are
     sharded = setup.world_size > 1 and setup.zero_stage >= 1 and model.tensors is not None
-    return {"adamw_fp32": FP32_MOMENTS * model.count,
-            "ckptq_8bit": state_bytes(model, 8, setup.block_size, setup.min_size, sharded),
-            "ckptq_4bit": state_bytes(model, FOUR_BIT["bits"], FOUR_BIT["block_size"], setup.min_size, sharded)}
+    opt = setup.optimizer
+    return {f"{opt}_fp32": state_bytes(model, None, setup.block_size, setup.min_size, sharded, opt),
+            "ckptq_8bit": state_bytes(model, 8, setup.block_size, setup.min_size, sharded, opt),
+            "ckptq_4bit": state_bytes(model, FOUR_BIT["bits"], FOUR_BIT["block_size"], setup.min_size, sharded, opt)}
+
+
+def _optimizer_states_keys(setup: Setup) -> tuple[str, str, str]:
+    return f"{setup.optimizer}_fp32", "ckptq_8bit", "ckptq_4bit"
 
 
 def _gathered(model: Model, setup: Setup, p: int) -> int:
@@ -140,10 +177,11 @@ def _gathered(model: Model, setup: Setup, p: int) -> int:
 
 def _disk(model: Model, setup: Setup) -> dict:
     """A checkpoint of fp32 weights and the optimizer state as written (not sharded: all ranks together)."""
-    weights = 4 * model.count
-    eight = state_bytes(model, 8, setup.block_size, setup.min_size, False)
-    four = state_bytes(model, FOUR_BIT["bits"], FOUR_BIT["block_size"], setup.min_size, False)
-    return {"fp32": weights + FP32_MOMENTS * model.count, "ckptq_8bit": weights + eight,
+    weights, opt = 4 * model.count, setup.optimizer
+    eight = state_bytes(model, 8, setup.block_size, setup.min_size, False, opt)
+    four = state_bytes(model, FOUR_BIT["bits"], FOUR_BIT["block_size"], setup.min_size, False, opt)
+    fp32 = state_bytes(model, None, setup.block_size, setup.min_size, False, opt)
+    return {"fp32": weights + fp32, "ckptq_8bit": weights + eight,
             "ckptq_8bit_compressed": int(weights / COMPRESS_GAIN["weights"] + eight / COMPRESS_GAIN["moments"]),
             "ckptq_4bit": weights + four}
 
@@ -164,7 +202,7 @@ def _totals(rows: dict, optimizer: int) -> dict:
 
 def estimate(spec: str, setup: Setup | None = None) -> Estimate:
     """Memory per device and checkpoint size for full fine-tuning of ``spec`` (a ``config.json``, a folder
-    holding one, or a parameter count like ``7B``) with AdamW, in the given setup."""
+    holding one, or a parameter count like ``7B``) with the setup's optimizer (AdamW by default)."""
     setup = setup or Setup()
     setup.check()
     model = load_model(spec)
@@ -187,6 +225,6 @@ def estimate(spec: str, setup: Setup | None = None) -> Estimate:
         rows |= {"activations": None, "activations_checkpointed": None, "loss_backward": None}
         notes.append("activations (and under ZeRO-3 the weights gathered for compute) need the architecture: "
                      "give a config.json instead of a parameter count")
-    totals = {opt: _totals(rows, rows[f"optimizer_{opt}"]) for opt in ("adamw_fp32", "ckptq_8bit", "ckptq_4bit")}
+    totals = {opt: _totals(rows, rows[f"optimizer_{opt}"]) for opt in _optimizer_states_keys(setup)}
     arch = asdict(model.arch) if model.arch else None
     return Estimate(model.source, model.count, arch, asdict(setup), rows, totals, _disk(model, setup), notes)

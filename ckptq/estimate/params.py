@@ -81,7 +81,12 @@ class Layered:
         yield from self.after
 
     def shape_counts(self) -> list[tuple[tuple[int, ...], int]]:
-        return [(s, 1) for _, s in self.before] + [(s, self.repeat) for _, s in self.layer] + [(s, 1) for _, s in self.after]
+        return [(s, times) for _, s, times in self.named_shape_counts()]
+
+    def named_shape_counts(self) -> list[tuple[str, tuple[int, ...], int]]:
+        """(name, shape, how many tensors): the layers' tensors once, named within a layer, times the layers."""
+        return [(n, s, 1) for n, s in self.before] + [(n, s, self.repeat) for n, s in self.layer] + \
+            [(n, s, 1) for n, s in self.after]
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,14 @@ class Model:
         if isinstance(self.tensors, Layered):
             return self.tensors.shape_counts()
         return [(s, 1) for _, s in self.tensors]
+
+    def named_shape_counts(self) -> list[tuple[str, tuple[int, ...], int]]:
+        """As ``shape_counts``, with the tensors' names ("" for a bare count)."""
+        if not self.tensors:
+            return [("", (self.count,), 1)]
+        if isinstance(self.tensors, Layered):
+            return self.tensors.named_shape_counts()
+        return [(n, s, 1) for n, s in self.tensors]
 
     def layer_tensors(self, layer: int) -> list[tuple[str, tuple[int, ...]]]:
         return [(f"{self.tensors.prefix}{layer}.{name}", shape) for name, shape in self.tensors.layer]

@@ -200,6 +200,7 @@ class TorchFile(_OneFile):
             r.kind, r.notes = "ckptq signpost (no optimizer state)", [obj[signpost.SIGNPOST_KEY]]
             return r
         signpost.unwrap(obj)
+        plan.recognise_all(obj, opts.key)  # what cannot be read (heavyball's nested state) is said first
         held = _count_qstates(obj, r)
         for s in tree.flatten(obj)[1]:  # the tensors as stored (shared storage once), by their state key
             if s.role in ("exact", "codebook"):
@@ -210,6 +211,8 @@ class TorchFile(_OneFile):
         marked = tree.mark(obj, opts.key, opts.block_size, opts.min_size, opts.bits)
         r.details["optimizers"] = ", ".join("/".join(map(str, f.path)) or "<root>" for f in marked.optimizers) or \
             "no optimizer state dict found"
+        if marked.optimizers:
+            r.details["recognised"] = "; ".join(marked.recognised())
         _describe_plan(r, obj, held, foreign_params, marked, opts)
         return r
 
@@ -255,7 +258,7 @@ def _describe_plan(r: InfoReport, obj: Any, held: int, foreign_params: int, mark
     r.warnings += marked.warnings()
     if foreign_params:
         r.notes.append(f"{foreign_params} parameters hold bitsandbytes/torchao 8-bit state: convert re-encodes it as "
-                       "ckptq's, expand turns it into torch AdamW's fp32 state")
+                       "ckptq's, expand turns it into its torch counterpart's fp32 state (AdamW's, SGD's, Lion's, ...)")
     if held:
         r.notes.append(f"holds {held} ckptq low-bit states (saved from AdamW8bit/AdamW4bit or a ckptq integration): "
                        "`ckptq expand` turns them into fp32 state; AdamW8bit.load_state_dict and ckptq.load read "
