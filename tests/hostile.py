@@ -553,12 +553,22 @@ def _dcp_damage(kind: str, trial: str, rng: random.Random, marker: str, quantize
     return f"lr = {type(lr).__name__}"
 
 
+class Shadowed:
+    """Pickles as an OrderedDict holding ``items`` (real entries, written by SETITEMS) with instance state
+    ``state`` (written by BUILD afterwards): what a crafted file holds. Setting the attribute on a real
+    OrderedDict would not do: pickling it calls the shadowed ``items`` itself."""
+
+    def __init__(self, items, state):
+        self.items_, self.state = list(items), state
+
+    def __reduce_ex__(self, protocol):
+        return (collections.OrderedDict, (), self.state, None, iter(self.items_))
+
+
 def _shadowed_metadata(folder: str, rng: random.Random) -> str:
     """Stored items pointed outside the folder, behind state that hides them from a check that iterates:
     a container pickled as an OrderedDict whose instance state shadows one of its methods, or a metadata
     object carrying attributes beyond its fields (issue #27, item 1)."""
-    import collections
-
     target = rng.choice(["../victim/__0_0.distcp", "/etc/passwd", "__0_0.distcp"])
     where = []
 
@@ -568,9 +578,8 @@ def _shadowed_metadata(folder: str, rng: random.Random) -> str:
         if rng.random() < 0.6:
             field = rng.choice(["storage_data", "state_dict_metadata", "planner_data"])
             name = rng.choice(["items", "keys", "values", "get", "__iter__", "__len__", "__contains__", "_metadata"])
-            od = collections.OrderedDict(getattr(md, field) or {})
-            od.__dict__[name] = rng.choice([set, list, dict, frozenset, 0, "x"])
-            setattr(md, field, od)
+            setattr(md, field, Shadowed((getattr(md, field) or {}).items(),
+                                        {name: rng.choice([set, list, dict, frozenset, 0, "x"])}))
             where.append(f"{field} shadowing {name}")
         else:
             holders = [md, *md.storage_data, *md.storage_data.values()]

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import ckptq  # noqa: E402
-from hostile import trial_outcome  # noqa: E402
+from hostile import Shadowed, trial_outcome  # noqa: E402
 
 TORCH_KINDS = ("records", "shadow", "views")
 _OVERHEAD = 256 << 10  # a converted or expanded file's own bytes beyond its tensors' (skeleton, codebooks)
@@ -113,16 +113,6 @@ def _record_edit(path: str, rng: random.Random, how: str | None = None) -> str:
     return f"{target}: {how}"
 
 
-class _Shadowed:
-    """Pickles as an OrderedDict holding ``items``, with instance state ``state`` (what BUILD writes)."""
-
-    def __init__(self, items, state):
-        self.items_, self.state = items, state
-
-    def __reduce_ex__(self, protocol):
-        return (collections.OrderedDict, (), self.state, None, iter(self.items_))
-
-
 _METHODS = ["items", "keys", "values", "get", "__iter__", "__len__", "copy", "pop", "setdefault", "update"]
 _TENSOR_METHODS = ["numel", "element_size", "view", "detach", "contiguous", "reshape", "float",
                    "cpu", "to", "dim", "is_contiguous"]  # methods torch.save itself does not call
@@ -133,7 +123,7 @@ def _shadow(obj: dict, rng: random.Random) -> str:
     if rng.random() < 0.5:
         where = rng.choice(["model", "optimizer"])
         name = rng.choice(_METHODS)
-        obj[where] = _Shadowed(list(obj[where].items()), {name: rng.choice([set, list, dict, 0, "x"]),
+        obj[where] = Shadowed(list(obj[where].items()), {name: rng.choice([set, list, dict, 0, "x"]),
                                                           "_metadata": collections.OrderedDict()})
         return f"{where} pickled as an OrderedDict shadowing {name}"
     key = rng.choice(sorted(obj["model"]))

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 import ckptq.dcp
 from ckptq.cli import main
 from ckptq.errors import InputError
-from hostile import DCP_KINDS, Runs, dcp_folder, edit_metadata, nested
+from hostile import DCP_KINDS, Runs, Shadowed, dcp_folder, edit_metadata, nested
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -92,14 +92,11 @@ def test_metadata_globals_are_matched_by_exact_name(tmp_path):
 def _hide_behind(where: str, name: str, target: str):
     """Point every stored item at ``target`` and pickle ``where`` (a Metadata field) as an OrderedDict whose
     instance state shadows ``name``: a check iterating ``.items()`` saw nothing, torch read by key."""
-    import collections
-
     def edit(md):
         for info in md.storage_data.values():
             info.relative_path = target
-        od = collections.OrderedDict(getattr(md, where) or {})
-        od.__dict__[name] = set  # BUILD writes it: od.items() is then set(), an empty iteration
-        setattr(md, where, od)
+        # the entries are real (SETITEMS), then BUILD writes items = set: od.items() is set(), an empty iteration
+        setattr(md, where, Shadowed((getattr(md, where) or {}).items(), {name: set}))
     return edit
 
 

@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from ckptq.cli import main
 from ckptq.format import torch_zip
-from hostile_torch import TORCH_KINDS, _record_edit, _Shadowed, clean_object
+from hostile import Shadowed
+from hostile_torch import TORCH_KINDS, _record_edit, clean_object
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -66,7 +67,7 @@ def test_a_state_dict_whose_pickled_state_hides_its_entries_is_refused(tmp_path)
     consumers saw the weights."""
     obj = clean_object()
     weights = list(obj["model"].items())
-    obj["model"] = _Shadowed(weights, {"items": set, "_metadata": obj["model"]._metadata})
+    obj["model"] = Shadowed(weights, {"items": set, "_metadata": obj["model"]._metadata})
     torch.save(obj, tmp_path / "ckpt.pt")
     assert len(dict.items(torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"])) == len(weights)
     for args in (["info", tmp_path / "ckpt.pt"], ["convert", tmp_path / "ckpt.pt"]):
