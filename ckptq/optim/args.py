@@ -8,8 +8,10 @@ torch's implementation flags and what they mean here:
   parameters together, one fused kernel call per group (the C kernel on the CPU, Triton on CUDA), and its
   small fp32 ones in one more call; there is no per-parameter path to choose instead.
 - ``fused`` (None/True/False): accepted, no effect, for the same reason: every step is fused.
-- ``capturable``: False accepted; True is refused (the step reads its step count on the host, so it
-  cannot be captured in a CUDA graph).
+- ``capturable`` (True/False): as torch's. True keeps each parameter's step count on its device and
+  computes the step's scalars there (``ckptq.optim.scalars``): nothing is read back to the host, and the
+  step can be captured in a CUDA graph. Accepted on the CPU too (torch refuses it there), with the same
+  results as False.
 - ``differentiable``: False accepted; True is refused (8-bit moments carry no autograd history).
 """
 
@@ -80,11 +82,6 @@ def check_flags(group: dict) -> None:
     for name in ("foreach", "fused"):
         if name in group and group[name] not in (None, True, False):
             raise ArgumentError(f"{name} must be None, True or False, got {group[name]!r}")
-    if group.get("capturable"):
-        raise ArgumentError(
-            "capturable=True is not supported: the 8-bit step reads its step count on the host and cannot "
-            "be captured in a CUDA graph; pass capturable=False"
-        )
     if group.get("differentiable"):
         raise ArgumentError(
             "differentiable=True is not supported: 8-bit moments carry no autograd history; "

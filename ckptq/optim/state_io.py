@@ -89,7 +89,7 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
     for key, value in moments.items():
         _check_shape(p, pid, key, value)
     step = step_value(pid, saved.get("step", 0))
-    out = {"step": torch.tensor(step, dtype=torch.float32)}
+    out = {"step": step_tensor(step, p, group)}
     rows_fit = not dtensor.is_dtensor(p) or dtensor.shardable(p)  # else this rank's part is no whole rows: fp32
     if rows_fit and _steppable(moments, getattr(opt, "bits", 8), dtensor.is_dtensor(p)):
         out.update({k: _copy_qstate(v, p) for k, v in moments.items()})
@@ -103,6 +103,26 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
     out.update(opt._quantize_moments(dense, group, step) if quantized and not unsafe
                else {k: v.clone() for k, v in dense.items()})
     return out
+
+
+def step_tensor(step: float, p: torch.Tensor, group: dict) -> torch.Tensor:
+    """A parameter's step count as the optimizer keeps it: 0-dim fp32, on the CPU (as torch's Adam), or on
+    the parameter's device when its group is capturable (as torch's capturable Adam)."""
+    return torch.tensor(step, dtype=torch.float32, device=p.device if group.get("capturable") else "cpu")
+
+
+def with_float_eps(state_dict: dict) -> dict:
+    """``state_dict`` with each qstate's eps' a float where a capturable step keeps a 0-dim tensor (the
+    parameters' state dicts concerned are copied; the optimizer's own state is left as it is)."""
+    state = state_dict.get("state")
+    for pid, pstate in list(state.items()) if isinstance(state, dict) else ():
+        if isinstance(pstate, dict) and any(_tensor_eps(v) for v in pstate.values()):
+            state[pid] = {k: {**v, "eps": float(v["eps"])} if _tensor_eps(v) else v for k, v in pstate.items()}
+    return state_dict
+
+
+def _tensor_eps(value) -> bool:
+    return qstate.is_qstate(value) and isinstance(value.get("eps"), torch.Tensor)
 
 
 def _real_view(value):
