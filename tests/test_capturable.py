@@ -23,10 +23,10 @@ from ckptq.optim import Adam8bit, AdamW4bit, AdamW8bit, adam, scalars
 CASES = [(AdamW8bit, {}), (AdamW4bit, {}), (Adam8bit, dict(amsgrad=True, maximize=True))]
 
 
-def _model(seed=0):
+def _model(seed=0, device="cpu"):
     """Two param groups (weight decay, lr), members of both in one kernel group; a small fp32 one."""
     gen = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((40, 65), (300,), (7,), (33, 8))]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in ((40, 65), (300,), (7,), (33, 8))]
     return params, [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0, "lr": 3e-3}]
 
 
@@ -38,7 +38,7 @@ def _run(cls, params, groups, steps, seed=1, start=0, opt=None, schedule=True, *
     for k in range(start, start + steps):
         gen = torch.Generator().manual_seed(1000 * seed + k)
         for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
+            p.grad = torch.randn(p.shape, generator=gen).to(p.device)
         opt.step()
         if lambdas is not None:
             lambdas.step()
@@ -174,7 +174,7 @@ def _plain_first_moments(opt, params):
 def test_steady_steps_read_nothing_back_to_the_host(backend, capturable, start):
     """Fresh state, or a loaded older state whose first step re-encodes exp_avg as a ratio (and changes
     the plan: it is rebuilt at the end of that step, not in the next)."""
-    params, groups = _model()
+    params, groups = _model(device="cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
     opt = AdamW4bit(groups, min_size=64, capturable=capturable, backend=backend)
     _run(AdamW4bit, params, groups, 1, opt=opt)
     if start != "fresh":

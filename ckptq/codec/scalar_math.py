@@ -63,6 +63,14 @@ class DeviceMath:
             return v.to(self.device, torch.float64)
         return torch.full((), v, dtype=torch.float64, device=self.device)
 
+    def upload(self, values: list[float]) -> torch.Tensor:
+        """float64 [len(values)] on the device, copied from pinned memory without waiting for the device
+        (torch's caching host allocator keeps the pinned block until the copy has run)."""
+        host = torch.tensor(values, dtype=torch.float64)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     def pow(self, a, b):
         if not any(isinstance(v, torch.Tensor) for v in (a, b)):
             return a**b

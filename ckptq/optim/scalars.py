@@ -118,7 +118,7 @@ class DeviceScalars:
             if len(set(values)) == 1:
                 return float(values[0])
             if self._uploaded.get(k, (None,))[0] != tuple(values):  # uploaded again only when changed
-                column = torch.tensor(values, dtype=torch.float64).to(self.math.device)
+                column = self.math.upload(values)
                 self._uploaded[k] = (tuple(values), torch.index_select(column, 0, self.gid))
             return self._uploaded[k][1]
         column = torch.stack([self.math.tensor(v).reshape(()) for v in values])
