@@ -30,7 +30,7 @@ import torch
 
 from . import args as optim_args, grouping
 from ..codec import dtensor, foreign, ops, qstate, sharded
-from ..errors import StateMismatchError, UsageError
+from ..errors import InputError, StateMismatchError, UsageError
 from .args import GROUP_FLAGS
 from .state_io import (MOMENT_KEYS, expand_on_load, import_state_dict, step_tensor, to_torch_state_dict,
                        with_float_eps)
@@ -234,13 +234,20 @@ class _Adam8bitBase(torch.optim.Optimizer):
 
 
 def _from_other_8bit_optimizers(state_dict):
-    """bitsandbytes' or torchao's 8-bit state decoded to torch's fp32 form (``ckptq.foreign``), in a copy."""
+    """bitsandbytes' or torchao's 8-bit state decoded to torch's fp32 form (``ckptq.foreign``), in a copy;
+    StateMismatchError naming the parameter where one is damaged."""
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
             or not any(foreign.kind(v) for v in state_dict["state"].values()):
         return state_dict
-    state_dict = {**state_dict, "state": dict(state_dict["state"])}
-    foreign.to_torch(state_dict)
-    return state_dict
+    state = dict(state_dict["state"])
+    for pid, pstate in state.items():
+        try:
+            converted = foreign.to_torch_state(pstate)
+        except InputError as e:
+            raise StateMismatchError(f"state of parameter {pid}: {e}") from None
+        if converted is not None:
+            state[pid] = converted
+    return {**state_dict, "state": state}
 
 
 class AdamW8bit(_Adam8bitBase):
