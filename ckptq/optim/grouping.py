@@ -6,7 +6,10 @@ not change: the optimizer rebuilds it after ``add_param_group``, ``load_state_di
 when the set of parameters with gradients, a group's flags or a gradient's dtype changes. Building
 validates every state once (``grouped.check_group``); a step then does, for all parameters at once:
 the step counts (one ``_foreach_add_``), the scalars of each (param group, step) pair, the stochastic
-rounding seeds, one call per kernel group, and eps' written back into each first moment's dict.
+rounding seeds, one call per kernel group, and eps' written back into each first moment's dict. The
+scalars and seeds are computed on the host from the step counts read back once per step, or, for param
+groups with ``capturable=True``, on the parameters' device from the step tensors there
+(``ckptq.optim.scalars``): the same formula (``adam.rule``), nothing read back.
 
 Kernel groups share device, param dtype, code widths, codebooks, block size and flags. Parameters with
 plain fp32 moments (below ``min_size``) form dense groups. What the kernels cannot take in place (a
