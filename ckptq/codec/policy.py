@@ -145,10 +145,6 @@ def budget_of(widths) -> int | None:
     return 4 if widths and 8 not in widths else None
 
 
-# The largest magnitude a stored optimizer value may have (sqrt(v), m, a ratio, a ratio's eps'): its square,
-# the second moment, stays finite in fp32. States beyond it are refused on load (``ckptq.optim.validate``).
-MAX_STORED = 2.0**63
-
 # eps' never below this: with eps = 0, an element whose v is 0 (its m is 0 too) would give r = 0/0 = NaN
 # and spoil its whole block's scale; a tiny positive eps' gives r = 0 and changes nothing else.
 MIN_RATIO_EPS = 1e-30

@@ -12,15 +12,16 @@ disagree, or failed only at ``ckptq expand``. What each field must be, and why:
 - ``bits``, ``block_size``: ints among the supported ones. A float passes ``in`` tests (256.0 == 256)
   and reaches the C kernels' ctypes arguments.
 - ``absmax``: float32 (the kernels read fp32 scales), finite, >= 0 (a block's largest magnitude), and
-  with the codebook decoding to at most ``MAX_STORED`` = 2**63 in magnitude: the second moment is the
-  square of its stored value, and a scale of 3e38 made it inf and the parameters NaN after one step.
+  within what the step decodes to finite values: a sqrt state's values at most sqrt(fp32 max) (the step
+  squares them: a scale of 3e38 made v inf and the parameters NaN after one step), a ratio's times its
+  divisor's (+ eps') at most fp32's max. Every state ckptq writes from finite moments is within both.
 - ``qmap``: float32, 2**bits entries, finite, strictly ascending: the kernels binary-search it, and with
   a NaN entry the C and PyTorch backends picked different codes.
 - ``dtype``: a floating-point dtype name; ``transform``: one ckptq decodes; ``shape``: non-negative ints.
-- ratio states: ``eps`` a finite number >= 0 (or the 0-dim tensor a capturable step keeps) and
-  ``divisor`` naming the sibling sqrt state it divides by.
-- fp32 moments (torch's): finite; first moments at most 2**63 in magnitude (an update m / (sqrt(v) + eps)
-  of more overflows fp32), second moments >= 0 (their sqrt) and at most 2**126 (sqrt(v) <= 2**63).
+- ratio states: ``eps`` a number >= 0, finite in fp32 (or the 0-dim tensor a capturable step keeps),
+  and ``divisor`` naming the sibling sqrt state it divides by.
+- fp32 moments (torch's): dense floating tensors. Their values are loaded as torch's AdamW would take
+  them (``state_io`` keeps moments that 8 bits would damage in fp32, and says so).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from ..errors import FormatError, StateMismatchError
 from ..format.dtypes import float_dtype_from_name
 
 
-MAX_STORED = policy.MAX_STORED
+FP32_MAX = float(torch.finfo(torch.float32).max)
+SQRT_MAX = FP32_MAX**0.5  # the largest sqrt state value whose square (the second moment) is finite in fp32
 
 
 def _refuse(pid, key: str, what: str) -> StateMismatchError:
@@ -97,38 +99,26 @@ def check_qstate_fields(pid, key: str, q: dict) -> None:
     _check_shape_field(pid, key, q.get("shape"))
     _check_absmax(pid, key, q.get("absmax"))
     _check_qmap(pid, key, q.get("qmap"), bits)
-    _check_range(pid, key, dtensor.local(q["absmax"]), q["qmap"])
+    if q["transform"] == "sqrt" and largest_value(q) > SQRT_MAX:
+        raise _refuse(pid, key, f"is malformed: absmax {float(dtensor.local(q['absmax']).max()):.3g} decodes values up to "
+                                f"{largest_value(q):.3g}, whose squares (the second moment) overflow fp32")
 
 
-def _check_range(pid, key: str, scales: torch.Tensor, qmap: torch.Tensor) -> None:
-    """Decoded values (qmap[code] * absmax) at most ``MAX_STORED`` in magnitude."""
+def largest_value(q: dict) -> float:
+    """The largest magnitude a qstate's codes can decode to (before its transform): max absmax * max |qmap|
+    (0 for a meta or empty state)."""
+    scales, qmap = dtensor.local(q["absmax"]), q["qmap"]
     if scales.is_meta or qmap.is_meta or not scales.numel():
-        return
-    largest = float(scales.max()) * float(qmap.abs().max())
-    if largest > MAX_STORED:
-        raise _refuse(pid, key, f"is malformed: absmax {float(scales.max()):.3g} decodes values up to {largest:.3g}, beyond "
-                                "2**63, whose squares overflow fp32")
+        return 0.0
+    return float(scales.max()) * float(qmap.abs().max())
 
 
 def _check_dense(pid, key: str, value: torch.Tensor) -> None:
-    """A moment torch's way: a dense floating tensor of finite values in the range the step can take."""
+    """A moment torch's way: a dense floating tensor."""
     if value.layout != torch.strided:
         raise _refuse(pid, key, f"is a {value.layout} tensor, where Adam's moments are dense (save it with .to_dense())")
     if not (value.is_floating_point() or value.is_complex()):
         raise _refuse(pid, key, f"is a {value.dtype} tensor, where Adam's moments are floating point")
-    local = dtensor.local(value)
-    if local.is_meta or not local.numel():
-        return
-    local = torch.view_as_real(local) if local.is_complex() else local
-    if not torch.isfinite(local).all():
-        raise _refuse(pid, key, f"holds {int((~torch.isfinite(local)).sum())} NaN or infinite values")
-    if key in policy.SECOND_MOMENTS and (local < 0).any():
-        raise _refuse(pid, key, f"holds negative values (min {float(local.min()):.3g}), where a second moment is a mean "
-                                "of squares")
-    limit = MAX_STORED**2 if key in policy.SECOND_MOMENTS else MAX_STORED
-    if float(local.abs().max()) > limit:
-        raise _refuse(pid, key, f"holds values up to {float(local.abs().max()):.3g}, beyond {limit:.3g}: the step would "
-                                "overflow fp32")
 
 
 def _check_shape_field(pid, key: str, shape) -> None:
@@ -169,10 +159,13 @@ def _check_ratio(pid, key: str, q: dict, siblings: dict) -> None:
         eps = float(eps)  # a capturable step's eps' (the state dict exports a float)
     if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not 0 <= eps < math.inf:
         raise _refuse(pid, key, f"is malformed: ratio eps {eps!r:.40} is not a finite number >= 0")
-    if eps > MAX_STORED:
-        raise _refuse(pid, key, f"is malformed: ratio eps {float(eps):.3g} is beyond 2**63 (eps' is at most the "
-                                "optimizer's eps)")
+    if eps > FP32_MAX:
+        raise _refuse(pid, key, f"is malformed: ratio eps {float(eps):.3g} is beyond fp32, which the kernels take it in")
     divisor = siblings.get(q.get("divisor")) if isinstance(q.get("divisor"), str) else None
     if not qstate.is_qstate(divisor) or divisor.get("transform") != "sqrt":
         raise _refuse(pid, key, f"is malformed: divisor {q.get('divisor')!r:.40} names no sqrt-quantized state of this parameter "
                                 "(a ratio state is divided by its exp_avg_sq)")
+    first = largest_value(q) * (largest_value(divisor) + float(eps))  # m = r * (s + eps'), at most
+    if first > FP32_MAX:
+        raise _refuse(pid, key, f"is malformed: absmax {float(dtensor.local(q['absmax']).max()):.3g} with its divisor's "
+                                f"decodes first moments up to {first:.3g}, beyond fp32")
