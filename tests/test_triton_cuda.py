@@ -1,7 +1,9 @@
 """What only a GPU can check of the grouped Triton steps (tools/gpu_check.sh runs these; elsewhere they
 skip): a step captured in a CUDA graph, with hyper and seeds on the device and gradients allocated inside
 the capture, replays exactly as the eager step, bit for bit; and no step, the first included, ever waits
-for the device (torch's sync debug mode raises on any synchronizing call).
+for the device (torch's sync debug mode raises on any synchronizing call). The same for the optimizer:
+``AdamW8bit(capturable=True).step()`` captured and replayed equals its eager twin (and a capturable=False
+run), and its steady steps never wait for the device.
 """
 
 import pytest
@@ -131,3 +133,86 @@ def test_eager_steps_between_replays_read_their_own_gradients():
                                                                books, cache))
             graph.replay()
         _assert_equal(eager, graphed)
+
+
+def _cuda_grads(params, k):
+    gen = torch.Generator().manual_seed(k)
+    return [torch.randn(p.shape, generator=gen).cuda() for p in params]
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_a_captured_optimizer_step_replays_as_its_eager_twin(bits):
+    """AdamW8bit/4bit(capturable=True).step() captured once in a CUDA graph after two eager steps and
+    replayed with new gradients copied into the static ones: parameters and state (step counts, codes,
+    scales, eps') equal an eager twin's bit for bit at every replay, and the parameters equal a
+    capturable=False run's. A tensor lr on the device, changed in place between replays, takes effect."""
+    from ckptq.optim import AdamW8bit
+    from test_capturable import _assert_same_state_dicts, _model
+
+    runs = []
+    for capturable in (True, True, False):  # the graphed one, its eager twin, a host-scalar run
+        params, groups = _model(device="cuda")
+        for g in groups:
+            g["lr"] = torch.tensor(g.get("lr", 1e-3), device="cuda")
+        opt = AdamW8bit(groups, min_size=64, capturable=capturable, bits=bits)
+        for p in params:
+            p.grad = torch.zeros_like(p)  # static gradients, refilled in place
+        runs.append((params, opt))
+
+    def fill(k):
+        for params, _ in runs:
+            for p, g in zip(params, _cuda_grads(params, k)):
+                p.grad.copy_(g)
+
+    for k in range(2):
+        fill(k)
+        for _, opt in runs:
+            opt.step()
+    (graphed, opt), (twin, twin_opt), (host, host_opt) = runs
+    fill(2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for k in range(2, 6):
+        fill(k)
+        if k == 4:
+            for _, o in runs:
+                for g in o.param_groups:
+                    g["lr"].fill_(5e-4)
+        graph.replay()
+        twin_opt.step()
+        host_opt.step()
+        for a, b, c in zip(graphed, twin, host):
+            _assert_same(a, b)
+            _assert_same(a, c)
+        _assert_same_state_dicts(opt.state_dict(), twin_opt.state_dict())
+    assert float(opt.state[graphed[0]]["step"]) == 6.0
+
+
+def test_capturable_optimizer_steps_do_not_wait_for_the_device():
+    """Steps 2..4 of AdamW4bit(capturable=True) under torch's sync debug mode (any synchronizing call
+    raises): two param groups whose float lrs a scheduler changes at every step (uploaded from pinned
+    memory), new gradient tensors at every step."""
+    from ckptq.optim import AdamW4bit
+    from test_capturable import _model
+
+    params, groups = _model(device="cuda")
+    opt = AdamW4bit(groups, min_size=64, capturable=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    grads = [_cuda_grads(params, k) for k in range(4)]
+    for p, g in zip(params, grads[0]):
+        p.grad = g
+    opt.step()
+    schedule.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for k in (1, 2, 3):
+            for p, g in zip(params, grads[k]):
+                p.grad = g
+            opt.step()
+            schedule.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert float(opt.state[params[0]]["step"]) == 4.0

@@ -14,6 +14,10 @@ Layouts (no weights needed, only shapes):
   llama-1b     Llama-3.2-1B: 146 tensors, 1.24 G parameters (needs ~10 GB per optimizer: GPU)
   flat4        16.8 M parameters in 4 tensors (the old default)
 
+Optimizers (``--only``): torch-fused, torch-foreach, bnb, torchao, torchao4, ckptq (AdamW8bit), ckptq4
+(AdamW4bit), ckptq-torch (the PyTorch reference backend), ckptq-cap (AdamW8bit capturable=True, eager);
+on CUDA also ckptq-graph and torch-graph: a capturable step captured once in a CUDA graph and replayed.
+
     python tools/bench_optim.py --layout d256x48 --rounds 9 --threads 2
     python tools/bench_optim.py --layout gpt2-124m --gpu --rounds 20       # a CUDA machine
 
@@ -35,7 +39,8 @@ from typing import Callable
 
 import torch
 
-OPTIMIZERS = ("torch-fused", "torch-foreach", "bnb", "torchao", "ckptq", "ckptq4", "torchao4", "ckptq-torch")
+OPTIMIZERS = ("torch-fused", "torch-foreach", "bnb", "torchao", "ckptq", "ckptq4", "torchao4", "ckptq-torch",
+              "ckptq-cap", "ckptq-graph", "torch-graph")
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 
 
@@ -69,8 +74,30 @@ def layout_shapes(name: str) -> list[tuple]:
     raise SystemExit(f"unknown layout {name!r}")
 
 
-def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+class GraphedStep:
+    """An optimizer whose ``step()`` replays one CUDA-graph capture of its ``step()``, captured at the third
+    call (after two eager steps, which build ckptq's plan and tables); ``state`` is the optimizer's."""
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.opt, self.calls, self.graph = opt, 0, None
+        self.state = opt.state
+
+    def step(self) -> None:
+        self.calls += 1
+        if self.graph is None and self.calls < 3:
+            self.opt.step()
+            return
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.opt.step()
+        self.graph.replay()
+
+
+def make_optimizer(name: str, params: list[torch.Tensor]):
     """One optimizer under the same hyperparameters; imports each library only when asked for."""
+    if name == "torch-graph":
+        return GraphedStep(torch.optim.AdamW(params, fused=True, capturable=True, **HYPER))
     if name == "torch-foreach":
         return torch.optim.AdamW(params, foreach=True, **HYPER)
     if name == "torch-fused":
@@ -87,6 +114,9 @@ def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimiz
 
     if name == "ckptq4":
         return AdamW4bit(params, **HYPER)
+    if name in ("ckptq-cap", "ckptq-graph"):
+        opt = AdamW8bit(params, **HYPER, capturable=True)
+        return GraphedStep(opt) if name == "ckptq-graph" else opt
     return AdamW8bit(params, **HYPER, backend="torch" if name == "ckptq-torch" else "auto")
 
 
@@ -95,7 +125,8 @@ def label(name: str, gpu: bool) -> str:
     return {"torch-foreach": "torch AdamW foreach", "torch-fused": "torch AdamW fused",
             "bnb": "bitsandbytes AdamW8bit", "torchao": "torchao AdamW8bit", "torchao4": "torchao AdamW4bit",
             "ckptq": f"ckptq AdamW8bit ({kernel})", "ckptq4": f"ckptq AdamW4bit ({kernel})",
-            "ckptq-torch": "ckptq AdamW8bit (PyTorch reference)"}[name]
+            "ckptq-torch": "ckptq AdamW8bit (PyTorch reference)", "ckptq-cap": f"ckptq AdamW8bit capturable ({kernel})",
+            "ckptq-graph": "ckptq AdamW8bit capturable, CUDA graph", "torch-graph": "torch AdamW fused capturable, CUDA graph"}[name]
 
 
 def _storages(obj, seen: dict[int, int]) -> None:
@@ -216,6 +247,8 @@ def main() -> None:
     unknown = sorted(set(names) - set(OPTIMIZERS))
     if unknown:
         parser.error(f"unknown optimizers {unknown}; choose from {', '.join(OPTIMIZERS)}")
+    if not args.gpu and {"ckptq-graph", "torch-graph"} & set(names):
+        parser.error("ckptq-graph and torch-graph capture CUDA graphs: pass --gpu")
     shapes = layout_shapes(args.layout)
     weights, grads = make_params(shapes, "cuda" if args.gpu else "cpu", args.seed)
     numel = sum(w.numel() for w in weights)

@@ -48,20 +48,37 @@ def is_torchao(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and type(t).__module__.startswith("torchao") and hasattr(t, "dequantize")
 
 
+def _dense(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta
+
+
 def _bnb_moment(q: dict, i: int, numel: int) -> torch.Tensor:
     codes = q.get(f"state{i}")
-    if not isinstance(codes, torch.Tensor):
-        raise InputError(f"bitsandbytes state has no state{i} tensor; the state dict is damaged")
+    if not _dense(codes) or codes.numel() != numel:
+        got = f"a {codes.layout} tensor of {codes.numel()}" if isinstance(codes, torch.Tensor) else type(codes).__name__
+        raise InputError(f"bitsandbytes state{i} is not a dense tensor of {max(numel, 1)} values as state1 (got {got}); "
+                         "the state dict is damaged")
     if codes.dtype != torch.uint8:
-        return codes.float()
+        return _checked(codes.float(), i)
     qmap, absmax = q.get(f"qmap{i}"), q.get(f"absmax{i}", q.get(f"max{i}"))
-    if not isinstance(qmap, torch.Tensor) or qmap.numel() != 256 or not isinstance(absmax, torch.Tensor) \
-            or absmax.numel() < 1:
-        raise InputError(f"bitsandbytes 8-bit state{i} lacks its qmap{i}/absmax{i}; the state dict is damaged")
+    if not _dense(qmap) or qmap.numel() != 256 or not _dense(absmax) or absmax.numel() < 1:
+        raise InputError(f"bitsandbytes 8-bit state{i} lacks its qmap{i}/absmax{i} (dense, 256 entries and one scale "
+                         "per block); the state dict is damaged")
     block = _block_size(numel, absmax.numel(), i)
     flat = codes.reshape(-1).long()
     scale = absmax.float().reshape(-1).repeat_interleave(block)[: flat.numel()]
-    return qmap.float()[flat] * scale
+    return _checked(qmap.float()[flat] * scale, i)
+
+
+def _checked(values: torch.Tensor, i: int) -> torch.Tensor:
+    """A moment decoded from bitsandbytes' state{i} (qmap{i}[code] * absmax{i} at 8 bits): finite, and a
+    second moment (i = 2) >= 0, as its codebook and scales make it; else InputError naming them."""
+    what = f"bitsandbytes state{i} decodes (qmap{i}[code] * absmax{i}) to"
+    if not torch.isfinite(values).all():
+        raise InputError(f"{what} NaN or infinite values; the state dict is damaged")
+    if i == 2 and (values < 0).any():
+        raise InputError(f"{what} negative values, where state2 is a second moment; the state dict is damaged")
+    return values
 
 
 def _block_size(numel: int, n_blocks: int, i: int) -> int:
@@ -73,6 +90,14 @@ def _block_size(numel: int, n_blocks: int, i: int) -> int:
         if -(-numel // b) == n_blocks:
             return b
     raise InputError(f"bitsandbytes state{i}: {n_blocks} scales for {numel} values fit no block size; it is damaged")
+
+
+def _bnb_step(step) -> torch.Tensor:
+    try:
+        return torch.tensor(float(step.item() if isinstance(step, torch.Tensor) else step), dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise InputError(f"bitsandbytes state has step {type(step).__name__} {str(step)[:40]!r}, not a number; the state "
+                         "dict is damaged") from None
 
 
 def _one_state(group: dict) -> tuple[str, dict]:
@@ -96,11 +121,10 @@ def _from_bnb(pstate: dict, group: dict) -> dict:
     """One parameter's bitsandbytes state in its torch counterpart's form; ``group`` (its param group) gets
     the entries that counterpart needs, where it lacks them."""
     q = pstate[BNB_NESTED] if isinstance(pstate.get(BNB_NESTED), dict) else pstate
-    numel = q["state1"].numel() if isinstance(q.get("state1"), torch.Tensor) else 0
-    step = pstate.get("step", 0)
+    numel = q["state1"].numel() if _dense(q.get("state1")) else -1
     out = {k: v for k, v in pstate.items() if k != BNB_NESTED and k not in _BNB_KEYS}
-    out["step"] = torch.tensor(float(step.item() if isinstance(step, torch.Tensor) else step), dtype=torch.float32)
-    if "state2" not in q and isinstance(q.get("state1"), torch.Tensor):
+    out["step"] = _bnb_step(pstate.get("step", 0))
+    if "state2" not in q and _dense(q.get("state1")):
         key, entries = _one_state(group)
         for name, value in entries.items():
             group.setdefault(name, value)
@@ -118,19 +142,29 @@ def _from_torchao(pstate: dict) -> dict:
     return out
 
 
+def to_torch_state(pstate: Any, group: dict | None = None) -> dict | None:
+    """One parameter's bitsandbytes/torchao state in its torch counterpart's fp32 form (Adam's ``step``,
+    ``exp_avg``, ``exp_avg_sq``; a one-state optimizer's key, with the entries its counterpart needs added
+    to ``group``), or None if it is neither's. InputError if it is damaged."""
+    k = kind(pstate)
+    if k is None:
+        return None
+    return _from_bnb(pstate, {} if group is None else group) if k == "bitsandbytes" else _from_torchao(pstate)
+
+
 def to_torch(obj: Any) -> int:
     """Rewrite, in place, every bitsandbytes/torchao per-parameter state inside ``obj``'s optimizer state
-    dicts into its torch counterpart's fp32 form (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``; a one-state
-    optimizer's ``_one_state``). Returns how many."""
+    dicts into its torch counterpart's fp32 form (``to_torch_state``: Adam's ``step``, ``exp_avg``, ``exp_avg_sq``;
+    a one-state optimizer's ``_one_state``). Returns how many."""
     n = 0
     for found in checkpoint.find_optimizers(obj):
         state = found.state_dict["state"]
         groups = {pid: g for g in found.state_dict["param_groups"] if isinstance(g, dict)
                   for pid in (g.get("params") if isinstance(g.get("params"), (list, tuple)) else ())}
         for pid, pstate in list(state.items()):
-            k = kind(pstate)
-            if k is not None:
-                state[pid] = _from_bnb(pstate, groups.get(pid, {})) if k == "bitsandbytes" else _from_torchao(pstate)
+            converted = to_torch_state(pstate, groups.get(pid, {}))
+            if converted is not None:
+                state[pid] = converted
                 n += 1
     return n
 

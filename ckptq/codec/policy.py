@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UsageError
-from . import codebooks, roles
+from . import codebooks, roles, scalar_math
 from .defaults import (BLOCK_SIZES, BUDGETS, DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZES, DEFAULT_MIN_SIZE,  # noqa: F401
                        LAYOUTS, MOMENT_KEYS, RATIO_PAIRS, RATIO_TRANSFORM, SECOND_MOMENTS, TRANSFORMS)
 
@@ -178,8 +178,14 @@ MIN_RATIO_EPS = 1e-30
 
 def ratio_eps(eps: float, beta2: float, step: float) -> float:
     """eps' that makes v's quantization error cancel out of the update at ``step`` (see above)."""
-    value = float(eps) * (1.0 - float(beta2) ** float(step)) ** 0.5 if step > 0 else float(eps)
-    return max(value, MIN_RATIO_EPS)
+    return ratio_eps_of(scalar_math.HOST, float(eps), float(beta2), float(step))
+
+
+def ratio_eps_of(x, eps, beta2, step):
+    """``ratio_eps`` in the math namespace ``x`` (``ckptq.codec.scalar_math``): floats on the host, float64
+    tensors of steps on the device (``capturable=True``), the same bits on the CPU."""
+    value = x.where(step > 0, eps * x.sqrt(1.0 - x.pow(beta2, step)), eps)
+    return x.maximum(value, MIN_RATIO_EPS)
 
 
 def ratio_eps_for(group: dict, step) -> float:

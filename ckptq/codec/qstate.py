@@ -20,7 +20,9 @@ d1 * d2 * ... elements (a 1-D tensor is one row): codes are uint8 [d0, code_byte
 parameter (FSDP2) and reshards to any world size bit for bit. The flat layout of older files is one row
 of all elements: codes [code_bytes(numel, bits)], absmax [ceil(numel / block_size)].
 
-plus, for ``transform == "ratio"``: ``"eps": float`` and ``"divisor": "exp_avg_sq"`` (a sibling key).
+plus, for ``transform == "ratio"``: ``"eps": float`` and ``"divisor": "exp_avg_sq"`` (a sibling key). In the
+state of a capturable optimizer ``eps`` is a 0-dim float64 tensor on the device (its ``state_dict()``
+exports the float).
 In code it is a ``QState``; ``QState.from_dict`` validates a dict and ``to_dict`` writes one.
 
 Which codebook and transform a state gets is decided by its role (the state key): ``ckptq.codec.policy``.
@@ -73,7 +75,7 @@ class QState:
     layout: str = "flat"  # "rows" (format 3) or "flat" (formats 1 and 2)
 
     def __post_init__(self):
-        if self.is_ratio and (not isinstance(self.eps, (int, float)) or not isinstance(self.divisor, str)):
+        if self.is_ratio and (not _is_eps(self.eps) or not isinstance(self.divisor, str)):
             raise FormatError(f"ratio state has eps {self.eps!r} and divisor {self.divisor!r}; it is corrupt")
         if self.layout not in LAYOUTS:
             raise FormatError(f"quantized state has layout {str(self.layout)[:20]!r}; upgrade ckptq")
@@ -123,6 +125,13 @@ class QState:
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + 4 * self.absmax.numel()
+
+
+def _is_eps(eps) -> bool:
+    """A ratio's eps': a number, or the 0-dim float tensor a capturable optimizer step keeps on the device."""
+    if isinstance(eps, torch.Tensor):
+        return eps.dim() == 0 and eps.is_floating_point()
+    return isinstance(eps, (int, float))
 
 
 def row_len_of(shape, layout: str = "rows") -> int | None:

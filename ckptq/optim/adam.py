@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from ..codec import dtensor, ops, policy, qstate
+from ..codec import dtensor, ops, policy, qstate, scalar_math
 from ..errors import UsageError
 from ..codec.qstate import QState
+from ..kernels.contract import HYPER_FIELDS
+from . import scalars
 
 MOMENT_KEYS = policy.MOMENT_KEYS
 
@@ -21,12 +23,29 @@ MOMENT_KEYS = policy.MOMENT_KEYS
 def hyper_values(lr, beta1, beta2, eps, weight_decay, step, decoupled: bool) -> tuple:
     """The scalars of one step (``step`` counts from 1) in float64: the first 8 of
     ``ckptq.kernels.contract.HYPER_FIELDS``, which the kernels take rounded once to fp32."""
-    lr, step = float(lr), float(step)
+    return adam_fields(scalar_math.HOST, float(lr), beta1, beta2, eps, weight_decay, float(step), decoupled)
+
+
+def adam_fields(x, lr, beta1, beta2, eps, weight_decay, step, decoupled: bool) -> tuple:
+    """``hyper_values`` in the math namespace ``x`` (``ckptq.codec.scalar_math``): on floats (the host), or
+    on float64 tensors of step counts (the device, ``capturable=True``)."""
     decay = 1.0 - lr * weight_decay if decoupled else 1.0
-    l2 = 0.0 if decoupled else float(weight_decay)
-    bc1 = 1.0 - beta1**step
-    bc2_sqrt = (1.0 - beta2**step) ** 0.5
-    return (decay, l2, 1.0 - beta1, beta2, 1.0 - beta2, eps, -lr / bc1, bc2_sqrt)
+    l2 = 0.0 if decoupled else weight_decay
+    bc1 = 1.0 - x.pow(beta1, step)
+    bc2_sqrt = x.sqrt(1.0 - x.pow(beta2, step))
+    return (decay, l2, 1.0 - beta1, beta2, 1.0 - beta2, eps, x.div(-lr, bc1), bc2_sqrt)
+
+
+def rule(decoupled: bool) -> scalars.Rule:
+    """Adam(W)'s scalars for steps that compute them on the device (``ckptq.optim.scalars``): the fields of
+    ``hyper_values`` and the encode eps' (``policy.ratio_eps``) from each param group's values."""
+
+    def formula(x, lr, beta1, beta2, eps, weight_decay, step):
+        fields = adam_fields(x, lr, beta1, beta2, eps, weight_decay, step, decoupled)
+        return (*fields, policy.ratio_eps_of(x, eps, beta2, step))
+
+    return scalars.Rule(lambda g: (g["lr"], *g["betas"], g["eps"], g["weight_decay"]), formula,
+                        (*HYPER_FIELDS[:8], "encode_eps"))
 
 
 def hyper_tensor(lr, beta1, beta2, eps, weight_decay, step, decoupled: bool, device=None) -> torch.Tensor:

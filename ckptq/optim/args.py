@@ -8,8 +8,10 @@ torch's implementation flags and what they mean here:
   parameters together, one fused kernel call per group (the C kernel on the CPU, Triton on CUDA), and its
   small fp32 ones in one more call; there is no per-parameter path to choose instead.
 - ``fused`` (None/True/False): accepted, no effect, for the same reason: every step is fused.
-- ``capturable``: False accepted; True is refused (the step reads its step count on the host, so it
-  cannot be captured in a CUDA graph).
+- ``capturable`` (True/False): as torch's. True keeps each parameter's step count on its device and
+  computes the step's scalars there (``ckptq.optim.scalars``): nothing is read back to the host, and the
+  step can be captured in a CUDA graph. Accepted on the CPU too (torch refuses it there), with the same
+  results as False.
 - ``differentiable``: False accepted; True is refused (8-bit moments carry no autograd history).
 """
 
@@ -48,9 +50,14 @@ def _scalar(x, name: str):
 
 
 def check_hyper(lr, betas, eps, weight_decay) -> None:
-    """torch.optim.Adam(W)'s checks: lr, eps, weight_decay >= 0 and 0 <= beta < 1."""
-    if not 0.0 <= _scalar(lr, "lr"):
+    """torch.optim.Adam(W)'s checks: lr, eps, weight_decay >= 0 and 0 <= beta < 1; beyond torch's, every
+    value finite and the step's scalars finite in fp32 (torch accepts lr=inf and weight_decay=inf, and the
+    parameters are inf or NaN after one step)."""
+    lr_value = _scalar(lr, "lr")
+    if not 0.0 <= lr_value:
         raise ArgumentError(f"Invalid learning rate: {lr} (must be >= 0)")
+    if lr_value == math.inf:
+        raise ArgumentError("Invalid learning rate: inf (must be finite: one step would make every parameter inf or NaN)")
     eps_value = _scalar(eps, "eps")
     if not 0.0 <= eps_value:
         raise ArgumentError(f"Invalid epsilon value: {eps} (must be >= 0)")
@@ -68,8 +75,26 @@ def check_hyper(lr, betas, eps, weight_decay) -> None:
         name = f"betas[{i}]"
         if not 0.0 <= _scalar(beta, name) < 1.0:
             raise ArgumentError(f"Invalid beta parameter at index {i}: {beta} (must lie in [0, 1))")
-    if not 0.0 <= _scalar(weight_decay, "weight_decay"):
+    decay = _scalar(weight_decay, "weight_decay")
+    if not 0.0 <= decay:
         raise ArgumentError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
+    if decay == math.inf:
+        raise ArgumentError("Invalid weight_decay value: inf (must be finite: one step would make every parameter inf or "
+                            "NaN)")
+    _check_step_scalars(lr_value, _scalar(betas[0], "betas[0]"), decay)
+
+
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _check_step_scalars(lr: float, beta1: float, weight_decay: float) -> None:
+    """The step's largest scalars (``adam.hyper_values`` at step 1: lr * weight_decay in the decay, the step
+    size lr / (1 - beta1)) must be finite in fp32, which the kernels take them in."""
+    decay, step = lr * weight_decay, lr / (1.0 - beta1)
+    if decay > FP32_MAX or step > FP32_MAX:
+        raise ArgumentError(f"Invalid learning rate: {lr} with weight_decay {weight_decay} and betas[0] {beta1} overflows "
+                            f"fp32 in the step (lr * weight_decay = {decay:.3g}, lr / (1 - beta1) = {step:.3g}); use "
+                            "a smaller lr")
 
 
 def check_flags(group: dict) -> None:
@@ -80,11 +105,6 @@ def check_flags(group: dict) -> None:
     for name in ("foreach", "fused"):
         if name in group and group[name] not in (None, True, False):
             raise ArgumentError(f"{name} must be None, True or False, got {group[name]!r}")
-    if group.get("capturable"):
-        raise ArgumentError(
-            "capturable=True is not supported: the 8-bit step reads its step count on the host and cannot "
-            "be captured in a CUDA graph; pass capturable=False"
-        )
     if group.get("differentiable"):
         raise ArgumentError(
             "differentiable=True is not supported: 8-bit moments carry no autograd history; "

@@ -6,7 +6,10 @@ not change: the optimizer rebuilds it after ``add_param_group``, ``load_state_di
 when the set of parameters with gradients, a group's flags or a gradient's dtype changes. Building
 validates every state once (``grouped.check_group``); a step then does, for all parameters at once:
 the step counts (one ``_foreach_add_``), the scalars of each (param group, step) pair, the stochastic
-rounding seeds, one call per kernel group, and eps' written back into each first moment's dict.
+rounding seeds, one call per kernel group, and eps' written back into each first moment's dict. The
+scalars and seeds are computed on the host from the step counts read back once per step, or, for param
+groups with ``capturable=True``, on the parameters' device from the step tensors there
+(``ckptq.optim.scalars``): the same formula (``adam.rule``), nothing read back.
 
 Kernel groups share device, param dtype, code widths, codebooks, block size and flags. Parameters with
 plain fp32 moments (below ``min_size``) form dense groups. What the kernels cannot take in place (a
@@ -24,7 +27,7 @@ from ..codec import dtensor, grouped, policy
 from ..errors import UsageError
 from ..codec.qstate import QState
 from ..kernels import contract, memo
-from . import adam
+from . import adam, scalars
 
 
 @dataclass
@@ -73,32 +76,51 @@ class KernelGroup:
     seeded: bool  # stochastic rounding (code widths under 8 bits)
     kernel_members: tuple = ()
     cache: dict = field(default_factory=dict)
+    salt: torch.Tensor | None = None  # host steps: scalars.salt_hash of the members' indices (seeded groups)
+    device: scalars.DeviceScalars | None = None  # capturable steps: their scalars on the device
 
 
-def _quantized_key(m: Member, amsgrad: bool, maximize: bool) -> tuple:
+def _quantized_key(m: Member, amsgrad: bool, maximize: bool, capturable: bool) -> tuple:
     """What decides a member's kernel group (and validates its state: QState.from_dict raises)."""
     keys = policy.MOMENT_KEYS[: 3 if amsgrad else 2]
     qs = [QState.from_dict(dtensor.unplace(m.state[k])) for k in keys]
     encode = qs[0].qmap if qs[0].is_ratio else policy.ratio_policy(qs[0].bits).qmap()
     return (m.flat.device, m.flat.dtype, keys, tuple(q.bits for q in qs), qs[0].block_size, qs[0].is_ratio, maximize,
-            tuple(_codebook_key(q.qmap) for q in qs), _codebook_key(encode))
+            capturable, tuple(_codebook_key(q.qmap) for q in qs), _codebook_key(encode))
 
 
 def _kernel_group(members: list[Member], key: tuple) -> KernelGroup:
-    keys, bits, block_size, ratio, maximize = key[2], key[3], key[4], key[5], key[6]
+    device, keys, bits, block_size, ratio, maximize, capturable = key[0], *key[2:8]
     first = [QState.from_dict(dtensor.unplace(members[0].state[k])) for k in keys]
-    device = members[0].flat.device
     encode = first[0].qmap if ratio else policy.ratio_policy(bits[0]).qmap()
-    codebooks = []
-    for i, q in enumerate(first):
-        enc = (encode if i == 0 else q.qmap).to(device=device, dtype=torch.float32).contiguous()
-        codebooks.append(contract.StepCodebooks(q.qmap.to(device=device, dtype=torch.float32).contiguous(),
-                                                contract.midpoints(enc).contiguous(), enc))
-    kg = KernelGroup(members, keys, tuple(codebooks), bits, block_size, ratio, maximize, seeded=bits[0] < 8)
+    codebooks = tuple(_shared_codebooks(q.qmap, encode if i == 0 else q.qmap, device) for i, q in enumerate(first))
+    kg = KernelGroup(members, keys, codebooks, bits, block_size, ratio, maximize, seeded=bits[0] < 8)
     kg.kernel_members = tuple(_kernel_member(m, keys) for m in members)
     grouped.check_group(contract.StepGroup(kg.kernel_members, (), torch.empty(0, 10), None, kg.codebooks, bits,
                                            block_size, ratio, maximize, {}))
+    salts = [m.index for m in members] if kg.seeded else None
+    if capturable:
+        kg.device = scalars.DeviceScalars([m.state for m in members], [m.group for m in members], device, salts, ratio)
+    elif salts is not None:
+        kg.salt = scalars.salt_hash(salts, "cpu")
     return kg
+
+
+_SHARED: dict[tuple, contract.StepCodebooks] = {}  # codebooks by their values and device, across plans
+
+
+def _shared_codebooks(qmap: torch.Tensor, encode: torch.Tensor, device: torch.device) -> contract.StepCodebooks:
+    """One moment's codebooks (copies, fp32 on ``device``), the same tensors for the same values in every
+    plan: what the backends derive from them (code tables, search trees, step configs, by tensor) is then
+    computed once, not again at the first step after each rebuild (a first step's host reads)."""
+    key = (_codebook_key(qmap), _codebook_key(encode), device)
+    if key not in _SHARED:
+        if len(_SHARED) >= 64:
+            _SHARED.clear()
+        enc = encode.detach().to(device=device, dtype=torch.float32, copy=True).contiguous()
+        _SHARED[key] = contract.StepCodebooks(qmap.detach().to(device=device, dtype=torch.float32, copy=True)
+                                              .contiguous(), contract.midpoints(enc).contiguous(), enc)
+    return _SHARED[key]
 
 
 def _kernel_member(m: Member, keys: tuple) -> contract.GroupMember:
@@ -113,6 +135,14 @@ class DenseKernelGroup:
     moments: tuple
     maximize: bool
     cache: dict = field(default_factory=dict)
+    device: scalars.DeviceScalars | None = None  # capturable steps: their scalars on the device
+
+
+def _dense_group(members: list[Member], key: tuple) -> DenseKernelGroup:
+    device, _, moments, maximize, capturable = key
+    on_device = scalars.DeviceScalars([m.state for m in members], [m.group for m in members], device, None,
+                                      False) if capturable else None
+    return DenseKernelGroup(members, moments, maximize, device=on_device)
 
 
 class StepPlan:
@@ -122,89 +152,104 @@ class StepPlan:
         self.signature = signature
         self.backend = opt.backend
         self.decoupled = opt.decoupled
+        self.rule = adam.rule(opt.decoupled)
         self.groups: list[KernelGroup] = []
         self.dense: list[DenseKernelGroup] = []
         self.single: list[Member] = []
         self._sort(opt, members)
-        self.members = [m for m in members if m.flat is not None]
+        self.members = [m for m in members if m.flat is not None]  # their steps are on the device when capturable
         self.steps = [m.state["step"] for m in self.members]
+        self.host = [m for m in self.members if not opt.param_groups[m.group]["capturable"]]
+        self.host_steps = [m.state["step"] for m in self.host]  # read on the host at every step
+        self.capturable = len(self.host) < len(self.members)
 
     def _sort(self, opt, members: list[Member]) -> None:
         quantized: dict[tuple, list[Member]] = {}
         dense: dict[tuple, list[Member]] = {}
         for m in members:
             group = opt.param_groups[m.group]
-            amsgrad, maximize = bool(group["amsgrad"]), bool(group["maximize"])
+            amsgrad, maximize, capturable = bool(group["amsgrad"]), bool(group["maximize"]), bool(group["capturable"])
             if m.flat is None:
                 self.single.append(m)
             elif isinstance(m.state.get("exp_avg"), dict):
-                quantized.setdefault(_quantized_key(m, amsgrad, maximize), []).append(m)
+                quantized.setdefault(_quantized_key(m, amsgrad, maximize, capturable), []).append(m)
             else:
                 keys = policy.MOMENT_KEYS[: 3 if amsgrad else 2]
-                dense.setdefault((m.flat.device, m.flat.dtype, keys, maximize), []).append(m)
+                dense.setdefault((m.flat.device, m.flat.dtype, keys, maximize, capturable), []).append(m)
         self.groups = [_kernel_group(ms, key) for key, ms in quantized.items()]
-        self.dense = [DenseKernelGroup(ms, key[2], key[3]) for key, ms in dense.items()]
+        self.dense = [_dense_group(ms, key) for key, ms in dense.items()]
 
     def step(self, opt) -> None:
-        """One step of every member (their step counts, parameters and states), in place."""
+        """One step of every member (their step counts, parameters and states), in place. Where the first
+        moments became ratios the plan is rebuilt at once when capturable, so that the steps after the
+        first change nothing on the host (and can be captured in a CUDA graph)."""
         if self.steps:
             torch._foreach_add_(self.steps, 1.0)
-        steps = torch.stack(self.steps).tolist() if self.steps else []
-        step_of = {id(m): s for m, s in zip(self.members, steps)}
-        scalars: dict[tuple, tuple] = {}
+        steps = torch.stack(self.host_steps).tolist() if self.host_steps else []
+        step_of = {id(m): s for m, s in zip(self.host, steps)}
+        computed: dict[tuple, tuple] = {}
         for kg in self.groups:
-            self._step_quantized(opt, kg, step_of, scalars)
+            self._step_quantized(opt, kg, step_of, computed)
         for dg in self.dense:
-            self._step_dense(opt, dg, step_of, scalars)
+            self._step_dense(opt, dg, step_of, computed)
         for m in self.single:
             group = opt.param_groups[m.group]
             p = torch.view_as_real(m.param) if m.param.is_complex() else m.param
             if p is not m.param:
                 p.grad = torch.view_as_real(m.param.grad)
             adam.step_param(p, m.state, group, self.decoupled, self.backend, salt=m.index)
+        if self.capturable and opt._step_plan is None:
+            opt._step_plan_now()
 
-    def _scalars(self, opt, group_index: int, step: float, scalars: dict) -> tuple:
+    def _scalars(self, opt, group_index: int, step: float, computed: dict) -> tuple:
         """(hyper row without the decode eps, encode eps) of one (param group, step) pair, computed once."""
         key = (group_index, step)
-        if key not in scalars:
+        if key not in computed:
             g = opt.param_groups[group_index]
             beta1, beta2 = g["betas"]
             h = adam.hyper_values(g["lr"], beta1, beta2, g["eps"], g["weight_decay"], step, self.decoupled)
-            scalars[key] = (h, policy.ratio_eps_for(g, step))
-        return scalars[key]
+            computed[key] = (h, policy.ratio_eps_for(g, step))
+        return computed[key]
 
-    def _step_quantized(self, opt, kg: KernelGroup, step_of: dict, scalars: dict) -> None:
+    def _hyper(self, opt, kg: KernelGroup, step_of: dict, computed: dict) -> tuple:
+        """(hyper fp32 [n, 10], seeds or None, the encode eps of each member (floats or float64 [n]))."""
+        if kg.device is not None:
+            hyper, fields, step = kg.device.hyper(opt.param_groups, self.rule)
+            return hyper, kg.device.seeds(step) if kg.seeded else None, fields["encode_eps"]
         rows, steps = [], []
         for m in kg.members:
             step = step_of[id(m)]
-            h, enc = self._scalars(opt, m.group, step, scalars)
-            exp_avg = m.state["exp_avg"]
-            rows.append(h + ((exp_avg["eps"] if kg.ratio else 0.0), enc))
+            h, enc = self._scalars(opt, m.group, step, computed)
+            rows.append(h + ((m.state["exp_avg"]["eps"] if kg.ratio else 0.0), enc))
             steps.append(step)
-        hyper = torch.tensor(rows, dtype=torch.float32)
-        seeds = _seeds(steps, [m.index for m in kg.members]) if kg.seeded else None
+        seeds = None
+        if kg.seeded:
+            seeds = scalars.seeds(torch.tensor(steps, dtype=torch.float64).to(torch.int64), kg.salt)
+        return torch.tensor(rows, dtype=torch.float32), seeds, [row[9] for row in rows]
+
+    def _step_quantized(self, opt, kg: KernelGroup, step_of: dict, computed: dict) -> None:
+        hyper, seeds, encode_eps = self._hyper(opt, kg, step_of, computed)
         grads = tuple(grad_of(m.param) for m in kg.members)
         grouped.step_group(contract.StepGroup(kg.kernel_members, grads, hyper, seeds, kg.codebooks, kg.bits,
                                               kg.block_size, kg.ratio, kg.maximize, kg.cache), self.backend)
-        encode = kg.codebooks[0].encode
-        for m, row in zip(kg.members, rows):
-            exp_avg = m.state["exp_avg"]
-            exp_avg["eps"] = float(row[9])
-            if not kg.ratio:
-                exp_avg.update(qmap=encode.clone(), transform=policy.RATIO_TRANSFORM, divisor="exp_avg_sq")
+        if kg.device is not None:
+            kg.device.written_with(encode_eps)
+        else:
+            for m, eps in zip(kg.members, encode_eps):
+                m.state["exp_avg"]["eps"] = float(eps)
         if not kg.ratio:
+            encode = kg.codebooks[0].encode
+            for m in kg.members:
+                m.state["exp_avg"].update(qmap=encode.clone(), transform=policy.RATIO_TRANSFORM, divisor="exp_avg_sq")
             opt._step_plan = None  # the first moments are ratios now: another kernel group next step
 
-    def _step_dense(self, opt, dg: DenseKernelGroup, step_of: dict, scalars: dict) -> None:
-        rows = [self._scalars(opt, m.group, step_of[id(m)], scalars)[0] + (0.0, 0.0) for m in dg.members]
+    def _step_dense(self, opt, dg: DenseKernelGroup, step_of: dict, computed: dict) -> None:
+        if dg.device is not None:
+            hyper = dg.device.hyper(opt.param_groups, self.rule)[0]
+        else:
+            rows = [self._scalars(opt, m.group, step_of[id(m)], computed)[0] + (0.0, 0.0) for m in dg.members]
+            hyper = torch.tensor(rows, dtype=torch.float32)
         moments = tuple(tuple(dtensor.local(m.state[k]).view(-1) for k in dg.moments) for m in dg.members)
         group = contract.DenseGroup(tuple(m.flat for m in dg.members), tuple(grad_of(m.param) for m in dg.members),
-                                    moments, torch.tensor(rows, dtype=torch.float32), dg.maximize, dg.cache)
+                                    moments, hyper, dg.maximize, dg.cache)
         grouped.dense_group(group, self.backend)
-
-
-def _seeds(steps: list[float], salts: list[int]) -> torch.Tensor:
-    """``ops.step_seed`` of each (step, salt), vectorized: int64 [n] in [0, 2**32)."""
-    s = torch.tensor(steps, dtype=torch.float64).to(torch.int64) & 0xFFFFFFFF
-    salt = (torch.tensor(salts, dtype=torch.int64) * 0x9E3779B9) & 0xFFFFFFFF
-    return contract.mix32(contract.mix32(s) ^ salt)

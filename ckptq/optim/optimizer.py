@@ -30,9 +30,10 @@ import torch
 
 from . import args as optim_args, grouping
 from ..codec import dtensor, foreign, ops, qstate, sharded
-from ..errors import StateMismatchError, UsageError
+from ..errors import InputError, StateMismatchError, UsageError
 from .args import GROUP_FLAGS
-from .state_io import MOMENT_KEYS, expand_on_load, import_state_dict, to_torch_state_dict
+from .state_io import (MOMENT_KEYS, expand_on_load, import_state_dict, step_tensor, to_torch_state_dict,
+                       with_float_eps)
 
 BACKENDS = ops.BACKENDS
 OPTIONS = {"block_size": 256, "min_size": 4096, "backend": "auto", "bits": 8}  # ckptq's own, beyond torch's arguments
@@ -96,7 +97,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         keys = MOMENT_KEYS[: 3 if group["amsgrad"] else 2]
         zeros = {k: self._zeros(p) for k in keys}
-        state = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        state = {"step": step_tensor(0.0, p, group)}
         state.update(self._quantize_moments(zeros, group, 0.0) if self._quantized(p) else zeros)
         return state
 
@@ -131,10 +132,17 @@ class _Adam8bitBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_not_meta()
-        self._step_plan_now().step(self)
+        capturing = _capturing(self)
+        self._step_plan_now(capturing).step(self)
         return loss
 
-    def _step_plan_now(self) -> grouping.StepPlan:
+    def state_dict(self) -> dict:
+        """torch's ``state_dict``, with every first moment's eps' a float, as the format (docs/FORMAT.md) and
+        ``load_state_dict`` take it: a capturable step keeps it on the device as a 0-dim tensor, read back here
+        (``state_io.with_float_eps``), never in the step."""
+        return with_float_eps(super().state_dict())
+
+    def _step_plan_now(self, capturing: bool = False) -> grouping.StepPlan:
         """The grouped plan for the parameters that have gradients now (``ckptq.optim.grouping``): the kept
         one while nothing it depends on changed, else a new one (new state is created first)."""
         active = [(i, p, gi) for i, (p, gi) in enumerate(
@@ -142,7 +150,14 @@ class _Adam8bitBase(torch.optim.Optimizer):
         plan = getattr(self, "_step_plan", None)
         signature = self._signature(active)
         if plan is not None and plan.signature == signature:
+            if capturing and plan.single:
+                raise UsageError(f"{type(self).__name__}.step() is being captured in a CUDA graph, but a parameter "
+                                 "is not contiguous (its step reads its step count on the host); make it contiguous")
             return plan
+        if capturing:
+            raise UsageError(f"{type(self).__name__}.step() is being captured in a CUDA graph, but its parameters, "
+                             "their gradients or its state changed since the last step (the step plan is rebuilt on "
+                             "the host); run one step() outside the capture first")
         for _, p, gi in active:
             self._prepare_state(p, self.param_groups[gi])
         members = [grouping.Member(i, p, grouping._data(p), self.state[p], gi) for i, p, gi in active]
@@ -151,7 +166,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
 
     def _signature(self, active: list) -> tuple:
         """What a kept plan depends on beyond the state it was built on (``_state_version`` counts that)."""
-        flags = tuple((bool(g["amsgrad"]), bool(g["maximize"])) for g in self.param_groups)
+        flags = tuple((bool(g["amsgrad"]), bool(g["maximize"]), bool(g["capturable"])) for g in self.param_groups)
         return (getattr(self, "_state_version", 0), flags, tuple(id(p) for _, p, _ in active),
                 tuple(p.grad.dtype for _, p, _ in active))
 
@@ -219,13 +234,20 @@ class _Adam8bitBase(torch.optim.Optimizer):
 
 
 def _from_other_8bit_optimizers(state_dict):
-    """bitsandbytes' or torchao's 8-bit state decoded to torch's fp32 form (``ckptq.foreign``), in a copy."""
+    """bitsandbytes' or torchao's 8-bit state decoded to torch's fp32 form (``ckptq.foreign``), in a copy;
+    StateMismatchError naming the parameter where one is damaged."""
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
             or not any(foreign.kind(v) for v in state_dict["state"].values()):
         return state_dict
-    state_dict = {**state_dict, "state": dict(state_dict["state"])}
-    foreign.to_torch(state_dict)
-    return state_dict
+    state = dict(state_dict["state"])
+    for pid, pstate in state.items():
+        try:
+            converted = foreign.to_torch_state(pstate)
+        except InputError as e:
+            raise StateMismatchError(f"state of parameter {pid}: {e}") from None
+        if converted is not None:
+            state[pid] = converted
+    return {**state_dict, "state": state}
 
 
 class AdamW8bit(_Adam8bitBase):
@@ -260,6 +282,17 @@ class Adam4bit(Adam8bit):
 
 __all__ = ["AdamW8bit", "Adam8bit", "AdamW4bit", "Adam4bit", "StateMismatchError", "expand_on_load",
            "to_torch_state_dict"]
+
+
+def _capturing(opt) -> bool:
+    """Whether this step is being captured in a CUDA graph; if so every param group must be capturable (as
+    torch's optimizers check): the others read their step counts on the host, which a capture cannot hold."""
+    if not torch.cuda.is_initialized() or not torch.cuda.is_current_stream_capturing():
+        return False
+    if not all(g["capturable"] for g in opt.param_groups):
+        raise UsageError(f"{type(opt).__name__}.step() is being captured in a CUDA graph but a param group has "
+                         "capturable=False; build the optimizer with capturable=True")
+    return True
 
 
 def _warn_fp32(opt, p) -> None:

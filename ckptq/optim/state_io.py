@@ -59,6 +59,12 @@ def _import_group(i: int, group: dict, saved) -> dict:
     where = f"param group {i} of the state dict"
     if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
         raise StateMismatchError(f"{where} has no 'params' list of parameter ids; it is not an optimizer state dict")
+    for j, pid in enumerate(saved["params"]):
+        try:
+            hash(pid)
+        except TypeError:
+            raise StateMismatchError(f"{where} lists a {type(pid).__name__} ({pid!r:.40}) as parameter id {j} of its "
+                                     "'params'; ids are ints as optimizer.state_dict() writes them") from None
     if len(group["params"]) != len(saved["params"]):
         raise StateMismatchError(
             f"param group {i} has {len(group['params'])} parameters but the state dict's has "
@@ -85,24 +91,52 @@ def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> 
         )
     check_param_state(pid, saved)
     p = torch.view_as_real(p) if p.is_complex() else p  # complex parameters keep real-view state, as step does
-    moments = {k: _real_view(saved[k]) for k in MOMENT_KEYS if k in saved}
+    moments = {k: _float_eps(_real_view(saved[k])) for k in MOMENT_KEYS if k in saved}
     for key, value in moments.items():
         _check_shape(p, pid, key, value)
     step = step_value(pid, saved.get("step", 0))
-    out = {"step": torch.tensor(step, dtype=torch.float32)}
+    out = {"step": step_tensor(step, p, group)}
     rows_fit = not dtensor.is_dtensor(p) or dtensor.shardable(p)  # else this rank's part is no whole rows: fp32
     if rows_fit and _steppable(moments, getattr(opt, "bits", 8), dtensor.is_dtensor(p)):
         out.update({k: _copy_qstate(v, p) for k, v in moments.items()})
         return out
     quantized = opt._quantized(p) or (rows_fit and any(qstate.is_qstate(v) for v in moments.values()))
-    dense = {k: dtensor.distribute_like(v.to(device=p.device, dtype=torch.float32), p)
-             for k, v in _decoded(moments, pid).items()}
+    dense = {k: dtensor.distribute_like(v.to(device=p.device, dtype=torch.float32, memory_format=torch.contiguous_format),
+                                        p) for k, v in _decoded(moments, pid).items()}
     unsafe = plan.unsafe_moments(dense) if quantized else None
     if unsafe:  # 8 bits would turn finite values into NaN/Inf: keep this parameter's state fp32, and say so
         warnings.warn(f"ckptq: state of parameter {pid}: {unsafe}; kept in fp32", RuntimeWarning, stacklevel=4)
     out.update(opt._quantize_moments(dense, group, step) if quantized and not unsafe
-               else {k: v.clone() for k, v in dense.items()})
+               else {k: v.clone(memory_format=torch.contiguous_format) for k, v in dense.items()})
     return out
+
+
+def step_tensor(step: float, p: torch.Tensor, group: dict) -> torch.Tensor:
+    """A parameter's step count as the optimizer keeps it: 0-dim fp32, on the CPU (as torch's Adam), or on
+    the parameter's device when its group is capturable (as torch's capturable Adam)."""
+    return torch.tensor(step, dtype=torch.float32, device=p.device if group.get("capturable") else "cpu")
+
+
+def with_float_eps(state_dict: dict) -> dict:
+    """``state_dict`` with each qstate's eps' a float where a capturable step keeps a 0-dim tensor (the
+    parameters' state dicts concerned are copied; the optimizer's own state is left as it is)."""
+    state = state_dict.get("state")
+    for pid, pstate in list(state.items()) if isinstance(state, dict) else ():
+        if isinstance(pstate, dict) and any(_tensor_eps(v) for v in pstate.values()):
+            state[pid] = {k: {**v, "eps": float(v["eps"])} if _tensor_eps(v) else v for k, v in pstate.items()}
+    return state_dict
+
+
+def _tensor_eps(value) -> bool:
+    return qstate.is_qstate(value) and isinstance(value.get("eps"), torch.Tensor)
+
+
+def _float_eps(value):
+    """A ratio qstate with its eps' as a float (validated: a number, or a capturable optimizer's 0-dim
+    tensor), as the format holds it; anything else as it is."""
+    if qstate.is_qstate(value) and "eps" in value and not isinstance(value["eps"], float):
+        return {**value, "eps": float(value["eps"])}
+    return value
 
 
 def _real_view(value):
@@ -142,8 +176,8 @@ def _copy_qstate(value: dict, p: torch.Tensor) -> dict:
     process (or by another world size) gives each rank its rows, bit for bit."""
     q = dict(value)
     q["shape"] = tuple(value["shape"])
-    for name in ("codes", "absmax", "qmap"):
-        q[name] = value[name].to(p.device).clone()
+    for name in ("codes", "absmax", "qmap"):  # contiguous copies: the kernels view them flat
+        q[name] = value[name].to(p.device).clone(memory_format=torch.contiguous_format)
     if dtensor.is_dtensor(q["codes"]):
         return q
     codes, absmax = qstate.layout_shapes(q["shape"], q["bits"], q["block_size"], q.get("layout", "flat"))
@@ -175,10 +209,12 @@ def _check_shape(p: torch.Tensor, pid, key: str, value) -> None:
 
 
 def _check_not_meta(pid, key: str, value) -> None:
-    parts = [value] if isinstance(value, torch.Tensor) else list(value.values()) if isinstance(value, dict) else []
-    if any(isinstance(t, torch.Tensor) and t.is_meta for t in parts):
+    parts = {"": value} if isinstance(value, torch.Tensor) else value if isinstance(value, dict) else {}
+    meta = [name for name, t in parts.items() if isinstance(t, torch.Tensor) and t.is_meta]
+    if meta:
+        fields = f" (its {', '.join(meta)})" if meta != [""] else ""
         raise StateMismatchError(
-            f"state {key!r} of parameter {pid} is on the meta device and has no values; save the optimizer "
+            f"state {key!r} of parameter {pid} is on the meta device{fields} and has no values; save the optimizer "
             "after its state is materialized (meta tensors carry only shapes)"
         )
 
@@ -206,7 +242,7 @@ def _dense_state(pid, saved: dict, is_complex: bool) -> dict:
     quantized = any(qstate.is_qstate(v) for v in saved.values())
     if quantized:
         check_param_state(pid, saved)
-    decoded = _decoded(saved, pid) if quantized else saved
+    decoded = _decoded({k: _float_eps(v) for k, v in saved.items()}, pid) if quantized else saved
     out = {k: v.clone() if isinstance(v, torch.Tensor) and v is saved.get(k) else v for k, v in decoded.items()}
     if is_complex:
         out.update({k: torch.view_as_complex(out[k].contiguous()) for k in MOMENT_KEYS if k in out})
