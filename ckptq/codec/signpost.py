@@ -19,10 +19,15 @@ look at ``step`` while loading (torchao's) stops at its first step (``TypeError:
 bytes``) before it changes a parameter. The param groups are the real ones so that the group checks
 before that pass.
 
-Lightning keeps the real states in the same ``.ckpt`` under ``ckptq_optimizer_states``; ``unwrap``
-puts them back under ``optimizer_states``, which is what ``ckptq expand`` must do to give a
-checkpoint that stock Lightning resumes. This module imports torch only, so that ``ckptq.sources``
-can use it.
+A signpost may *carry* the state it stands for (``ckptq_state``: the state dict, its moments 8-bit):
+what a file that keeps weights and optimizer together holds once converted in place (a Lightning or
+Fabric ``.ckpt``, litgpt's ``lit_model.pth``: ``ckptq convert FILE --replace``), so that it keeps the name
+the framework's resume looks for. ckptq's readers and integrations put the carried state back
+(``unwrapped``); a stock framework stops at the signpost. Lightning files of ``CkptqCheckpointIO`` keep
+the real states under ``ckptq_optimizer_states`` instead, put back under ``optimizer_states`` by the
+same ``unwrap``, which is what ``ckptq expand`` must do to give a checkpoint that stock Lightning
+resumes. This module imports torch only, so that ``ckptq.sources`` can use it; the messages of every
+signpost ckptq writes are here, so that each names the same fixes.
 """
 
 from __future__ import annotations
@@ -33,18 +38,20 @@ from typing import Any
 import torch
 
 SIGNPOST_KEY = "ckptq_signpost"
+CARRIED = "ckptq_state"  # a signpost's own copy of the state it stands for (a file converted in place)
 LIGHTNING_STATES = "ckptq_optimizer_states"  # [None or the optimizer's state dict as ckptq stores it]
 LIGHTNING_TORCHAO = "ckptq_torchao_optimizers"  # indices of optimizers whose states are torchao's
 _MAX_BYTES = 16 << 20  # a signpost holds param groups only; a larger file is the real state, left unread
 
 
-def make(state_dict: dict, message: str) -> dict:
+def make(state_dict: dict, message: str, carried: dict | None = None) -> dict:
     """The signpost standing in for ``state_dict`` (an optimizer state dict): its param groups, and
     ``message`` as the ``step`` of its first parameter that has state (no state at all: nothing is lost
-    by a fresh optimizer, and the signpost holds none)."""
+    by a fresh optimizer, and the signpost holds none); ``carried``: the state it stands for, kept inside."""
     first = next((pid for g in state_dict["param_groups"] for pid in g["params"] if pid in state_dict["state"]), None)
     state = {} if first is None else {first: {"step": message.encode()}}
-    return {SIGNPOST_KEY: message, "state": state, "param_groups": state_dict["param_groups"]}
+    out = {SIGNPOST_KEY: message, "state": state, "param_groups": state_dict["param_groups"]}
+    return out if carried is None else {**out, CARRIED: carried}
 
 
 def is_signpost(obj: Any) -> bool:
@@ -61,6 +68,38 @@ def is_signpost_file(path: str) -> bool:
         return False
 
 
+def carries(obj: Any) -> bool:
+    """A signpost holding the state it stands for (a file converted in place)."""
+    return is_signpost(obj) and isinstance(obj.get(CARRIED), dict)
+
+
+def unwrapped(obj: Any) -> tuple[Any, int]:
+    """``(obj, n)``: ``obj`` with every state ckptq moved aside put back in place (carried by a signpost
+    anywhere inside, or under Lightning's ``ckptq_optimizer_states``), ``n`` how many; in place, except
+    that a carrying signpost at the root is returned as the state it carries."""
+    if carries(obj):
+        return obj[CARRIED], 1
+    n = unwrap(obj)
+    for container in _containers(obj):
+        keys = container.keys() if isinstance(container, dict) else range(len(container))
+        for k in list(keys):
+            if carries(container[k]):
+                container[k] = container[k][CARRIED]
+                n += 1
+    return obj, n
+
+
+def _containers(obj: Any):
+    """Every dict and list inside ``obj`` (itself included), each once."""
+    stack, seen = [obj], set()
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (dict, list)) and id(node) not in seen:
+            seen.add(id(node))
+            yield node
+            stack.extend(node.values() if isinstance(node, dict) else node)
+
+
 def unwrap(checkpoint: dict) -> int:
     """Lightning: put the states stored under ``ckptq_optimizer_states`` back in place of their signposts
     in ``optimizer_states``, in place, and drop ckptq's keys; returns how many. 0 for anything else."""
@@ -74,3 +113,46 @@ def unwrap(checkpoint: dict) -> int:
             checkpoint["optimizer_states"][i] = state_dict
             n += 1
     return n
+
+
+def carrying(obj: Any, message: str, is_stored) -> int:
+    """Replace, in place, each optimizer state dict inside ``obj`` for which ``is_stored(state_dict)`` holds
+    (its moments are low-bit) by a signpost carrying it, the signpost saying ``message``; returns how many.
+    A root that is such a state dict is left to the caller (``make(obj, message, obj)``)."""
+    n = 0
+    for container in list(_containers(obj)):
+        keys = container.keys() if isinstance(container, dict) else range(len(container))
+        for k in list(keys):
+            value = container[k]
+            if _is_state_dict(value) and not is_signpost(value) and is_stored(value):
+                container[k] = make(value, message, value)
+                n += 1
+    return n
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), list)
+
+
+# The messages: each names what happened and both ways on.
+
+def trainer_message(folder: str, stored: str) -> str:
+    """``optimizer.pt`` of a Trainer ``checkpoint-N`` whose state is in ``stored`` (``optimizer.q8.safetensors``)."""
+    return (f"ckptq: the optimizer state of {folder} is in {stored} (ckptq format); this optimizer.pt is a "
+            "signpost that keeps a stock Trainer from starting a fresh optimizer. Resume with "
+            f"ckptq.integrations.transformers.CkptqTrainer, or run `ckptq expand {folder}` to write the fp32 "
+            "optimizer.pt that a stock Trainer reads")
+
+
+def accelerate_message(folder: str, name: str, stored: str) -> str:
+    """``optimizer.bin`` (``name``) of an accelerate ``save_state`` folder whose state is in ``stored``."""
+    return (f"ckptq: the optimizer state of {folder} is in {stored} (ckptq format); this {name} is a signpost "
+            "that stops Accelerator.load_state from resuming without it. Run `ckptq expand "
+            f"{folder} --replace` to write the fp32 {name} that load_state reads")
+
+
+def in_place_message(name: str) -> str:
+    """An optimizer state of a Lightning / Fabric / litgpt file converted in place (``name``)."""
+    return (f"ckptq: the optimizer state in {name} is stored 8-bit by ckptq (converted in place); resume with "
+            "plugins=[ckptq.integrations.lightning.CkptqCheckpointIO()] (Lightning Trainer or Fabric), or run "
+            f"`ckptq expand {name} --replace` for a file that stock Lightning, Fabric or litgpt resumes")

@@ -138,6 +138,15 @@ def check_replaceable(path: str, force: bool, kind: str) -> None:
                                 "writes), so nothing was written: choose another output path or remove it yourself")
 
 
+def temp_beside(final: str) -> str:
+    """A new empty temp file beside ``final``, named as this module's temp files are (removed when its
+    process is gone: ``remove_stale_temps``); the caller renames it into place or deletes it."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(final)), prefix=_tmp_prefix(final), suffix=".tmp")
+    os.close(fd)
+    os.chmod(tmp, 0o666 & ~_umask())
+    return tmp
+
+
 @contextmanager
 def atomic_outputs(finals: list[str], force: bool, kind: str) -> Iterator[list[str]]:
     """Temp paths beside each final path; all renamed into place on success, all removed on failure

@@ -88,8 +88,8 @@ def detect(path: str, *, run: bool = False) -> Source:
         raise InputError(f"{path}: no such file or folder")
     if run:
         if not (os.path.isdir(path) and checkpoint_folders(path)):
-            raise InputError(f"{path} holds no checkpoint folders (checkpoint-N/, global_stepN/, step-N/) to convert "
-                             "with --all; pass a checkpoint folder or file")
+            raise InputError(f"{path} holds no checkpoint folders (checkpoint-N/, global_stepN/, step-N/, stepN/) nor "
+                             "several Lightning .ckpt files to convert with --all; pass a checkpoint folder or file")
         return RunFolder(path, detect, explicit=True)
     if is_zero_checkpoint(path):
         return DeepSpeedCheckpoint(path)
@@ -100,7 +100,8 @@ def detect(path: str, *, run: bool = False) -> Source:
             return DcpFolder(path)
         if not folders.is_checkpoint_folder(path):  # a folder holding one ckptq shard set
             return ConvertedFile(path)
-        if not folders.holds_optimizer_files(path) and len(checkpoint_folders(path)) > 1:
+        members = checkpoint_folders(path)
+        if len(members) > 1 and (not folders.holds_optimizer_files(path) or members[0].endswith(".ckpt")):
             return RunFolder(path, detect, explicit=False)
         return FrameworkFolder(path, detect)
     return _file(path)

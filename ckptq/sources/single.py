@@ -26,7 +26,7 @@ def check_converted(src: str, outputs: list[str], trust: bool = False) -> None:
     if format.is_safetensors(src):  # re-encoded at another width: its decoded states are the source
         want = tree.Converted(src).read(dequantize=True)
     else:
-        want = checkpoint.load_torch(src, trust=trust)
+        want = signpost.unwrapped(checkpoint.load_torch(src, trust=trust))[0]
     foreign.to_torch(want)  # bitsandbytes / torchao state is converted from its fp32 form, as convert does
     with readback.discarding(outputs):
         conv = tree.Converted(outputs[0], verify=True)
@@ -42,7 +42,7 @@ def check_expanded(src: str, dst: str, trust: bool = False) -> None:
     with readback.discarding([dst]):
         got = checkpoint.load_torch(dst)
         if checkpoint.is_torch_file(src):
-            want = checkpoint.load_torch(src, trust=trust)
+            want = signpost.unwrapped(checkpoint.load_torch(src, trust=trust))[0]
             foreign.to_torch(want)
             quant.decode_qstates(want)
             readback.check_expanded(want, got, dst)
@@ -109,23 +109,36 @@ def save(obj: Any, path: str, *, info: dict | None = None, force: bool = False, 
                         max_shard_size=max_shard_size, on_tensor=on_tensor)
 
 
-def _write_converted(src: str, obj: Any, opts: ConvertOptions, kind: str, t0: float) -> ConvertReport:
-    """Plan and write ``obj`` (loaded from ``src``) as a converted file at ``opts.output``."""
+def planned(src: str, obj: Any, opts: ConvertOptions, kind: str):
+    """``(report, marked)``: the plan for ``obj`` (loaded from ``src``) applied (``tree.mark``: each state
+    stored low-bit a ``PendingQuant``), and the convert report counting it; NothingToConvertError when it
+    stores nothing (``convert --all`` passes over such a checkpoint and says so)."""
     report = ConvertReport(src, kind, source_bytes=os.path.getsize(src), bits=opts.bits)
     report.foreign_states = foreign.to_torch(obj)  # bitsandbytes / torchao 8-bit state, decoded first
+    held = quant.count_qstates(obj)
     marked = tree.mark(obj, opts.key, opts.block_size, opts.min_size, opts.bits, opts.backend,
                        quant_device(opts.device))
     counts = marked.counts()
     report.__dict__.update(counts)
     report.warnings = marked.warnings()
     report.nonfinite_names = [d.name for d in marked.kept("holds NaN/Inf")]
+    if held and not counts["quantized"]:
+        raise NothingToConvertError(f"{src} holds ckptq's low-bit optimizer state already ({held} states); `ckptq "
+                                    "expand` turns it back into fp32 state", reason="already converted")
     if not counts["optimizers"]:
-        raise InputError(f"{src}: no optimizer state dict (a dict with 'state' and 'param_groups') found; "
-                         "name it with --key if it is stored differently")
+        raise NothingToConvertError(f"{src}: no optimizer state dict (a dict with 'state' and 'param_groups') found; "
+                                    "name it with --key if it is stored differently", reason="no optimizer state")
     if not counts["quantized"]:
-        raise InputError(f"{src}: {marked.nothing_to_quantize(opts.min_size)}")
+        raise NothingToConvertError(f"{src}: {marked.nothing_to_quantize(opts.min_size)}",
+                                    reason="no Adam moments to store low-bit")
+    return report, marked
+
+
+def _write_converted(src: str, obj: Any, opts: ConvertOptions, kind: str, t0: float) -> ConvertReport:
+    """Plan and write ``obj`` (loaded from ``src``) as a converted file at ``opts.output``."""
+    report, marked = planned(src, obj, opts, kind)
     compression = None if opts.compress_level is None else format.Compression(opts.compress_level, opts.compress_threads)
-    info = convert_info(src, report.source_bytes, counts, opts.block_size, opts.min_size, opts.bits)
+    info = convert_info(src, report.source_bytes, marked.counts(), opts.block_size, opts.min_size, opts.bits)
     report.outputs = save(obj, opts.output, info=info, force=opts.force, compression=compression,
                           max_shard_size=opts.max_shard_size, progress=opts.progress)
     report.output_bytes = sum(os.path.getsize(p) for p in report.outputs)
@@ -151,11 +164,15 @@ class TorchFile(_OneFile):
         """(the file's contents, how many states of a Lightning checkpoint were put back from under ckptq's
         signposts); InputError for a signpost itself, which holds no state."""
         obj = checkpoint.load_torch(self.path, trust=trust)
-        if signpost.is_signpost(obj):
+        if signpost.is_signpost(obj) and not signpost.carries(obj):
             raise InputError(f"{self.path} is a signpost, not optimizer state: {obj[signpost.SIGNPOST_KEY]}")
-        return obj, signpost.unwrap(obj)
+        return signpost.unwrapped(obj)
 
     def convert(self, opts: ConvertOptions) -> ConvertReport:
+        from . import inplace
+
+        if inplace.applies(self.path, opts.replace, opts.output):  # a Lightning / Fabric / litgpt file
+            return inplace.convert(self, opts)
         t0 = time.perf_counter()
         opts = opts.with_output(opts.output or default_output(self.path, opts.bits))
         outputs.check_separate([self.path], opts.output)
@@ -170,6 +187,10 @@ class TorchFile(_OneFile):
     def expand(self, opts: ExpandOptions) -> ExpandReport:
         """A torch.save file holding 8-bit states (saved from AdamW8bit, or a bitsandbytes or torchao
         optimizer's): the same file with every state decoded to torch's fp32 form."""
+        from . import inplace
+
+        if opts.replace and opts.output is None and inplace.converted_in_place(self.path):
+            return inplace.expand(self, opts)  # back under the name its framework resumes from
         t0 = time.perf_counter()
         dst = opts.output or default_expanded(self.path)
         outputs.check_separate([self.path], dst)
@@ -193,10 +214,13 @@ class TorchFile(_OneFile):
         tensor by tensor as its writer would write them; nothing is quantized)."""
         obj = checkpoint.load_torch(self.path, trust=opts.trust)
         r = InfoReport(self.path, self.kind, os.path.getsize(self.path), type=self.type)
-        if signpost.is_signpost(obj):  # a stock framework stops here; ckptq's file is beside it
+        if signpost.is_signpost(obj) and not signpost.carries(obj):  # a stock framework stops here
             r.kind, r.notes = "ckptq signpost (no optimizer state)", [obj[signpost.SIGNPOST_KEY]]
             return r
-        signpost.unwrap(obj)
+        obj, carried = signpost.unwrapped(obj)
+        if carried:
+            r.notes.append(f"{carried} optimizer states stored by ckptq behind signposts (a stock framework stops "
+                           "at them; `ckptq expand PATH --replace` writes them back fp32)")
         held = _count_qstates(obj, r)
         for s in tree.flatten(obj)[1]:  # the tensors as stored (shared storage once), by their state key
             if s.role in ("exact", "codebook"):
@@ -273,7 +297,8 @@ class ConvertedFile(_OneFile):
             if policy.budget_of(_widths(conv)) == opts.bits:
                 other = 4 if opts.bits == 8 else 8
                 raise NothingToConvertError(f"{self.path} already holds {opts.bits}-bit states; `ckptq convert --bits {other}` "
-                                 f"re-encodes them at {other} bits, `ckptq expand` turns them back into fp32")
+                                            f"re-encodes them at {other} bits, `ckptq expand` turns them back into fp32",
+                                            reason="already converted")
             original = Original(self.path) if opts.replace else None
             obj = conv.read(dequantize=True)
             files = list(conv.files)
