@@ -28,11 +28,11 @@ from ..codec import checkpoint, quant, signpost
 from .. import format
 from ..format.container import Container
 from ..errors import CkptqError, InputError, NothingToConvertError, UsageError
-from .inplace import SUFFIXES as IN_PLACE
 
 TRAINER_MARKER = "trainer_state.json"
 _ACCELERATE_FILE = re.compile(r"optimizer(_\d+)?\.bin")
 _ACCELERATE_DCP = re.compile(r"optimizer(_\d+)?|model_and_optim")  # accelerate's FSDP, OLMo-core's
+IN_PLACE = (".ckpt", ".pth")  # --replace converts these in place: Lightning / Fabric files, litgpt's lit_model.pth
 _RUN_FILES = ("lit_model.pth", "ckpt.pt")  # litgpt (Fabric), nanoGPT-style runs: weights and optimizer
 _OPTIMIZER_STEM = re.compile(r"optimizer(_\d+)?")  # one checkpoint may hold several of these (accelerate)
 # one file, a sharded set's index; at 8 or 4 bits

@@ -20,17 +20,15 @@ from dataclasses import dataclass
 
 from ..codec import checkpoint, foreign, quant, signpost
 from ..format import files, torch_stream
-from . import readback
+from . import folders, readback
 from .options import ConvertOptions, ExpandOptions
 from .original import Original
 from .reports import ConvertReport, ExpandReport
 
-SUFFIXES = (".ckpt", ".pth")  # Lightning and Fabric checkpoints, litgpt's lit_model.pth
-
 
 def applies(path: str, replace: bool, output: str | None) -> bool:
     """Whether ``convert --replace`` converts ``path`` in place: a framework file resumed by its name."""
-    return replace and output is None and path.endswith(SUFFIXES)
+    return replace and output is None and path.endswith(folders.IN_PLACE)
 
 
 def converted_in_place(path: str) -> bool:
@@ -55,12 +53,10 @@ class Pending:
 def write(source, opts: ConvertOptions) -> Pending:
     """Convert ``source`` (a ``TorchFile``) into a temp file beside it, its stored states carried by
     signposts; nothing is renamed yet. ``commit`` (after ``check``) puts it in place."""
-    from .single import planned
-
     t0 = time.perf_counter()
     original = Original(source.path)
     obj = source._load(opts.trust)[0]
-    report, marked = planned(source.path, obj, opts, source.kind)
+    report, marked = source.planned(obj, opts)
     for d in marked.quantized:  # the PendingQuants as qstate dicts (each holds its exact divisor)
         node = obj
         for k in d.path:

@@ -12,7 +12,7 @@ from .. import __version__, format
 from ..codec import checkpoint, foreign, plan, policy, qstate, quant, signpost, tree
 from ..errors import InputError, NothingToConvertError
 from ..format import torch_stream
-from . import outputs, readback
+from . import inplace, outputs, readback
 from .original import Original
 from .base import Source
 from .options import ConvertOptions, ExpandOptions, InfoOptions
@@ -168,9 +168,10 @@ class TorchFile(_OneFile):
             raise InputError(f"{self.path} is a signpost, not optimizer state: {obj[signpost.SIGNPOST_KEY]}")
         return signpost.unwrapped(obj)
 
-    def convert(self, opts: ConvertOptions) -> ConvertReport:
-        from . import inplace
+    def planned(self, obj: Any, opts: ConvertOptions):
+        return planned(self.path, obj, opts, self.kind)
 
+    def convert(self, opts: ConvertOptions) -> ConvertReport:
         if inplace.applies(self.path, opts.replace, opts.output):  # a Lightning / Fabric / litgpt file
             return inplace.convert(self, opts)
         t0 = time.perf_counter()
@@ -187,8 +188,6 @@ class TorchFile(_OneFile):
     def expand(self, opts: ExpandOptions) -> ExpandReport:
         """A torch.save file holding 8-bit states (saved from AdamW8bit, or a bitsandbytes or torchao
         optimizer's): the same file with every state decoded to torch's fp32 form."""
-        from . import inplace
-
         if opts.replace and opts.output is None and inplace.converted_in_place(self.path):
             return inplace.expand(self, opts)  # back under the name its framework resumes from
         t0 = time.perf_counter()
