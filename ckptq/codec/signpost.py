@@ -151,6 +151,13 @@ def accelerate_message(folder: str, name: str, stored: str) -> str:
             f"{folder} --replace` to write the fp32 {name} that load_state reads")
 
 
+def fabric_message(key: str, name: str) -> str:
+    """The optimizer state under ``key`` of a file that Fabric saved through ``CkptqCheckpointIO``."""
+    return (f"ckptq: the optimizer state under {key} in {name} is stored 8-bit by ckptq; load it with "
+            "Fabric(plugins=[ckptq.integrations.lightning.CkptqCheckpointIO()]), or run "
+            f"`ckptq expand {name} --replace` for a file that stock Fabric resumes")
+
+
 def in_place_message(name: str) -> str:
     """An optimizer state of a Lightning / Fabric / litgpt file converted in place (``name``)."""
     return (f"ckptq: the optimizer state in {name} is stored 8-bit by ckptq (converted in place); resume with "
