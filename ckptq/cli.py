@@ -162,9 +162,10 @@ def _report(r, quiet: bool, as_json: bool) -> None:
 @main.command(short_help="Store Adam moments at 8 or 4 bits per value.")
 @click.argument("src", type=click.Path())
 @click.option("-o", "--output", help="Output path (default: SRC with .q8.safetensors, or .q4, beside it).")
-@click.option("--bits", default=8, show_default=True, type=int,
+@click.option("--bits", default=None, type=int,
               help="Bits per value of the moments: 8, or 4 (half the size: the first moment's ratio in 6 bits, "
-                   "the second moment in 2; SRC may also be a converted file).")
+                   "the second moment in 2; SRC may also be a converted file). Default: 8, or 4 for 4-bit "
+                   "input state (torchao's AdamW4bit): never wider than the input's.")
 @click.option("--block-size", default=None, type=int,
               help="Values per absmax scale: a power of two, 64..4096 (default: 256 for 8 bits, 128 for 4).")
 @click.option("--min-size", default=DEFAULT_MIN_SIZE, show_default=True, type=int,

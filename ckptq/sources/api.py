@@ -20,14 +20,14 @@ from .reports import ConvertReport, ExpandReport, InfoReport
 from .single import ConvertedFile, ForeignSafetensors, TorchFile, save  # noqa: F401  (ckptq.save)
 
 
-def convert(src: str, dst: str | None = None, *, bits: int = 8, block_size: int | None = None,
+def convert(src: str, dst: str | None = None, *, bits: int | None = None, block_size: int | None = None,
             min_size: int = policy.DEFAULT_MIN_SIZE, key: str | None = None, device: str = "auto",
             backend: str = "auto", compress_level: int | None = None, compress_threads: int = 0,
             max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE, force: bool = False, trust: bool = False,
             replace: bool = False, all: bool = False, keep_last: int = 0,
             progress: Progress | None = None) -> ConvertReport:
     """Store the fp32 Adam moments in ``src`` at ``bits`` bits per value (8, or 4: a 6-bit ratio over a 2-bit
-    second moment): a torch.save file or a converted file (re-encoded 8 <-> 4) -> safetensors; a Trainer /
+    second moment; None: 8, or 4 where the input's state is 4-bit, torchao's AdamW4bit, never wider): a torch.save file or a converted file (re-encoded 8 <-> 4) -> safetensors; a Trainer /
     accelerate / Lightning checkpoint folder: its optimizer files, each beside its original; a DCP folder ->
     a DCP folder; a DeepSpeed ZeRO checkpoint: its rank files beside them; with ``all``, every checkpoint
     folder of a run's output folder but the newest ``keep_last``. ``block_size``: values per scale (default

@@ -145,6 +145,13 @@ def _write_converted(src: str, obj: Any, opts: ConvertOptions, kind: str, t0: fl
     return report
 
 
+def _input_bits(obj: Any) -> int:
+    """The widest code width of the low-bit state a loaded file holds (4 for torchao's ``OptimState4bit``);
+    8 when it holds none (fp32 moments)."""
+    widths = {4 if type(t).__name__ == "OptimState4bit" else 8 for t in checkpoint.iter_tensors(obj) if foreign.is_torchao(t)}
+    return max(widths, default=8)
+
+
 class _OneFile(Source):
     """A source that is one file (or one shard set) ckptq reads whole: ``--replace`` reads its outputs back
     against it."""
@@ -169,16 +176,18 @@ class TorchFile(_OneFile):
         return signpost.unwrapped(obj)
 
     def planned(self, obj: Any, opts: ConvertOptions):
-        return planned(self.path, obj, opts, self.kind)
+        return planned(self.path, obj, opts.narrowed(_input_bits(obj)), self.kind)
 
     def convert(self, opts: ConvertOptions) -> ConvertReport:
         if inplace.applies(self.path, opts.replace, opts.output):  # a Lightning / Fabric / litgpt file
             return inplace.convert(self, opts)
         t0 = time.perf_counter()
+        obj = self._load(opts.trust)[0]
+        opts = opts.narrowed(_input_bits(obj))
         opts = opts.with_output(opts.output or default_output(self.path, opts.bits))
         outputs.check_separate([self.path], opts.output)
         original = Original(self.path) if opts.replace else None
-        report = _write_converted(self.path, self._load(opts.trust)[0], opts, self.kind, t0)
+        report = _write_converted(self.path, obj, opts, self.kind, t0)
         if original:  # the original goes only once the output reads back as what was meant
             self.check_converted(report.outputs, opts.trust)
             report.removed = original.remove(report.outputs)
