@@ -114,3 +114,23 @@ def _signpost_message(index: int, name: str) -> str:
     return (f"ckptq: the state of optimizer {index} is stored under ckptq_optimizer_states in {name}, not in "
             "optimizer_states; resume with plugins=[ckptq.integrations.lightning.CkptqCheckpointIO()], or run "
             f"`ckptq expand {name} -o OUT.ckpt` for a checkpoint that Lightning resumes without ckptq")
+
+
+def store_8bit_in_fabric() -> None:
+    """From now on every ``lightning.Fabric`` made without a CheckpointIO plugin gets ``CkptqCheckpointIO``:
+    the one line for code that builds its Fabric itself (litgpt: ``python -m ckptq.integrations.litgpt``)."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+    if getattr(Fabric.__init__, "_ckptq", False):
+        return
+    original = Fabric.__init__
+
+    def init(self, *args, plugins=None, **kwargs):
+        given = list(plugins) if isinstance(plugins, (list, tuple)) else [] if plugins is None else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in given):
+            given.append(CkptqCheckpointIO())
+        original(self, *args, plugins=given, **kwargs)
+
+    init._ckptq = True
+    Fabric.__init__ = init

@@ -153,7 +153,7 @@ def _nothing(folder: str, what: str, error: type[InputError] = InputError) -> In
                       f"(looked for {_LOOKED_FOR}; found {held}); pass the file that holds the optimizer state", **extra)
 
 
-def for_convert(folder: str, bits: int = 8, replace: bool = False) -> Layout:
+def for_convert(folder: str, bits: int = 8, replace: bool = False, force: bool = False) -> Layout:
     """The optimizer files of a checkpoint folder and where their converted files go (``.q8`` or ``.q4``;
     with ``replace``, a ``.ckpt`` / ``.pth`` file in place)."""
     found = _sources(folder)
@@ -168,6 +168,11 @@ def for_convert(folder: str, bits: int = 8, replace: bool = False) -> Layout:
     _one_checkpoint(folder, found, "convert")
     jobs = [Job(p, p, in_place=True) if replace and os.path.isfile(p) and p.endswith(IN_PLACE) else
             Job(p, p + f".q{bits}" if os.path.isdir(p) else _converted_name(p, bits)) for p in found]
+    if not (replace or force) and all(os.path.lexists(j.dst) and not j.in_place for j in jobs):
+        names = ", ".join(os.path.basename(j.dst) for j in jobs)
+        raise NothingToConvertError(f"{folder} holds its converted files already ({names}, beside the originals); "
+                                    "--replace deletes the originals, --force writes them again",
+                                    reason="already converted")
     return Layout(folder, _framework(folder), jobs)
 
 

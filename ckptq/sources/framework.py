@@ -43,7 +43,7 @@ class FrameworkFolder(Source):
     def convert(self, opts: ConvertOptions) -> ConvertReport:
         t0 = time.perf_counter()
         _no_output_path(opts.output, "convert")
-        layout = folders.for_convert(self.path, opts.bits, opts.replace)
+        layout = folders.for_convert(self.path, opts.bits, opts.replace, opts.force)
         report = ConvertReport(self.path, f"{layout.framework} {self.kind}", bits=opts.bits)
         one = _replace_off(opts.with_output(None))
         sources = [self._detect(job.src) for job in layout.jobs]
