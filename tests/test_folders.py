@@ -295,9 +295,13 @@ def test_accelerate_fsdp_dcp_subfolder_goes_to_the_dcp_code(tmp_path):
     dcp.save(sd, checkpoint_id=d / "optimizer_0", no_dist=True)
     r = run("convert", d, "--replace")  # read back and checked, then the fp32 folder goes
     assert r.exit_code == 0 and "removed" in r.output and (d / "optimizer_0.q8" / ".metadata").exists()
-    assert not (d / "optimizer_0").exists()
-    assert run("expand", d).exit_code == 0
+    assert signpost.is_signpost_folder(str(d / "optimizer_0"))  # where accelerate's load_state looks
     back = {"optimizer": {"state": {"w": {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(m),
                                           "exp_avg_sq": torch.zeros_like(v)}}, "param_groups": groups}}
+    with pytest.raises(BaseException, match=r"invalid literal for int\(\) with base 10: 'ckptq: optimizer_0 went to "
+                                            r"optimizer_0\.q8 \(8-bit Adam state\); for fp32: ckptq expand"):
+        dcp.load(back, checkpoint_id=d / "optimizer_0", no_dist=True)  # accelerate's FSDP load, stopped
+    one_line_error(run("info", d / "optimizer_0"), 3, "is a signpost")
+    assert run("expand", d).exit_code == 0  # over the signpost, no --force
     dcp.load(back, checkpoint_id=d / "optimizer_0", no_dist=True)
     torch.testing.assert_close(back["optimizer"]["state"]["w"]["exp_avg_sq"], v, rtol=0.1, atol=1e-12)

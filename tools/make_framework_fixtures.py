@@ -6,6 +6,8 @@ libraries, under tests/fixtures/ (tests/test_framework_fixtures.py reads them wi
     /work/venv-fixtures/bin/pip install ai2-olmo-core==3.0.0 litgpt==0.5.13
     /work/venv-fixtures/bin/python tools/make_framework_fixtures.py litgpt [--out tests/fixtures/litgpt]
     /work/venv-fixtures/bin/python tools/make_framework_fixtures.py litgpt-resume RUN   # the checks below
+    /work/venv-fixtures/bin/python tools/make_framework_fixtures.py olmo-core [--out tests/fixtures/olmo_core]
+    /work/venv-fixtures/bin/python tools/make_framework_fixtures.py olmo-core-resume RUN
 
 ``litgpt``: ``litgpt.pretrain.setup`` of a 1-layer GPT (n_embd 32, vocab 128) on 4 steps of random tokens,
 one device, fp32, a checkpoint every 2 steps: ``out/step-00000002/lit_model.pth`` and ``step-00000004/``
@@ -17,6 +19,14 @@ replaced by the identity (litgpt compiles the model; on a CPU that takes minutes
 it must stop with ckptq's message (the newest ``lit_model.pth`` is converted in place), and after ``ckptq
 expand RUN/step-00000004 --replace`` it must resume at step 4 and train on. ckptq must be importable (``pip
 install -e . --no-deps`` into this venv).
+
+``olmo-core``: OLMo-core's own ``TransformerConfig.llama_like`` model (d_model 32, 1 layer, vocab 128), 3 steps
+of torch AdamW, saved as OLMo-core's trainer checkpointer lays out ``run/step3/``: ``model_and_optim/`` by
+``olmo_core.distributed.checkpoint.save_model_and_optim_state`` (DCP with flattened optimizer keys,
+``optim.state.<fqn>.exp_avg``, and OLMo-core's own ``_StorageInfo`` in ``.metadata``), ``train/rank0.pt`` and
+``.metadata.json``. ``olmo-core-resume RUN``: OLMo-core's ``load_model_and_optim_state`` of a copy after ``ckptq
+convert RUN --all --replace`` must stop with ckptq's message, and after ``ckptq expand RUN/step3 --replace``
+load the same moments (within 8-bit storage's error) and step on.
 """
 
 from __future__ import annotations
@@ -122,16 +132,88 @@ def litgpt_resume(run: str) -> None:
         print(f"and litgpt --resume of it saved {sorted(n for n in os.listdir(eight) if n.startswith('step-'))}")
 
 
+def _olmo_model():
+    from olmo_core.nn.transformer import TransformerConfig
+
+    torch.manual_seed(0)
+    return TransformerConfig.llama_like(d_model=32, vocab_size=128, n_layers=1, n_heads=2).build(init_device="cpu")
+
+
+def _olmo_dist() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def make_olmo_core(out: str, steps: int = 3) -> None:
+    from olmo_core.distributed.checkpoint import save_model_and_optim_state
+    from olmo_core.train.checkpoint import Checkpointer, CheckpointMetadata
+
+    _olmo_dist()
+    model = _olmo_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1)).backward()
+        optim.step()
+        optim.zero_grad()
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    folder = os.path.join(out, f"step{steps}")
+    save_model_and_optim_state(os.path.join(folder, "model_and_optim"), model, optim, flatten_optimizer_state=True,
+                               thread_count=1)
+    os.makedirs(os.path.join(folder, "train"))
+    torch.save({"global_step": steps, "global_train_tokens_seen": steps * 32}, os.path.join(folder, "train", "rank0.pt"))
+    Checkpointer(work_dir=out)._save_metadata(folder, CheckpointMetadata())
+    print(f"wrote {out}: {sorted(os.listdir(folder))}")
+
+
+def olmo_core_resume(run: str) -> None:
+    from olmo_core.distributed.checkpoint import load_model_and_optim_state
+
+    _olmo_dist()
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = os.path.join(tmp, "run")
+        shutil.copytree(run, copy)
+        ckptq = [sys.executable, "-m", "ckptq"]
+        subprocess.run([*ckptq, "convert", copy, "--all", "--replace"], check=True)
+        model = _olmo_model()
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        try:
+            load_model_and_optim_state(os.path.join(copy, "step3", "model_and_optim"), model, optim,
+                                       flatten_optimizer_state=True)
+        except BaseException as e:  # DCP wraps what the reader raised
+            assert "ckptq: model_and_optim went to model_and_optim.q8" in str(e), str(e)[-500:]
+            print("OLMo-core's load after convert --replace stopped with ckptq's message")
+        else:
+            raise SystemExit("OLMo-core loaded a converted checkpoint without ckptq: the signpost did not stop it")
+        subprocess.run([*ckptq, "expand", os.path.join(copy, "step3"), "--replace"], check=True)
+        load_model_and_optim_state(os.path.join(copy, "step3", "model_and_optim"), model, optim,
+                                   flatten_optimizer_state=True)
+        steps = {float(s["step"]) for s in optim.state.values()}
+        print(f"after expand, OLMo-core loaded the optimizer (steps {steps}); one more step:")
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(9))
+        torch.nn.functional.cross_entropy(model(ids)[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1)).backward()
+        optim.step()
+        print(f"  step {sorted({float(s['step']) for s in optim.state.values()})}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["litgpt", "litgpt-resume"])
+    ap.add_argument("what", choices=["litgpt", "litgpt-resume", "olmo-core", "olmo-core-resume"])
     ap.add_argument("path", nargs="?", default=None)
     args = ap.parse_args()
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures")
     if args.what == "litgpt":
         make_litgpt(args.path or os.path.join(here, "litgpt"))
-    else:
+    elif args.what == "litgpt-resume":
         litgpt_resume(args.path or os.path.join(here, "litgpt"))
+    elif args.what == "olmo-core":
+        make_olmo_core(args.path or os.path.join(here, "olmo_core"))
+    else:
+        olmo_core_resume(args.path or os.path.join(here, "olmo_core"))
 
 
 if __name__ == "__main__":

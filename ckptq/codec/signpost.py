@@ -163,3 +163,56 @@ def in_place_message(name: str) -> str:
     return (f"ckptq: the optimizer state in {name} is stored 8-bit by ckptq (converted in place); resume with "
             "plugins=[ckptq.integrations.lightning.CkptqCheckpointIO()] (Lightning Trainer or Fabric), or run "
             f"`ckptq expand {name} --replace` for a file that stock Lightning, Fabric or litgpt resumes")
+
+
+# A DCP folder's signpost: torch's FileSystemReader (and OLMo-core's, accelerate's FSDP loading through it)
+# unpickles ``.metadata`` fully, so a signpost folder's ``.metadata`` is a pickle of one call that stops with
+# the message, ``int(MESSAGE)``: ``ValueError: invalid literal for int() with base 10: 'ckptq: ...'``. No code
+# of ckptq's runs there and no data is read; ckptq itself never unpickles it (``is_signpost_folder`` first).
+FOLDER_MARKER = ".ckptq"  # as in every folder ckptq writes (ckptq.dcp.writer.MARKER), here with kind "signpost"
+
+
+class _Stop:
+    def __init__(self, message: str):
+        self.message = message
+
+    def __reduce__(self):
+        return int, (self.message,)
+
+
+def write_folder(path: str, message: str) -> None:
+    """A new folder ``path`` (it must not exist) holding a DCP signpost saying ``message``."""
+    import json
+    import pickle
+
+    os.mkdir(path)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(_Stop(message), f, protocol=2)
+    with open(os.path.join(path, FOLDER_MARKER), "w") as f:
+        json.dump({"created_by": "ckptq", "kind": "signpost", "message": message}, f)
+
+
+def is_signpost_folder(path: str) -> bool:
+    return folder_message(path) is not None
+
+
+def folder_message(path: str) -> str | None:
+    """The message of the DCP signpost folder ``path``; None for any other path."""
+    import json
+
+    marker = os.path.join(path, FOLDER_MARKER)
+    if not (os.path.isdir(path) and os.path.isfile(marker) and os.path.getsize(marker) < 65536):
+        return None
+    try:
+        with open(marker) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(found, dict) and found.get("kind") == "signpost" and isinstance(found.get("message"), str)
+    return found["message"] if ok else None
+
+
+def dcp_message(name: str, stored: str, framework: str) -> str:
+    """The DCP folder ``name`` (accelerate's ``optimizer_0``, OLMo-core's ``model_and_optim``, a ``step-N``)
+    whose state went to the folder ``stored``; short, as ``int()`` cuts its message at 200 characters."""
+    return f"ckptq: {name} went to {stored} (8-bit Adam state); for fp32: ckptq expand {stored} -o {name}"

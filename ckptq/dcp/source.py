@@ -6,12 +6,13 @@ every expanded moment equal to the decoding of the source's state."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..codec import policy, quant
+from ..codec import policy, quant, signpost
 from ..format import files
 from ..errors import ReadbackError
 from ..sources import outputs
@@ -80,20 +81,33 @@ def _check(src: str, dst: str, expanded: bool) -> None:
         raise _fail(dst, *found[0])
 
 
+def signpost_beside(path: str, stored: str, framework: str) -> str:
+    """A DCP signpost folder for ``path`` (whose state went to ``stored``), written under a temp name beside it."""
+    tmp = f"{path.rstrip('/')}.ckptq-signpost-{os.getpid()}"
+    files.remove_path(tmp) if signpost.is_signpost_folder(tmp) else None
+    signpost.write_folder(tmp, signpost.dcp_message(os.path.basename(path.rstrip("/")), os.path.basename(stored),
+                                                    framework))
+    return tmp
+
+
 class DcpFolder(Source):
     kind = "torch.distributed.checkpoint folder"
     type = "dcp"
 
     def _replace(self, original, outputs_: list[str], expanded: bool) -> list[str]:
         """Check the output against the source, then delete the source (rank 0); a failed check removes the
-        output, and keeps the source."""
+        output, and keeps the source. Converting, a signpost folder takes the source's name (a loader that
+        looks there stops with ckptq's message instead of finding no checkpoint)."""
         try:
             _check(self.path, outputs_[0], expanded)
         except ReadbackError:
             if writer._rank0():
                 files.remove_path(outputs_[0])
             raise
-        return original.remove(outputs_) if writer._rank0() else []
+        if not writer._rank0():
+            return []
+        stand_in = None if expanded else signpost_beside(self.path, outputs_[0], "torch.distributed.checkpoint")
+        return original.remove(outputs_, stand_in=stand_in)
 
     def convert(self, opts: ConvertOptions) -> ConvertReport:
         t0 = time.perf_counter()
@@ -107,6 +121,7 @@ class DcpFolder(Source):
                                quantized=r["quantized"], kept_small=r["kept_small"], warnings=r["warnings"])
         if original:
             report.removed = self._replace(original, [dst], expanded=False)
+            report.signposts = list(report.removed)
         writer.leave_torchrun()
         report.seconds = time.perf_counter() - t0
         return report

@@ -10,8 +10,8 @@ import os
 
 from .. import format
 from ..format.files import kind_of
-from ..codec import checkpoint, policy, quant, tree
-from ..errors import InputError
+from ..codec import checkpoint, policy, quant, signpost, tree
+from ..errors import InputError, NothingToConvertError
 from . import folders
 from .base import Source
 from .framework import FrameworkFolder, RunFolder, checkpoint_folders
@@ -94,6 +94,10 @@ def detect(path: str, *, run: bool = False) -> Source:
     if is_zero_checkpoint(path):
         return DeepSpeedCheckpoint(path)
     if os.path.isdir(path):
+        message = signpost.folder_message(path)
+        if message is not None:  # never unpickled: its .metadata is what stops a stock loader
+            raise NothingToConvertError(f"{path} is a signpost ckptq left in place of a DCP folder: {message}",
+                                        reason="a signpost (converted already)")
         if os.path.isfile(os.path.join(path, ".metadata")):
             from ..dcp.source import DcpFolder  # imports torch.distributed.checkpoint: only for a DCP folder
 

@@ -109,6 +109,11 @@ def _framework(folder: str) -> str:
     return "plain"
 
 
+def framework_of(folder: str) -> str:
+    """Which framework wrote the checkpoint folder (``Layout.framework``)."""
+    return _framework(folder)
+
+
 def _converted_stem(name: str) -> str | None:
     for suffix in _CONVERTED:
         if name.endswith(suffix):
@@ -124,7 +129,7 @@ def _sources(folder: str) -> list[str]:
         if os.path.isfile(p) and (n in ("optimizer.pt", *_RUN_FILES) or _ACCELERATE_FILE.fullmatch(n)
                                   or n.endswith(".ckpt")) and not signpost.is_signpost_file(p):
             out.append(p)
-        elif _ACCELERATE_DCP.fullmatch(n) and checkpoint.is_dcp_folder(p):
+        elif _ACCELERATE_DCP.fullmatch(n) and checkpoint.is_dcp_folder(p) and not signpost.is_signpost_folder(p):
             out.append(p)
     return out
 
@@ -231,7 +236,7 @@ def for_expand(folder: str, replace: bool) -> Layout:
         _one_checkpoint(folder, found, "expand")
         jobs = [Job(p, dst) for p in found for dst in [_restored_name(folder, p)]]
         for job in jobs:
-            job.over_signpost = signpost.is_signpost_file(job.dst)
+            job.over_signpost = signpost.is_signpost_file(job.dst) or signpost.is_signpost_folder(job.dst)
         return Layout(folder, _framework(folder), jobs)
     eight = [p for p in _sources(folder) if os.path.isfile(p) and _holds_8bit(p)]
     if not eight:

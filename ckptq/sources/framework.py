@@ -82,7 +82,8 @@ class FrameworkFolder(Source):
         moved = [job for job in layout.jobs if not job.in_place]
         originals = {job.src: Original(job.src) for job in moved} if opts.replace else {}
         # a signpost stays until the file that replaces it is checked: its name is never missing
-        written = {job.src: files.temp_beside(job.dst) if opts.replace and job.over_signpost else job.dst for job in moved}
+        written = {job.src: files.temp_beside(job.dst) if opts.replace and job.over_signpost and not os.path.isdir(job.dst)
+                   else job.dst for job in moved}  # a DCP folder is written beside its signpost, then renamed over it
         try:
             for job in layout.jobs:
                 if job.in_place:
@@ -122,6 +123,10 @@ def _signpost(folder: str, job: folders.Job, stored: str) -> str | None:
     framework loads that file by name to resume the optimizer: Trainer's ``optimizer.pt``, accelerate's
     ``optimizer.bin``. Without it, a stock Trainer starts a fresh optimizer and scheduler without a word."""
     name, where = os.path.basename(job.src), os.path.basename(os.path.normpath(folder))
+    if os.path.isdir(job.src):  # accelerate's FSDP optimizer_0/, OLMo-core's model_and_optim/: DCP folders
+        from ..dcp.source import signpost_beside
+
+        return signpost_beside(job.src, stored, folders.framework_of(folder))
     if name == "optimizer.pt":
         message = signpost.trainer_message(where, os.path.basename(stored))
     elif folders.is_accelerate_file(name):
