@@ -192,6 +192,18 @@ def write_folder(path: str, message: str) -> None:
         json.dump({"created_by": "ckptq", "kind": "signpost", "message": message}, f)
 
 
+def folder_beside(path: str, stored: str) -> str:
+    """A DCP signpost folder for ``path`` (whose state went to the folder ``stored``), written under a temp name
+    beside it, to take its name once it goes (``Original.remove``'s stand-in)."""
+    tmp = f"{path.rstrip('/')}.ckptq-signpost-{os.getpid()}"
+    if is_signpost_folder(tmp):  # one this process left
+        import shutil
+
+        shutil.rmtree(tmp)
+    write_folder(tmp, dcp_message(os.path.basename(path.rstrip("/")), os.path.basename(stored.rstrip("/"))))
+    return tmp
+
+
 def is_signpost_folder(path: str) -> bool:
     return folder_message(path) is not None
 
@@ -212,7 +224,7 @@ def folder_message(path: str) -> str | None:
     return found["message"] if ok else None
 
 
-def dcp_message(name: str, stored: str, framework: str) -> str:
+def dcp_message(name: str, stored: str) -> str:
     """The DCP folder ``name`` (accelerate's ``optimizer_0``, OLMo-core's ``model_and_optim``, a ``step-N``)
     whose state went to the folder ``stored``; short, as ``int()`` cuts its message at 200 characters."""
     return f"ckptq: {name} went to {stored} (8-bit Adam state); for fp32: ckptq expand {stored} -o {name}"

@@ -6,7 +6,6 @@ every expanded moment equal to the decoding of the source's state."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -81,15 +80,6 @@ def _check(src: str, dst: str, expanded: bool) -> None:
         raise _fail(dst, *found[0])
 
 
-def signpost_beside(path: str, stored: str, framework: str) -> str:
-    """A DCP signpost folder for ``path`` (whose state went to ``stored``), written under a temp name beside it."""
-    tmp = f"{path.rstrip('/')}.ckptq-signpost-{os.getpid()}"
-    files.remove_path(tmp) if signpost.is_signpost_folder(tmp) else None
-    signpost.write_folder(tmp, signpost.dcp_message(os.path.basename(path.rstrip("/")), os.path.basename(stored),
-                                                    framework))
-    return tmp
-
-
 class DcpFolder(Source):
     kind = "torch.distributed.checkpoint folder"
     type = "dcp"
@@ -106,7 +96,7 @@ class DcpFolder(Source):
             raise
         if not writer._rank0():
             return []
-        stand_in = None if expanded else signpost_beside(self.path, outputs_[0], "torch.distributed.checkpoint")
+        stand_in = None if expanded else signpost.folder_beside(self.path, outputs_[0])
         return original.remove(outputs_, stand_in=stand_in)
 
     def convert(self, opts: ConvertOptions) -> ConvertReport:

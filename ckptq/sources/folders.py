@@ -109,11 +109,6 @@ def _framework(folder: str) -> str:
     return "plain"
 
 
-def framework_of(folder: str) -> str:
-    """Which framework wrote the checkpoint folder (``Layout.framework``)."""
-    return _framework(folder)
-
-
 def _converted_stem(name: str) -> str | None:
     for suffix in _CONVERTED:
         if name.endswith(suffix):

@@ -124,9 +124,7 @@ def _signpost(folder: str, job: folders.Job, stored: str) -> str | None:
     ``optimizer.bin``. Without it, a stock Trainer starts a fresh optimizer and scheduler without a word."""
     name, where = os.path.basename(job.src), os.path.basename(os.path.normpath(folder))
     if os.path.isdir(job.src):  # accelerate's FSDP optimizer_0/, OLMo-core's model_and_optim/: DCP folders
-        from ..dcp.source import signpost_beside
-
-        return signpost_beside(job.src, stored, folders.framework_of(folder))
+        return signpost.folder_beside(job.src, stored)
     if name == "optimizer.pt":
         message = signpost.trainer_message(where, os.path.basename(stored))
     elif folders.is_accelerate_file(name):
