@@ -104,8 +104,8 @@ def detect(path: str, *, run: bool = False) -> Source:
             return DcpFolder(path)
         if not folders.is_checkpoint_folder(path):  # a folder holding one ckptq shard set
             return ConvertedFile(path)
-        members = checkpoint_folders(path)
-        if len(members) > 1 and (not folders.holds_optimizer_files(path) or members[0].endswith(".ckpt")):
+        members = checkpoint_folders(path)  # a run's folder, with one checkpoint so far or many
+        if members and (not folders.holds_optimizer_files(path) or members[0].endswith(".ckpt")):
             return RunFolder(path, detect, explicit=False)
         return FrameworkFolder(path, detect)
     return _file(path)
