@@ -59,11 +59,13 @@ def is_signpost(obj: Any) -> bool:
 
 
 def is_signpost_file(path: str) -> bool:
-    """Whether ``path`` is a torch.save file holding a signpost (``optimizer.pt`` beside a ckptq file)."""
+    """Whether ``path`` is a torch.save file holding a signpost that holds no state (``optimizer.pt`` beside a
+    ckptq file); one carrying its state is optimizer state (``store_8bit``'s ``optimizer.bin``)."""
     try:
         if os.path.getsize(path) > _MAX_BYTES:
             return False
-        return is_signpost(torch.load(path, map_location="cpu", weights_only=True))
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+        return is_signpost(obj) and not carries(obj)
     except Exception:  # not a torch.save file, damaged, or holding other objects: not a signpost
         return False
 
