@@ -15,7 +15,6 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
 
-from ..codec import policy
 from ..sources.options import InfoOptions
 from ..sources.reports import InfoReport, StateRow
 from . import folder
