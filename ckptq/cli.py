@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import json
 import re
+import os
 import sys
+import threading
 import warnings
 from contextlib import contextmanager
 
@@ -15,6 +17,8 @@ from . import __version__
 from .codec.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MIN_SIZE
 from .errors import CkptqError, UsageError
 
+_FIRST_SIGN_S = 0.5  # a command that has shown nothing by then shows its (still empty) progress bar
+
 
 @contextmanager
 def _progress(quiet: bool, desc: str):
@@ -23,20 +27,31 @@ def _progress(quiet: bool, desc: str):
         return
     from tqdm import tqdm
 
-    bars = []  # created on the first update, so that an early error prints only its own line
+    bars, lock = [], threading.Lock()  # leave=False: a closed bar is erased, so an error prints only its own line
+
+    def bar(total: int | None):
+        with lock:
+            if not bars:
+                bars.append(tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False,
+                                 disable=None, dynamic_ncols=True))  # disable=None: only on a terminal
+            return bars[0]
 
     def update(done: int, total: int) -> None:
-        if not bars:
-            bars.append(tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False,
-                             disable=None, dynamic_ncols=True))  # disable=None: only on a terminal
-        bars[0].total = total
-        bars[0].update(done - bars[0].n)
+        b = bar(total)
+        b.total = total
+        b.update(done - b.n)
 
+    # reading and planning a large input takes seconds before the first byte is written: say so meanwhile
+    early = threading.Timer(_FIRST_SIGN_S, bar, (None,))
+    early.daemon = True
+    early.start()
     try:
         yield update
     finally:
-        for bar in bars:
-            bar.close()
+        early.cancel()
+        with lock:
+            for b in bars:
+                b.close()
 
 
 def _shown(text) -> str:
@@ -106,7 +121,18 @@ _REPLACE_HELP = ("Delete the {what} once the output is written, synced, read bac
                  "(without it nothing is deleted).")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """Ctrl-C anywhere in a command (importing torch, reading the input) is the one line and exit 130 that
+    ``_run`` gives, not click's ``Aborted!`` and exit 1."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (KeyboardInterrupt, click.exceptions.Abort):
+            _fail("interrupted; no output was written", 130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptq")
 def main():
     """Shrink the Adam state in PyTorch checkpoints to blockwise 8-bit (or 4-bit) safetensors, and back.
@@ -144,6 +170,8 @@ def parse_size(text: str) -> int:
 
 
 def _report(r, quiet: bool, as_json: bool) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun the ranks share one job: rank 0 reports it
+        return
     if as_json:
         click.echo(json.dumps(r.as_dict(), indent=1))
     elif not quiet:
@@ -155,9 +183,10 @@ def _report(r, quiet: bool, as_json: bool) -> None:
 @main.command(short_help="Store Adam moments at 8 or 4 bits per value.")
 @click.argument("src", type=click.Path())
 @click.option("-o", "--output", help="Output path (default: SRC with .q8.safetensors, or .q4, beside it).")
-@click.option("--bits", default=8, show_default=True, type=int,
+@click.option("--bits", default=None, type=int,
               help="Bits per value of the moments: 8, or 4 (half the size: the first moment's ratio in 6 bits, "
-                   "the second moment in 2; SRC may also be a converted file).")
+                   "the second moment in 2; SRC may also be a converted file). Default: 8, or 4 for 4-bit "
+                   "input state (torchao's AdamW4bit): never wider than the input's.")
 @click.option("--block-size", default=None, type=int,
               help="Values per absmax scale: a power of two, 64..4096 (default: 256 for 8 bits, 128 for 4).")
 @click.option("--min-size", default=DEFAULT_MIN_SIZE, show_default=True, type=int,

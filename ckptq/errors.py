@@ -27,7 +27,11 @@ class InputError(CkptqError):
 
 class NothingToConvertError(InputError):
     """The input holds nothing ``convert`` would store: its state is converted already, or it holds no
-    optimizer state (``convert --all`` passes over such checkpoints)."""
+    optimizer state (``convert --all`` passes over such checkpoints, naming ``reason`` for each)."""
+
+    def __init__(self, message: str, reason: str = "nothing to convert"):
+        super().__init__(message)
+        self.reason = reason
 
 
 class OutputExistsError(CkptqError):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from ckptq import cli
 from ckptq.cli import main
 from conftest import tensors
 
@@ -212,3 +213,53 @@ def test_converting_a_converted_file_or_a_bad_level_fails_before_any_work(traine
     assert r.exit_code == 3 and "ckptq expand" in r.output
     r = run("convert", path, "-o", tmp_path / "z.safetensors", "--compress", "--level", 50)
     assert r.exit_code == 2 and "level from 1 to 22" in r.output and not (tmp_path / "z.safetensors").exists()
+
+
+def test_ctrl_c_before_any_work_is_one_line_and_130(trained_ckpt, monkeypatch):
+    """Ctrl-C while the command still imports torch or reads the input (outside the library call): the
+    line docs/usage.md promises, not click's "Aborted!" and exit 1."""
+    import ckptq
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckptq, "info", interrupted)
+    monkeypatch.setattr(cli, "_run", lambda fn, *a, **k: fn(*a, **k))  # the interrupt lands outside _run
+    r = run("info", trained_ckpt[0])
+    assert r.exit_code == 130 and r.output == "ckptq: error: interrupted; no output was written\n", r.output
+
+
+def test_a_slow_start_shows_its_progress_bar_early(monkeypatch):
+    """Reading and planning a large input takes seconds before the first byte is written: the (erased on
+    close) bar appears after _FIRST_SIGN_S, not with the first write."""
+    import time
+
+    made = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+            self.n, self.total = 0, kwargs["total"]
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            made.append("closed")
+
+    monkeypatch.setattr("tqdm.tqdm", Bar)
+    monkeypatch.setattr(cli, "_FIRST_SIGN_S", 0.01)
+    with cli._progress(False, "convert") as update:
+        time.sleep(0.3)  # planning
+        assert len(made) == 1 and made[0]["total"] is None and made[0]["leave"] is False
+        update(5, 10)
+    assert made[1:] == ["closed"]
+
+
+def test_under_torchrun_only_rank_0_prints_the_summary(trained_ckpt, tmp_path, monkeypatch):
+    path = trained_ckpt[0]
+    monkeypatch.setenv("RANK", "1")
+    r = run("convert", path, "-o", tmp_path / "r1.q8.safetensors")
+    assert r.exit_code == 0 and r.output == ""
+    monkeypatch.setenv("RANK", "0")
+    assert "wrote" in run("convert", path, "-o", tmp_path / "r0.q8.safetensors").output

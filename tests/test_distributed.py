@@ -531,6 +531,45 @@ def test_adamw4bit_resumes_from_fp32_and_converted_4bit_dcp_folders(tmp_path, sh
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+def test_a_converted_dcp_folder_loads_into_the_bundled_optimizer_with_a_plain_dcp_load(tmp_path, bits):
+    """torch AdamW's folder (a 512 x 128 embedding) converted at --bits 8 or 4 holds the optimizer's own widths
+    (8 + 8, 4 + 4): a plain dcp.load into AdamW8bit / AdamW4bit takes every part as stored (at 4 bits a file's
+    6 + 2 split gave "Size mismatch ... [512, 96] vs [512, 64] ... exp_avg.codes"), and it steps on."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptq.optim import AdamW4bit, AdamW8bit
+
+    torch.manual_seed(0)
+    plain = [torch.nn.Parameter(torch.randn(512, 128))]
+    ref = torch.optim.AdamW(plain, lr=1e-2)
+    for _ in range(3):
+        plain[0].grad = torch.randn(512, 128)
+        ref.step()
+    dcp.save({"optim": _str_ids(ref.state_dict())}, checkpoint_id=str(tmp_path / "f"), no_dist=True)
+    assert _cli("convert", tmp_path / "f", "--bits", bits, "-q").exit_code == 0
+    folder = dcp.FileSystemReader(str(tmp_path / f"f.q{bits}")).read_metadata().state_dict_metadata
+    assert folder["optim.state.0.exp_avg.codes"].size == torch.Size([512, 128 * bits // 8])
+    params = [torch.nn.Parameter(plain[0].detach().clone())]
+    opt = (AdamW8bit if bits == 8 else AdamW4bit)(params, lr=1e-2, min_size=1024)
+    params[0].grad = torch.zeros_like(params[0])
+    opt.step()
+    template = {"optim": _str_ids(opt.state_dict())}
+    dcp.load(template, checkpoint_id=str(tmp_path / f"f.q{bits}"), no_dist=True)
+    opt.load_state_dict({"state": {int(k): v for k, v in template["optim"]["state"].items()},
+                         "param_groups": [{**g, "params": [int(i) for i in g["params"]]}
+                                          for g in template["optim"]["param_groups"]]})
+    state = opt.state[params[0]]
+    assert float(state["step"]) == 3.0 and state["exp_avg"]["bits"] == state["exp_avg_sq"]["bits"] == bits
+    dense = quant.dequantize_states({k: state[k] for k in ("exp_avg", "exp_avg_sq")})
+    want = ref.state[plain[0]]
+    for k in ("exp_avg", "exp_avg_sq"):  # one rounding away from torch's fp32 moments
+        assert torch.allclose(dense[k], want[k], rtol=0.3 if bits == 4 else 0.05, atol=0.05 * float(want[k].abs().max()))
+    params[0].grad = torch.randn(512, 128)
+    opt.step()
+    assert torch.isfinite(params[0]).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 def test_info_predicts_what_convert_writes_for_a_small_dcp_folder(tmp_path, bits):
     """info's would_write for a DCP folder counts what FileSystemWriter adds per entry (torch.save records,
     .metadata), most of a small folder's size: within 3% of what convert then writes; the moments kept exact

@@ -11,6 +11,7 @@ import torch
 from click.testing import CliRunner
 from conftest import TinyLM, param_groups, train
 
+from ckptq.codec import signpost
 from ckptq.sources import readback, single
 from ckptq.cli import main
 from ckptq.optim import AdamW8bit
@@ -78,7 +79,11 @@ def test_trainer_folder_convert_expand_replace_round_trip(tmp_path):
     original = torch.load(d / "optimizer.pt", weights_only=True)
     r = run("convert", d, "--replace")
     assert r.exit_code == 0 and "removed" in r.output, r.output
-    assert sorted(os.listdir(d)) == sorted([*others, "optimizer.q8.safetensors"])
+    # a signpost takes optimizer.pt's name: a stock Trainer stops at it instead of starting a fresh optimizer
+    assert sorted(os.listdir(d)) == sorted([*others, "optimizer.pt", "optimizer.q8.safetensors"])
+    with pytest.raises(ValueError, match=r"could not convert string to float: b'ckptq: the optimizer state of "
+                                         r"checkpoint-4 is in optimizer\.q8\.safetensors.*`ckptq expand checkpoint-4`"):
+        torch.optim.AdamW(param_groups(TinyLM()), lr=1e-2).load_state_dict(torch.load(d / "optimizer.pt"))
     assert {n: h for n, h in digests(d).items() if n in others} == others  # other files untouched
     info = json.loads(run("info", d, "--json").output)
     assert info["type"] == "folder" and info["details"]["framework"] == "Trainer"
@@ -112,6 +117,10 @@ def test_accelerate_folder_with_two_optimizers(tmp_path):
     rep = json.loads(r.output)
     assert sorted(map(os.path.basename, rep["outputs"])) == ["optimizer.q8.safetensors", "optimizer_1.q8.safetensors"]
     assert sorted(map(os.path.basename, rep["removed"])) == ["optimizer.bin", "optimizer_1.bin"]
+    for name in ("optimizer.bin", "optimizer_1.bin"):  # signposts: accelerate's load_state stops at them
+        with pytest.raises(ValueError, match=rf"ckptq: the optimizer state of acc is in {name[:-4]}\.q8\.safetensors"
+                                             r".*`ckptq expand acc --replace`"):
+            torch.optim.AdamW(param_groups(TinyLM()), lr=1e-2).load_state_dict(torch.load(d / name))
     assert run("expand", d, "--replace").exit_code == 0
     assert sorted(os.listdir(d)) == sorted([*others, "optimizer.bin", "optimizer_1.bin"])
     assert {n: h for n, h in digests(d).items() if n in others} == others
@@ -123,11 +132,16 @@ def test_lightning_folder_and_its_optimizer_states_list(tmp_path):
     lightning_ckpt(d / "epoch=0-step=3.ckpt")
     info = json.loads(run("info", d, "--json").output)
     assert info["details"]["framework"] == "Lightning" and info["parts"][0]["details"]["optimizers"] == "optimizer_states/0"
+    size = os.path.getsize(d / "epoch=0-step=3.ckpt")
     assert run("convert", d, "--replace").exit_code == 0
-    assert os.listdir(d) == ["epoch=0-step=3.q8.safetensors"]
-    assert json.loads(run("info", d, "--json").output)["details"]["framework"] == "Lightning"  # by the source it records
+    # converted in place: the name Lightning resumes from stays, its optimizer states carried by signposts
+    assert os.listdir(d) == ["epoch=0-step=3.ckpt"] and os.path.getsize(d / "epoch=0-step=3.ckpt") < 0.7 * size
+    saved = torch.load(d / "epoch=0-step=3.ckpt", weights_only=True)
+    assert signpost.carries(saved["optimizer_states"][0]) and saved["global_step"] == 3
+    assert json.loads(run("info", d, "--json").output)["details"]["framework"] == "Lightning"
     text = run("info", d).output
-    assert "(Lightning checkpoint folder)" in text and "optimizer files: 1" in text and "created by: ckptq" in text
+    assert "(Lightning checkpoint folder)" in text and "optimizer files: 1" in text and "stored by ckptq" in text
+    one_line_error(run("convert", d), 3, "already")
     assert run("expand", d, "--replace").exit_code == 0
     assert os.listdir(d) == ["epoch=0-step=3.ckpt"]
     back = torch.load(d / "epoch=0-step=3.ckpt", weights_only=True)
@@ -143,9 +157,9 @@ def test_several_or_no_candidates_are_one_line_errors_that_say_what_to_pass(tmp_
     lt = tmp_path / "lt"
     lt.mkdir()
     lightning_ckpt(lt / "epoch=0-step=3.ckpt")
-    lightning_ckpt(lt / "last.ckpt")
-    one_line_error(run("convert", lt), 2, "2 candidates (epoch=0-step=3.ckpt, last.ckpt)", f"ckptq convert {lt}/")
-    assert run("convert", lt / "last.ckpt", "-q").exit_code == 0  # the file itself, as the error says
+    lightning_ckpt(lt / "last.ckpt")  # a Lightning checkpoints/ folder of several: a run, as the error says
+    one_line_error(run("convert", lt), 2, "2 checkpoint", f"ckptq convert {lt} --all")
+    assert run("convert", lt / "last.ckpt", "-q").exit_code == 0  # the file itself
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "notes.txt").write_text("x")
@@ -163,7 +177,7 @@ def test_expand_of_a_plain_folder_restores_the_recorded_name(trained_ckpt, tmp_p
     path, _, _ = trained_ckpt  # nanoGPT's out/ckpt.pt
     assert run("convert", path, "--replace", "-q").exit_code == 0
     info = json.loads(run("info", tmp_path, "--json").output)
-    assert info["details"]["framework"] == "plain" and [f["type"] for f in info["parts"]] == ["converted"]
+    assert info["details"]["framework"] == "nanoGPT" and [f["type"] for f in info["parts"]] == ["converted"]
     assert run("expand", tmp_path, "--replace", "-q").exit_code == 0
     assert os.listdir(tmp_path) == ["ckpt.pt"] and torch.load(path, weights_only=True)["iter_num"] == 20
 
@@ -263,7 +277,7 @@ def test_a_bad_readback_during_expand_replace_keeps_the_converted_file(tmp_path,
     monkeypatch.setattr(readback, "_materialize", wrong)
     r = run("expand", d, "--replace")
     assert r.exit_code == 5 and "does not read back" in r.output and len(r.output.strip().splitlines()) == 1
-    assert digests(d) == before  # optimizer.q8.safetensors kept, the bad optimizer.pt removed
+    assert digests(d) == before  # optimizer.q8.safetensors and the signpost kept, the bad optimizer.pt removed
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -281,9 +295,13 @@ def test_accelerate_fsdp_dcp_subfolder_goes_to_the_dcp_code(tmp_path):
     dcp.save(sd, checkpoint_id=d / "optimizer_0", no_dist=True)
     r = run("convert", d, "--replace")  # read back and checked, then the fp32 folder goes
     assert r.exit_code == 0 and "removed" in r.output and (d / "optimizer_0.q8" / ".metadata").exists()
-    assert not (d / "optimizer_0").exists()
-    assert run("expand", d).exit_code == 0
+    assert signpost.is_signpost_folder(str(d / "optimizer_0"))  # where accelerate's load_state looks
     back = {"optimizer": {"state": {"w": {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(m),
                                           "exp_avg_sq": torch.zeros_like(v)}}, "param_groups": groups}}
+    with pytest.raises(BaseException, match=r"invalid literal for int\(\) with base 10: 'ckptq: optimizer_0 went to "
+                                            r"optimizer_0\.q8 \(8-bit Adam state\); for fp32: ckptq expand"):
+        dcp.load(back, checkpoint_id=d / "optimizer_0", no_dist=True)  # accelerate's FSDP load, stopped
+    one_line_error(run("info", d / "optimizer_0"), 3, "is a signpost")
+    assert run("expand", d).exit_code == 0  # over the signpost, no --force
     dcp.load(back, checkpoint_id=d / "optimizer_0", no_dist=True)
     torch.testing.assert_close(back["optimizer"]["state"]["w"]["exp_avg_sq"], v, rtol=0.1, atol=1e-12)

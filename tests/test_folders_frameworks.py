@@ -1,6 +1,7 @@
-"""Checkpoint folders written by the real frameworks: ``ckptq convert DIR --replace`` then ``ckptq expand
-DIR --replace``, and the framework's own stock resume reads the result (tiny models built from configs, no
-downloads; each test is skipped where its framework is not installed)."""
+"""Checkpoint folders written by the real frameworks: ``ckptq convert DIR --replace``, after which the
+framework's own stock resume stops with ckptq's message (a signpost, or the file converted in place, keeps
+the name it loads), then ``ckptq expand DIR --replace``, after which the stock resume reads the result
+(tiny models built from configs, no downloads; each test is skipped where its framework is not installed)."""
 
 import os
 import shutil
@@ -18,12 +19,16 @@ def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
-def round_trip(folder, optimizer_names):
-    """convert DIR --replace, expand DIR --replace: the optimizer files are back, every other file untouched."""
+def round_trip(folder, optimizer_names, stock_resume, message):
+    """convert DIR --replace: every optimizer file's name still there, and ``stock_resume()`` (the framework's
+    own) stops with ``message`` (a regex), never a fresh optimizer; expand DIR --replace: the optimizer files
+    are back, every other file untouched."""
     others = {n: (folder / n).read_bytes() for n in os.listdir(folder) if n not in optimizer_names and (folder / n).is_file()}
     r = run("convert", folder, "--replace")
     assert r.exit_code == 0, r.output
-    assert not set(optimizer_names) & set(os.listdir(folder))
+    assert set(optimizer_names) <= set(os.listdir(folder))
+    with pytest.raises(ValueError, match=message):
+        stock_resume()
     r = run("expand", folder, "--replace")
     assert r.exit_code == 0, r.output
     assert sorted(os.listdir(folder)) == sorted([*others, *optimizer_names])
@@ -63,7 +68,9 @@ def test_hf_trainer_checkpoint_round_trip_and_stock_resume(tmp_path):
     ckpt = tmp_path / "out" / "checkpoint-2"
     control = tmp_path / "control"
     shutil.copytree(ckpt, control)
-    round_trip(ckpt, ["optimizer.pt"])
+    round_trip(ckpt, ["optimizer.pt"], lambda: trainer(3).train(resume_from_checkpoint=str(ckpt)),
+               r"b'ckptq: the optimizer state of checkpoint-2 is in optimizer\.q8\.safetensors.*CkptqTrainer.*"
+               r"`ckptq expand checkpoint-2`")
     resumed = {}
     for name, folder in (("ckptq", ckpt), ("fp32", control)):
         t = trainer(3)
@@ -93,7 +100,9 @@ def test_accelerate_save_state_with_two_optimizers_round_trip_and_load_state(tmp
         o2.zero_grad()
     acc.save_state(str(tmp_path / "state"))
     want = [o1.state_dict(), o2.state_dict()]
-    round_trip(tmp_path / "state", ["optimizer.bin", "optimizer_1.bin"])
+    round_trip(tmp_path / "state", ["optimizer.bin", "optimizer_1.bin"],
+               lambda: setup()[0].load_state(str(tmp_path / "state")),
+               r"b'ckptq: the optimizer state of state is in optimizer\.q8\.safetensors.*`ckptq expand state --replace`")
     acc, m1b, m2b, o1b, o2b = setup()
     acc.load_state(str(tmp_path / "state"))
     assert torch.equal(m1b.weight, m1.weight)
@@ -129,7 +138,8 @@ def test_lightning_checkpoint_folder_round_trip_and_fit_resume(tmp_path):
     folder = tmp_path / "checkpoints"
     (name,) = os.listdir(folder)
     want = torch.load(folder / name, weights_only=True)["optimizer_states"][0]
-    round_trip(folder, [name])
+    round_trip(folder, [name], lambda: fit(5, str(folder / name)),  # converted in place, under its own name
+               rf"b'ckptq: the optimizer state in {name} is stored 8-bit.*CkptqCheckpointIO.*`ckptq expand {name} --replace`")
     assert_close_states(torch.load(folder / name, weights_only=True)["optimizer_states"][0], want)
     trainer = fit(5, str(folder / name))
     assert trainer.global_step == 5

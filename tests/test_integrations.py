@@ -73,10 +73,13 @@ def test_store_8bit_round_trips_through_torch_save(tmp_path, cls):
     fresh.load_state_dict(saved)
     if cls is AdamW8bit:  # stored as it is
         assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"]["codes"], saved["state"][0]["exp_avg"]["codes"])
-    else:  # fp32 moments again, equal to the 8-bit state decoded
+    else:  # fp32 moments again, equal to the 8-bit state decoded; saved as a signpost carrying it
+        assert signpost.carries(saved)
         state = fresh.state[fresh.param_groups[0]["params"][0]]
         assert state["exp_avg"].dtype == torch.float32
-        assert torch.equal(state["exp_avg_sq"], to_torch_state_dict(saved)["state"][0]["exp_avg_sq"])
+        assert torch.equal(state["exp_avg_sq"], to_torch_state_dict(saved[signpost.CARRIED])["state"][0]["exp_avg_sq"])
+        with pytest.raises(ValueError, match="b'ckptq: this optimizer state was saved 8-bit"):
+            torch.optim.AdamW(fresh.param_groups[0]["params"]).load_state_dict(saved)  # without store_8bit
 
 
 # torchao's AdamW8bit/AdamW4bit: their states move into ckptq's qstate form and back without a bit changed.

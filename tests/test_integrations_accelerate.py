@@ -17,6 +17,7 @@ import ckptq  # noqa: E402
 from ckptq.codec import quant  # noqa: E402
 from ckptq import info  # noqa: E402
 from ckptq.integrations.accelerate import store_8bit  # noqa: E402
+from ckptq.codec import signpost  # noqa: E402
 from ckptq.codec.quant import count_qstates  # noqa: E402
 
 STEPS, SAVE = 8, 4
@@ -74,8 +75,26 @@ def test_accelerate_save_state_stores_8bit_and_resumes(tmp_path, optimizer, eage
         else:  # 8-bit storage of fp32 moments: measured gaps <= 1.3e-5 relative; with the moments lost
             assert loss == pytest.approx(before[step], rel=2e-4)  # (zeroed) 6e-3 at step 6, 3.5e-2 at step 8
     if optimizer.startswith("torchao"):  # torchao's own quantized state again, the codes it had saved
-        saved = torch.load(stored, weights_only=True)["state"][0]["exp_avg"]
+        saved = torch.load(stored, weights_only=True)[signpost.CARRIED]["state"][0]["exp_avg"]
         inner = run(optimizer, load=str(tmp_path / "ckpt"), stop=SAVE)[2].optimizer
         resumed = inner.state[inner.param_groups[0]["params"][0]]  # state_dict() would be 8-bit (store_8bit)
         assert type(resumed["exp_avg"]).__name__ == optimizer.split()[1].replace("AdamW", "OptimState")
         assert torch.equal(quant.dequantize_state(saved), resumed["exp_avg"].dequantize())
+
+
+def test_plain_accelerate_stops_at_a_store_8bit_folder_and_resumes_after_expand(tmp_path):
+    """Without store_8bit when loading, load_state stops with ckptq's message (it loaded the 8-bit dicts and
+    failed at the first step with 'dict' object has no attribute 'lerp_'); after `ckptq expand ckpt
+    --replace`, plain accelerate resumes."""
+    before, _, _ = run("torch AdamW", save=str(tmp_path / "ckpt"))
+    plain = accelerate.Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    plain.prepare(model, opt, sched)
+    with pytest.raises(ValueError, match=r"b'ckptq: this optimizer state was saved 8-bit by "
+                                         r"ckptq\.integrations\.accelerate\.store_8bit.*`ckptq expand DIR --replace`"):
+        plain.load_state(str(tmp_path / "ckpt"))
+    assert ckptq.expand(str(tmp_path / "ckpt"), replace=True).outputs == [str(tmp_path / "ckpt" / "optimizer.bin")]
+    plain.load_state(str(tmp_path / "ckpt"))
+    assert float(opt.state_dict()["state"][0]["step"]) == SAVE

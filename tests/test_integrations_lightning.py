@@ -139,3 +139,62 @@ def test_torchao_state_round_trips_through_the_ckpt_exactly(tmp_path, eager_torc
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(restored[key].codes, live[key].codes) and torch.equal(restored[key].scale, live[key].scale)
         assert torch.equal(dequantize_state(stored[key]), live[key].dequantize())
+
+
+def fabric_run(out: str, save: bool = False, load: bool = False, plugins: tuple = (CkptqCheckpointIO(),)) -> dict:
+    """Fabric (what litgpt runs on): 8 steps of the MLP, ``fabric.save`` of {"model", "optimizer", "step"} at
+    step 4 or ``fabric.load`` of it; {step: loss}."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=list(plugins) or None)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, opt = fabric.setup(model, opt)
+    state, path, losses = {"model": model, "optimizer": opt, "step": 0}, os.path.join(out, "fabric.ckpt"), {}
+    if load:
+        fabric.load(path, state)
+    for step in range(state["step"] + 1, 2 * BATCHES + 1):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step))
+        loss = torch.nn.functional.mse_loss(model(x), torch.sin(3 * x))
+        fabric.backward(loss)
+        opt.step(), opt.zero_grad()
+        losses[step], state["step"] = loss.item(), step
+        if step == BATCHES and save:
+            fabric.save(path, state)
+    return losses
+
+
+def test_fabric_saves_8bit_state_through_the_plugin_and_resumes(tmp_path):
+    """Fabric keeps the optimizer under its own key ("optimizer"): stored as a signpost carrying the 8-bit
+    state; the plugin resumes (losses within 8-bit storage's error, measured <= 5e-5 relative), stock Fabric
+    stops at the signpost with ckptq's message."""
+    first = fabric_run(str(tmp_path), save=True)
+    saved = torch.load(tmp_path / "fabric.ckpt", weights_only=True)
+    assert signpost.carries(saved["optimizer"]) and count_qstates(saved["optimizer"]) == 4
+    resumed = fabric_run(str(tmp_path), load=True)
+    assert sorted(resumed) == list(range(BATCHES + 1, 2 * BATCHES + 1))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(first[step], rel=2e-4)
+    with pytest.raises(ValueError, match=r"b'ckptq: the optimizer state under optimizer in fabric\.ckpt is stored 8-bit"
+                                         r".*CkptqCheckpointIO.*`ckptq expand fabric\.ckpt --replace`"):
+        fabric_run(str(tmp_path), load=True, plugins=())
+    r = ckptq.expand(str(tmp_path / "fabric.ckpt"), replace=True)  # back in place: stock Fabric resumes it
+    assert r.outputs == [str(tmp_path / "fabric.ckpt")] and not signpost.carries(
+        torch.load(tmp_path / "fabric.ckpt", weights_only=True)["optimizer"])
+    for step, loss in fabric_run(str(tmp_path), load=True, plugins=()).items():
+        assert loss == pytest.approx(first[step], rel=2e-4)
+
+
+def test_last_ckpt_converted_in_place_stops_stock_lightning_and_resumes_with_the_plugin(tmp_path):
+    """`ckptq convert last.ckpt --replace` keeps the name `fit(ckpt_path="last")` looks for (it found none
+    and trained from step 0): stock Lightning stops with ckptq's message, the plugin resumes the same run."""
+    first = fit("torch AdamW", str(tmp_path / "a"), plugins=())
+    last = str(tmp_path / "a" / f"epoch=0-step={BATCHES}.ckpt")
+    r = ckptq.convert(last, replace=True)
+    assert r.outputs == [last] and r.removed == [last] and os.path.exists(last)
+    with pytest.raises(ValueError, match=rf"b'ckptq: the optimizer state in epoch=0-step={BATCHES}\.ckpt is stored "
+                                         r"8-bit.*CkptqCheckpointIO.*`ckptq expand"):
+        fit("torch AdamW", str(tmp_path / "b"), ckpt_path=last, plugins=())
+    resumed = fit("torch AdamW", str(tmp_path / "c"), ckpt_path=last)
+    check_continues(first.seen, resumed.seen, rel=2e-4)

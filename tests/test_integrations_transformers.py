@@ -157,3 +157,25 @@ def test_ckptq_info_and_expand_read_a_ckptq_trainer_folder(tmp_path):
     assert [os.path.basename(p.path) for p in parts] == [OPTIMIZER_8BIT_NAME] and parts[0].low_bit() > 0
     ckptq.expand(str(ckpt))  # `ckptq expand checkpoint-4`: the fp32 optimizer.pt replaces the signpost
     assert torch.load(ckpt / "optimizer.pt", weights_only=True)["state"][0]["exp_avg"].dtype == torch.float32
+
+
+def test_a_converted_bitsandbytes_run_resumes_in_bitsandbytes_own_form(tmp_path):
+    """A stock Trainer run with optim="adamw_bnb_8bit", its checkpoint converted with --replace: CkptqTrainer
+    hands bitsandbytes its own state1/state2 form again (torch's form made its first step raise
+    KeyError: 'state1'), within 8-bit storage's error (measured <= 4e-6 relative); a stock Trainer stops at the
+    signpost before its first step."""
+    first = make_trainer(str(tmp_path / "a"), "bitsandbytes 8-bit", trainer=transformers.Trainer)
+    first.train()
+    ckpt = tmp_path / "a" / f"checkpoint-{SAVE}"
+    assert ckptq.convert(str(ckpt), replace=True).signposts == [str(ckpt / "optimizer.pt")]
+    resumed = make_trainer(str(tmp_path / "b"), "bitsandbytes 8-bit")
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    check_continues(first, resumed, exact=False)
+    live = resumed.optimizer.optimizer.state[resumed.model.transformer.h[0].attn.c_attn.weight]  # 64 x 192
+    assert live["state1"].dtype == torch.uint8 and live["absmax1"].numel() == live["state1"].numel() // 256
+    embedding = resumed.optimizer.optimizer.state[resumed.model.transformer.wte.weight]
+    assert embedding["state1"].dtype == torch.float32  # Trainer keeps bitsandbytes' embeddings 32-bit
+    stock = make_trainer(str(tmp_path / "c"), "bitsandbytes 8-bit", trainer=transformers.Trainer)
+    with pytest.raises(TypeError, match="can't concat int to bytes"):  # bitsandbytes' step reads the signpost's step
+        stock.train(resume_from_checkpoint=str(ckpt))
+    assert logged(stock, SAVE) == {}

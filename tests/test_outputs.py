@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 import ckptq
 from ckptq.cli import main
+from ckptq.codec import signpost
 from ckptq.errors import InputError
 from ckptq.sources import single
 from test_folders import digests, one_line_error, trainer_folder
@@ -100,7 +101,7 @@ def test_replace_deletes_the_source_it_checked(tmp_path):
 def test_replace_of_a_dcp_folder_checks_the_output_then_removes_the_source(tmp_path):
     src = _dcp_folder(tmp_path / "fp32")
     r = run("convert", src, "-o", tmp_path / "q8", "--replace")
-    assert r.exit_code == 0 and "removed" in r.output and not src.exists()
+    assert r.exit_code == 0 and "removed" in r.output and signpost.is_signpost_folder(str(src))  # stops dcp.load
     r = run("expand", tmp_path / "q8", "-o", tmp_path / "back", "--replace")
     assert r.exit_code == 0 and not (tmp_path / "q8").exists() and (tmp_path / "back" / ".metadata").exists()
 

@@ -39,7 +39,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_RUN = {"fidelity-from-scratch.md"}
 RECIPE = re.compile(r"<!-- recipe: ([\w-]+) -->(.*?)<!-- /recipe -->", re.S)
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
-NAMES_ONLY = {"trainer", "accelerate", "lightning", "trainer-mixin", "accelerate-store", "lightning-plugin", "fsdp2"}
+NAMES_ONLY = {"trainer", "accelerate", "lightning", "trainer-mixin", "accelerate-store", "lightning-plugin", "fsdp2",
+              "fabric"}
 
 
 def _pages():

@@ -19,10 +19,15 @@ look at ``step`` while loading (torchao's) stops at its first step (``TypeError:
 bytes``) before it changes a parameter. The param groups are the real ones so that the group checks
 before that pass.
 
-Lightning keeps the real states in the same ``.ckpt`` under ``ckptq_optimizer_states``; ``unwrap``
-puts them back under ``optimizer_states``, which is what ``ckptq expand`` must do to give a
-checkpoint that stock Lightning resumes. This module imports torch only, so that ``ckptq.sources``
-can use it.
+A signpost may *carry* the state it stands for (``ckptq_state``: the state dict, its moments 8-bit):
+what a file that keeps weights and optimizer together holds once converted in place (a Lightning or
+Fabric ``.ckpt``, litgpt's ``lit_model.pth``: ``ckptq convert FILE --replace``), so that it keeps the name
+the framework's resume looks for. ckptq's readers and integrations put the carried state back
+(``unwrapped``); a stock framework stops at the signpost. Lightning files of ``CkptqCheckpointIO`` keep
+the real states under ``ckptq_optimizer_states`` instead, put back under ``optimizer_states`` by the
+same ``unwrap``, which is what ``ckptq expand`` must do to give a checkpoint that stock Lightning
+resumes. This module imports torch only, so that ``ckptq.sources`` can use it; the messages of every
+signpost ckptq writes are here, so that each names the same fixes.
 """
 
 from __future__ import annotations
@@ -35,18 +40,20 @@ import torch
 from ..errors import InputError
 
 SIGNPOST_KEY = "ckptq_signpost"
+CARRIED = "ckptq_state"  # a signpost's own copy of the state it stands for (a file converted in place)
 LIGHTNING_STATES = "ckptq_optimizer_states"  # [None or the optimizer's state dict as ckptq stores it]
 LIGHTNING_TORCHAO = "ckptq_torchao_optimizers"  # indices of optimizers whose states are torchao's
 _MAX_BYTES = 16 << 20  # a signpost holds param groups only; a larger file is the real state, left unread
 
 
-def make(state_dict: dict, message: str) -> dict:
+def make(state_dict: dict, message: str, carried: dict | None = None) -> dict:
     """The signpost standing in for ``state_dict`` (an optimizer state dict): its param groups, and
     ``message`` as the ``step`` of its first parameter that has state (no state at all: nothing is lost
-    by a fresh optimizer, and the signpost holds none)."""
+    by a fresh optimizer, and the signpost holds none); ``carried``: the state it stands for, kept inside."""
     first = next((pid for g in state_dict["param_groups"] for pid in g["params"] if pid in state_dict["state"]), None)
     state = {} if first is None else {first: {"step": message.encode()}}
-    return {SIGNPOST_KEY: message, "state": state, "param_groups": state_dict["param_groups"]}
+    out = {SIGNPOST_KEY: message, "state": state, "param_groups": state_dict["param_groups"]}
+    return out if carried is None else {**out, CARRIED: carried}
 
 
 def is_signpost(obj: Any) -> bool:
@@ -54,13 +61,47 @@ def is_signpost(obj: Any) -> bool:
 
 
 def is_signpost_file(path: str) -> bool:
-    """Whether ``path`` is a torch.save file holding a signpost (``optimizer.pt`` beside a ckptq file)."""
+    """Whether ``path`` is a torch.save file holding a signpost that holds no state (``optimizer.pt`` beside a
+    ckptq file); one carrying its state is optimizer state (``store_8bit``'s ``optimizer.bin``)."""
     try:
         if os.path.getsize(path) > _MAX_BYTES:
             return False
-        return is_signpost(torch.load(path, map_location="cpu", weights_only=True))
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+        return is_signpost(obj) and not carries(obj)
     except Exception:  # not a torch.save file, damaged, or holding other objects: not a signpost
         return False
+
+
+def carries(obj: Any) -> bool:
+    """A signpost holding the state it stands for (a file converted in place)."""
+    return is_signpost(obj) and isinstance(obj.get(CARRIED), dict)
+
+
+def unwrapped(obj: Any) -> tuple[Any, int]:
+    """``(obj, n)``: ``obj`` with every state ckptq moved aside put back in place (carried by a signpost
+    anywhere inside, or under Lightning's ``ckptq_optimizer_states``), ``n`` how many; in place, except
+    that a carrying signpost at the root is returned as the state it carries."""
+    if carries(obj):
+        return obj[CARRIED], 1
+    n = unwrap(obj)
+    for container in _containers(obj):
+        keys = container.keys() if isinstance(container, dict) else range(len(container))
+        for k in list(keys):
+            if carries(container[k]):
+                container[k] = container[k][CARRIED]
+                n += 1
+    return obj, n
+
+
+def _containers(obj: Any):
+    """Every dict and list inside ``obj`` (itself included), each once."""
+    stack, seen = [obj], set()
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (dict, list)) and id(node) not in seen:
+            seen.add(id(node))
+            yield node
+            stack.extend(node.values() if isinstance(node, dict) else node)
 
 
 def unwrap(checkpoint: dict) -> int:
@@ -80,3 +121,118 @@ def unwrap(checkpoint: dict) -> int:
             checkpoint["optimizer_states"][i] = state_dict
             n += 1
     return n
+
+
+def carrying(obj: Any, message: str, is_stored) -> int:
+    """Replace, in place, each optimizer state dict inside ``obj`` for which ``is_stored(state_dict)`` holds
+    (its moments are low-bit) by a signpost carrying it, the signpost saying ``message``; returns how many.
+    A root that is such a state dict is left to the caller (``make(obj, message, obj)``)."""
+    n = 0
+    for container in list(_containers(obj)):
+        keys = container.keys() if isinstance(container, dict) else range(len(container))
+        for k in list(keys):
+            value = container[k]
+            if _is_state_dict(value) and not is_signpost(value) and is_stored(value):
+                container[k] = make(value, message, value)
+                n += 1
+    return n
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), list)
+
+
+# The messages: each names what happened and both ways on.
+
+def trainer_message(folder: str, stored: str) -> str:
+    """``optimizer.pt`` of a Trainer ``checkpoint-N`` whose state is in ``stored`` (``optimizer.q8.safetensors``)."""
+    return (f"ckptq: the optimizer state of {folder} is in {stored} (ckptq format); this optimizer.pt is a "
+            "signpost that keeps a stock Trainer from starting a fresh optimizer. Resume with "
+            f"ckptq.integrations.transformers.CkptqTrainer, or run `ckptq expand {folder}` to write the fp32 "
+            "optimizer.pt that a stock Trainer reads")
+
+
+def accelerate_message(folder: str, name: str, stored: str) -> str:
+    """``optimizer.bin`` (``name``) of an accelerate ``save_state`` folder whose state is in ``stored``."""
+    return (f"ckptq: the optimizer state of {folder} is in {stored} (ckptq format); this {name} is a signpost "
+            "that stops Accelerator.load_state from resuming without it. Run `ckptq expand "
+            f"{folder} --replace` to write the fp32 {name} that load_state reads")
+
+
+def fabric_message(key: str, name: str) -> str:
+    """The optimizer state under ``key`` of a file that Fabric saved through ``CkptqCheckpointIO``."""
+    return (f"ckptq: the optimizer state under {key} in {name} is stored 8-bit by ckptq; load it with "
+            "Fabric(plugins=[ckptq.integrations.lightning.CkptqCheckpointIO()]), or run "
+            f"`ckptq expand {name} --replace` for a file that stock Fabric resumes")
+
+
+def in_place_message(name: str) -> str:
+    """An optimizer state of a Lightning / Fabric / litgpt file converted in place (``name``)."""
+    return (f"ckptq: the optimizer state in {name} is stored 8-bit by ckptq (converted in place); resume with "
+            "plugins=[ckptq.integrations.lightning.CkptqCheckpointIO()] (Lightning Trainer or Fabric), or run "
+            f"`ckptq expand {name} --replace` for a file that stock Lightning, Fabric or litgpt resumes")
+
+
+# A DCP folder's signpost: torch's FileSystemReader (and OLMo-core's, accelerate's FSDP loading through it)
+# unpickles ``.metadata`` fully, so a signpost folder's ``.metadata`` is a pickle of one call that stops with
+# the message, ``int(MESSAGE)``: ``ValueError: invalid literal for int() with base 10: 'ckptq: ...'``. No code
+# of ckptq's runs there and no data is read; ckptq itself never unpickles it (``is_signpost_folder`` first).
+FOLDER_MARKER = ".ckptq"  # as in every folder ckptq writes (ckptq.dcp.writer.MARKER), here with kind "signpost"
+
+
+class _Stop:
+    def __init__(self, message: str):
+        self.message = message
+
+    def __reduce__(self):
+        return int, (self.message,)
+
+
+def write_folder(path: str, message: str) -> None:
+    """A new folder ``path`` (it must not exist) holding a DCP signpost saying ``message``."""
+    import json
+    import pickle
+
+    os.mkdir(path)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(_Stop(message), f, protocol=2)
+    with open(os.path.join(path, FOLDER_MARKER), "w") as f:
+        json.dump({"created_by": "ckptq", "kind": "signpost", "message": message}, f)
+
+
+def folder_beside(path: str, stored: str) -> str:
+    """A DCP signpost folder for ``path`` (whose state went to the folder ``stored``), written under a temp name
+    beside it, to take its name once it goes (``Original.remove``'s stand-in)."""
+    tmp = f"{path.rstrip('/')}.ckptq-signpost-{os.getpid()}"
+    if is_signpost_folder(tmp):  # one this process left
+        import shutil
+
+        shutil.rmtree(tmp)
+    write_folder(tmp, dcp_message(os.path.basename(path.rstrip("/")), os.path.basename(stored.rstrip("/"))))
+    return tmp
+
+
+def is_signpost_folder(path: str) -> bool:
+    return folder_message(path) is not None
+
+
+def folder_message(path: str) -> str | None:
+    """The message of the DCP signpost folder ``path``; None for any other path."""
+    import json
+
+    marker = os.path.join(path, FOLDER_MARKER)
+    if not (os.path.isdir(path) and os.path.isfile(marker) and os.path.getsize(marker) < 65536):
+        return None
+    try:
+        with open(marker) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(found, dict) and found.get("kind") == "signpost" and isinstance(found.get("message"), str)
+    return found["message"] if ok else None
+
+
+def dcp_message(name: str, stored: str) -> str:
+    """The DCP folder ``name`` (accelerate's ``optimizer_0``, OLMo-core's ``model_and_optim``, a ``step-N``)
+    whose state went to the folder ``stored``; short, as ``int()`` cuts its message at 200 characters."""
+    return f"ckptq: {name} went to {stored} (8-bit Adam state); for fp32: ckptq expand {stored} -o {name}"

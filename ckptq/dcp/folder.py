@@ -7,7 +7,7 @@ The output is a DCP folder that DCP's own tools read. Converting, the Adam momen
 which go low-bit, the first moment as a ratio, the widths of ``--bits``) and the one quantizer
 (``codec.quant``), in the row layout: exactly what ``AdamW8bit``/``AdamW4bit`` under FSDP2 or
 ``ckptq.dcp.SavePlanner`` write, as the parts of a quantized state (``codes``, ``absmax``, ``qmap`` and
-scalars; docs/FORMAT.md). Everything else is copied bit for bit. Expanding does the reverse. A parameter's
+scalars; docs/FORMAT.md). Every low-bit moment has the optimizer's width (``working_width``). Everything else is copied bit for bit. Expanding does the reverse. A parameter's
 moments are read to decide, then again when the writer reaches them, so a process holds about one
 parameter's moments at a time. Under ``torchrun`` each rank takes a share of the parameters and keys and
 ``dcp.save`` merges them into one folder (``ckptq.dcp.source`` joins and leaves the process group).
@@ -162,11 +162,20 @@ def _decide(path: str, p: Plan, bits: int, min_size: int) -> None:
                 found += [f"{key}: {d.exact}, kept exact"] if d.exact not in plan.ORDINARY else []
                 continue
             divisor = (param.roles[d.divisor[0]][0], d.divisor[2]) if d.divisor else None
-            p.stored[key] = Stored(param, d.key, plan.convert_width(d, bits), divisor)
+            p.stored[key] = Stored(param, d.key, working_width(bits), divisor)
             found += [f"{key}: {d.note}"] if d.note else []
     every = gathered((found, len(p.stored)))
     p.warnings = sorted(w for ws, _ in every for w in ws)
     p.quantized = sum(n for _, n in every)
+
+
+def working_width(bits: int) -> int:
+    """The code width of every low-bit moment in a converted DCP folder: the optimizer's own (8 + 8, or 4 + 4
+    as ``AdamW4bit`` keeps them under FSDP2), not a file's 6 + 2 split, so that a plain ``dcp.load`` into
+    ``AdamW8bit`` / ``AdamW4bit`` finds every part in the shape it holds (6-bit codes made it fail with
+    "Size mismatch ... [512, 96] vs [512, 64] ... exp_avg.codes"), and the resumed state is one rounding
+    away from the fp32 moments, not two."""
+    return policy.check_budget(bits)
 
 
 def _parts(src: str, key: str, s: Stored, block_size: int, cache: dict) -> dict:

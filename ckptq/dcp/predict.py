@@ -15,7 +15,6 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
 
-from ..codec import policy
 from ..sources.options import InfoOptions
 from ..sources.reports import InfoReport, StateRow
 from . import folder
@@ -98,7 +97,7 @@ def predict(r: InfoReport, p: folder.Plan, opts: InfoOptions, md) -> None:
         ratio = "exp_avg" in param.roles and "exp_avg_sq" in param.roles
         for role, (key, m) in param.roles.items():
             divides = ratio and role == "exp_avg"
-            width = policy.convert_width(opts.bits, role, ratio=divides, divisor=ratio and role == "exp_avg_sq")
+            width = folder.working_width(opts.bits)
             s = folder.Stored(param, role, width, ("exp_avg_sq", float(param.group.get("eps", 1e-8))) if divides else None)
             change += _added(key, s, opts.block_size, added) - _removed(m)
             removed[key] = m

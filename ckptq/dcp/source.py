@@ -11,7 +11,7 @@ import time
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..codec import policy, quant
+from ..codec import policy, quant, signpost
 from ..format import files
 from ..errors import ReadbackError
 from ..sources import outputs
@@ -86,14 +86,18 @@ class DcpFolder(Source):
 
     def _replace(self, original, outputs_: list[str], expanded: bool) -> list[str]:
         """Check the output against the source, then delete the source (rank 0); a failed check removes the
-        output, and keeps the source."""
+        output, and keeps the source. Converting, a signpost folder takes the source's name (a loader that
+        looks there stops with ckptq's message instead of finding no checkpoint)."""
         try:
             _check(self.path, outputs_[0], expanded)
         except ReadbackError:
             if writer._rank0():
                 files.remove_path(outputs_[0])
             raise
-        return original.remove(outputs_) if writer._rank0() else []
+        if not writer._rank0():
+            return []
+        stand_in = None if expanded else signpost.folder_beside(self.path, outputs_[0])
+        return original.remove(outputs_, stand_in=stand_in)
 
     def convert(self, opts: ConvertOptions) -> ConvertReport:
         t0 = time.perf_counter()
@@ -107,6 +111,7 @@ class DcpFolder(Source):
                                quantized=r["quantized"], kept_small=r["kept_small"], warnings=r["warnings"])
         if original:
             report.removed = self._replace(original, [dst], expanded=False)
+            report.signposts = list(report.removed)
         writer.leave_torchrun()
         report.seconds = time.perf_counter() - t0
         return report

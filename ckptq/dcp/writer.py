@@ -18,6 +18,7 @@ from .compact import CompactSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import __version__
+from ..codec import signpost
 from ..errors import InputError, OutputExistsError
 from ..format import atomic, files
 from . import safe_reader
@@ -113,8 +114,8 @@ def written_by_ckptq(path: str) -> bool:
 
 
 def _check_replaceable(dst: str, force: bool) -> None:
-    if not os.path.lexists(dst):
-        return
+    if not os.path.lexists(dst) or (not os.path.islink(dst) and signpost.is_signpost_folder(dst)):
+        return  # nothing there, or ckptq's signpost standing in for the folder written now
     if not force:
         raise OutputExistsError(f"{dst} exists; pass --force to overwrite it")
     if not written_by_ckptq(dst):

@@ -26,9 +26,11 @@ from typing import Any
 
 import torch
 
-from ..codec import checkpoint, foreign, policy, qstate, quant, tree
+from ..codec import checkpoint, foreign, policy, qstate, quant, signpost, tree
+from ..errors import StateMismatchError
 from ..optim.optimizer import Adam8bit, AdamW8bit
 from ..optim.state_io import to_torch_state_dict
+from . import _bnb
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -86,11 +88,18 @@ def is_torchao_optimizer(optimizer: torch.optim.Optimizer) -> bool:
 
 def for_optimizer(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     """The state dict ``optimizer`` should load: ckptq's optimizers take 8-bit state as stored; torchao's
-    get each moment in their own form (``_torchao_state``); any other (torch's AdamW...) gets every 8-bit
-    state decoded to fp32 (``ckptq.optim.to_torch_state_dict``)."""
+    and bitsandbytes' get each moment in their own form (``_torchao_state``, ``_bnb.state_dict_for``); any
+    other (torch's AdamW...) gets every 8-bit state decoded to fp32 (``ckptq.optim.to_torch_state_dict``).
+    A signpost carrying its state gives that state; one that does not is a StateMismatchError saying
+    where the state went (what a stock framework would have failed on less clearly)."""
+    state_dict = signpost.unwrapped(state_dict)[0]
+    if signpost.is_signpost(state_dict):
+        raise StateMismatchError(state_dict[signpost.SIGNPOST_KEY])
     inner = _inner(optimizer)
     if is_ckptq_optimizer(inner):
         return state_dict
+    if _bnb.is_bnb_optimizer(inner):
+        return _bnb.state_dict_for(inner, state_dict)
     if is_torchao_optimizer(inner):
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         params = dict(zip(saved_ids, (p for g in inner.param_groups for p in g["params"])))

@@ -17,16 +17,18 @@ torch.save file that ``torch.load(weights_only=True)`` reads without torchao and
 ckptq's ``AdamW8bit`` needs nothing of this: its ``state_dict`` is 8-bit already. No import of accelerate
 is needed here; anything that saves ``optimizer.state_dict()`` (a plain ``torch.save`` loop) gets the same.
 
-Back to plain accelerate (no ``store_8bit`` when loading): ``ckptq expand ckpt --replace`` rewrites
-``optimizer.bin`` with fp32 moments under the same name. Without that, an optimizer without the hook
-loads the 8-bit dicts as they are and fails at its first step (``'dict' object has no attribute 'lerp_'``).
+The 8-bit state is saved as a signpost that carries it (``ckptq.codec.signpost``): plain accelerate (no
+``store_8bit`` when loading) stops in ``load_state`` with ``ValueError: could not convert string to float:
+b'ckptq: ...'`` naming the fixes, where it used to load the 8-bit dicts and fail at the first step (``'dict'
+object has no attribute 'lerp_'``). Back to plain accelerate: ``ckptq expand ckpt --replace`` rewrites
+``optimizer.bin`` with fp32 moments under the same name.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..codec import policy
+from ..codec import policy, signpost
 from . import _state
 
 
@@ -39,7 +41,19 @@ def store_8bit(optimizer: torch.optim.Optimizer, *, block_size: int = 256,
     returned unchanged (its state is 8-bit already)."""
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
     if not _state.is_ckptq_optimizer(inner):
-        inner.register_state_dict_post_hook(
-            lambda opt, state_dict: _state.stored_8bit(state_dict, block_size=block_size, min_size=min_size)[0])
+        inner.register_state_dict_post_hook(lambda opt, state_dict: _signposted(
+            *_state.stored_8bit(state_dict, block_size=block_size, min_size=min_size)))
         inner.register_load_state_dict_pre_hook(_state.for_optimizer)
     return optimizer
+
+
+MESSAGE = ("ckptq: this optimizer state was saved 8-bit by ckptq.integrations.accelerate.store_8bit; call "
+           "store_8bit(optimizer) after accelerator.prepare and before load_state, or run `ckptq expand DIR --replace` "
+           "for the fp32 optimizer.bin that plain accelerate loads")
+
+
+def _signposted(state_dict: dict, count: int) -> dict:
+    """A state dict with 8-bit states as a signpost carrying it: plain accelerate's load_state stops at it
+    with ``MESSAGE`` (it loaded the 8-bit dicts and failed at the first step: 'dict' object has no attribute
+    'lerp_'); ``for_optimizer`` takes the carried state."""
+    return signpost.make(state_dict, MESSAGE, state_dict) if count else state_dict

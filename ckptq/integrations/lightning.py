@@ -1,8 +1,16 @@
-"""Lightning checkpoints with ``optimizer_states`` stored 8-bit inside the ``.ckpt``.
+"""Lightning and Fabric checkpoints with the optimizer states stored 8-bit inside the ``.ckpt``.
 
     from ckptq.integrations.lightning import CkptqCheckpointIO
     trainer = lightning.Trainer(..., plugins=[CkptqCheckpointIO()])
     trainer.fit(model, data, ckpt_path="last")           # resumes from the 8-bit state
+    fabric = lightning.Fabric(..., plugins=[CkptqCheckpointIO()])   # Fabric (and so litgpt): the same plugin
+    fabric.save(path, {"model": model, "optimizer": optimizer})     # fabric.load(path, state) resumes
+
+Fabric saves each optimizer's state under a key of its own (``"optimizer"``), not in ``optimizer_states``:
+each such top-level state dict is stored as a signpost carrying its 8-bit state (``ckptq.codec.signpost``),
+which stock Fabric stops at (``ValueError: could not convert string to float: b'ckptq: ...'``) and this
+plugin puts back. Files that ``ckptq convert FILE --replace`` converted in place hold the same signposts,
+and this plugin resumes them too.
 
 Saving, each fp32 Adam moment of an optimizer state becomes ckptq's 8-bit state dict (``ckptq
 convert``'s plan: codes, scales and codebook tensors beside PyTorch's state keys), and each state of
@@ -34,11 +42,12 @@ except ImportError as e:
     raise ImportError(f"ckptq.integrations.lightning needs Lightning ({e}); pip install lightning") from e
 
 from ..codec import foreign, policy, quant, signpost
-from ..codec.checkpoint import iter_tensors
+from ..codec.checkpoint import is_optimizer_state, iter_tensors
 from . import _state
 
 # Files of ckptq 0.1 kept the 8-bit states in optimizer_states and listed here those to decode on load.
 FP32_KEY = "ckptq_fp32_optimizer_states"
+TORCHAO_FLAG = "ckptq_torchao"  # in a Fabric signpost: the state it carries is torchao's, kept exact
 
 
 class CkptqCheckpointIO(TorchCheckpointIO):
@@ -50,9 +59,24 @@ class CkptqCheckpointIO(TorchCheckpointIO):
         self.block_size, self.min_size = block_size, min_size
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        if checkpoint.get("optimizer_states"):  # a weights-only checkpoint has none
-            checkpoint = {**checkpoint, **self._stored(checkpoint["optimizer_states"], os.path.basename(str(path)))}
+        name = os.path.basename(str(path))
+        if checkpoint.get("optimizer_states"):  # Lightning's Trainer (a weights-only checkpoint has none)
+            checkpoint = {**checkpoint, **self._stored(checkpoint["optimizer_states"], name)}
+        checkpoint = {**checkpoint, **self._fabric_stored(checkpoint, name)}
         super().save_checkpoint(checkpoint, path, storage_options)
+
+    def _fabric_stored(self, checkpoint: dict, name: str) -> dict:
+        """Fabric's ``fabric.save(path, {"model": ..., "optimizer": ...})``: each optimizer state dict at the
+        top level (under any key) as a signpost carrying its 8-bit state, torchao's flagged for the load."""
+        out = {}
+        for key, value in checkpoint.items():
+            if key == "optimizer_states" or not is_optimizer_state(value) or signpost.is_signpost(value):
+                continue
+            copy, count = _state.stored_8bit(value, block_size=self.block_size, min_size=self.min_size)
+            if count:
+                out[key] = signpost.make(copy, signpost.fabric_message(key, name), copy)
+                out[key][TORCHAO_FLAG] = any(foreign.is_torchao(t) for t in iter_tensors(value["state"]))
+        return out
 
     def _stored(self, states: list, name: str) -> dict:
         """``optimizer_states`` with a signpost for each state stored in another form, and those states."""
@@ -73,7 +97,14 @@ class CkptqCheckpointIO(TorchCheckpointIO):
         for i, state_dict in enumerate(checkpoint.get(signpost.LIGHTNING_STATES, ())):
             if state_dict is not None:
                 _state.restored(state_dict, torchao=i in torchao)
-        signpost.unwrap(checkpoint)
+        for key, value in checkpoint.items():  # Fabric's keys, and files `ckptq convert --replace` wrote in place
+            if signpost.carries(value):
+                _state.restored(value[signpost.CARRIED], torchao=bool(value.get(TORCHAO_FLAG)))
+        for states in (checkpoint.get("optimizer_states"),):
+            for value in states if isinstance(states, list) else ():
+                if signpost.carries(value):
+                    _state.restored(value[signpost.CARRIED], torchao=False)
+        checkpoint = signpost.unwrapped(checkpoint)[0]
         for i in checkpoint.pop(FP32_KEY, ()):
             quant.decode_qstates(checkpoint["optimizer_states"][i])
         return checkpoint
@@ -83,3 +114,23 @@ def _signpost_message(index: int, name: str) -> str:
     return (f"ckptq: the state of optimizer {index} is stored under ckptq_optimizer_states in {name}, not in "
             "optimizer_states; resume with plugins=[ckptq.integrations.lightning.CkptqCheckpointIO()], or run "
             f"`ckptq expand {name} -o OUT.ckpt` for a checkpoint that Lightning resumes without ckptq")
+
+
+def store_8bit_in_fabric() -> None:
+    """From now on every ``lightning.Fabric`` made without a CheckpointIO plugin gets ``CkptqCheckpointIO``:
+    the one line for code that builds its Fabric itself (litgpt: ``python -m ckptq.integrations.litgpt``)."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+    if getattr(Fabric.__init__, "_ckptq", False):
+        return
+    original = Fabric.__init__
+
+    def init(self, *args, plugins=None, **kwargs):
+        given = list(plugins) if isinstance(plugins, (list, tuple)) else [] if plugins is None else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in given):
+            given.append(CkptqCheckpointIO())
+        original(self, *args, plugins=given, **kwargs)
+
+    init._ckptq = True
+    Fabric.__init__ = init

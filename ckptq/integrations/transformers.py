@@ -47,6 +47,7 @@ from ..codec import signpost
 from . import _state
 
 OPTIMIZER_8BIT_NAME = "optimizer.q8.safetensors"
+OPTIMIZER_4BIT_NAME = "optimizer.q4.safetensors"
 
 
 class CkptqTrainerMixin:
@@ -69,13 +70,15 @@ class CkptqTrainerMixin:
             torch.save(signpost.make(state, _signpost_message(output_dir)), plain)
         else:  # stored as the optimizer keeps it: Trainer's own file, which a stock Trainer resumes
             torch.save(state, plain)
-            if os.path.isfile(stored):  # a folder saved over keeps no stale 8-bit copy, which resuming would prefer
-                os.remove(stored)
+            for stale in (stored, os.path.join(output_dir, OPTIMIZER_4BIT_NAME)):
+                if os.path.isfile(stale):  # a folder saved over keeps no stale 8-bit copy, which resuming would prefer
+                    os.remove(stale)
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        path = os.path.join(checkpoint, OPTIMIZER_8BIT_NAME) if checkpoint else None
-        if not (path and os.path.isfile(path) and self._ckptq_applies()):
+        names = (OPTIMIZER_8BIT_NAME, OPTIMIZER_4BIT_NAME)  # what CkptqTrainer or `ckptq convert [--bits 4]` wrote
+        path = next((p for n in names if checkpoint and os.path.isfile(p := os.path.join(checkpoint, n))), None)
+        if not (path and self._ckptq_applies()):
             return super()._load_optimizer_and_scheduler(checkpoint)
         state = api.load(path)
         self.optimizer.load_state_dict(_state.for_optimizer(self.optimizer, state))
@@ -83,11 +86,7 @@ class CkptqTrainerMixin:
 
 
 def _signpost_message(output_dir: str) -> str:
-    folder = os.path.basename(os.path.normpath(output_dir))
-    return (f"ckptq: the optimizer state of {folder} is in {OPTIMIZER_8BIT_NAME} (ckptq format); this optimizer.pt is "
-            "a signpost that keeps a stock Trainer from starting a fresh optimizer. Resume with "
-            f"ckptq.integrations.transformers.CkptqTrainer, or run `ckptq expand {folder}` to write the "
-            "fp32 optimizer.pt that a stock Trainer reads")
+    return signpost.trainer_message(os.path.basename(os.path.normpath(output_dir)), OPTIMIZER_8BIT_NAME)
 
 
 class CkptqTrainer(CkptqTrainerMixin, Trainer):

@@ -10,8 +10,8 @@ import os
 
 from .. import format
 from ..format.identify import kind_of
-from ..codec import checkpoint, policy, quant, tree
-from ..errors import InputError
+from ..codec import checkpoint, policy, quant, signpost, tree
+from ..errors import InputError, NothingToConvertError
 from . import folders
 from .base import Source
 from .framework import FrameworkFolder, RunFolder, checkpoint_folders
@@ -20,14 +20,14 @@ from .reports import ConvertReport, ExpandReport, InfoReport
 from .single import ConvertedFile, ForeignSafetensors, TorchFile, save  # noqa: F401  (ckptq.save)
 
 
-def convert(src: str, dst: str | None = None, *, bits: int = 8, block_size: int | None = None,
+def convert(src: str, dst: str | None = None, *, bits: int | None = None, block_size: int | None = None,
             min_size: int = policy.DEFAULT_MIN_SIZE, key: str | None = None, device: str = "auto",
             backend: str = "auto", compress_level: int | None = None, compress_threads: int = 0,
             max_shard_size: int | None = DEFAULT_MAX_SHARD_SIZE, force: bool = False, trust: bool = False,
             replace: bool = False, all: bool = False, keep_last: int = 0,
             progress: Progress | None = None) -> ConvertReport:
     """Store the fp32 Adam moments in ``src`` at ``bits`` bits per value (8, or 4: a 6-bit ratio over a 2-bit
-    second moment): a torch.save file or a converted file (re-encoded 8 <-> 4) -> safetensors; a Trainer /
+    second moment; None: 8, or 4 where the input's state is 4-bit, torchao's AdamW4bit, never wider): a torch.save file or a converted file (re-encoded 8 <-> 4) -> safetensors; a Trainer /
     accelerate / Lightning checkpoint folder: its optimizer files, each beside its original; a DCP folder ->
     a DCP folder; a DeepSpeed ZeRO checkpoint: its rank files beside them; with ``all``, every checkpoint
     folder of a run's output folder but the newest ``keep_last``. ``block_size``: values per scale (default
@@ -88,19 +88,24 @@ def detect(path: str, *, run: bool = False) -> Source:
         raise InputError(f"{path}: no such file or folder")
     if run:
         if not (os.path.isdir(path) and checkpoint_folders(path)):
-            raise InputError(f"{path} holds no checkpoint folders (checkpoint-N/, global_stepN/, step-N/) to convert "
-                             "with --all; pass a checkpoint folder or file")
+            raise InputError(f"{path} holds no checkpoint folders (checkpoint-N/, global_stepN/, step-N/, stepN/) nor "
+                             "several Lightning .ckpt files to convert with --all; pass a checkpoint folder or file")
         return RunFolder(path, detect, explicit=True)
     if is_zero_checkpoint(path):
         return DeepSpeedCheckpoint(path)
     if os.path.isdir(path):
+        message = signpost.folder_message(path)
+        if message is not None:  # never unpickled: its .metadata is what stops a stock loader
+            raise NothingToConvertError(f"{path} is a signpost ckptq left in place of a DCP folder: {message}",
+                                        reason="a signpost (converted already)")
         if os.path.isfile(os.path.join(path, ".metadata")):
             from ..dcp.source import DcpFolder  # imports torch.distributed.checkpoint: only for a DCP folder
 
             return DcpFolder(path)
         if not folders.is_checkpoint_folder(path):  # a folder holding one ckptq shard set
             return ConvertedFile(path)
-        if not folders.holds_optimizer_files(path) and len(checkpoint_folders(path)) > 1:
+        members = checkpoint_folders(path)  # a run's folder, with one checkpoint so far or many
+        if members and (not folders.holds_optimizer_files(path) or members[0].endswith(".ckpt")):
             return RunFolder(path, detect, explicit=False)
         return FrameworkFolder(path, detect)
     return _file(path)

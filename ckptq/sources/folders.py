@@ -7,10 +7,14 @@ each one's converted file is called, in both directions.
   beside model.safetensors, scheduler.bin, random_states_0.pkl; with FSDP's sharded state dict an
   ``optimizer_0/`` torch.distributed.checkpoint folder instead (converted by ``ckptq.dcp_folder``).
 - Lightning: ``*.ckpt`` files (``epoch=0-step=100.ckpt``, ``last.ckpt``), torch.save files whose
-  ``optimizer_states`` list holds the optimizer state dicts.
+  ``optimizer_states`` list holds the optimizer state dicts; a ``checkpoints/`` folder of several is a run
+  (``ckptq.sources.framework.checkpoints``).
+- litgpt (Fabric) ``step-00000N/lit_model.pth``: ``{"model", "optimizer", "iter_num", ...}``; nanoGPT-style
+  runs ``checkpoint-N/ckpt.pt``; OLMo-core ``stepN/model_and_optim/``, a DCP folder.
 
 Converted files go beside the originals: ``optimizer.pt`` -> ``optimizer.q8.safetensors`` (``.q4`` at 4
-bits), ``optimizer_0/`` -> ``optimizer_0.q8/``; every other file is left alone. Expand writes back the name the
+bits), ``optimizer_0/`` -> ``optimizer_0.q8/``; with ``--replace`` a ``.ckpt`` or ``.pth`` is converted in
+place instead (``ckptq.sources.inplace``); every other file is left alone. Expand writes back the name the
 framework's resume reads: the source name recorded in the converted file, else the framework's name.
 """
 
@@ -27,29 +31,31 @@ from ..errors import CkptqError, InputError, NothingToConvertError, UsageError
 
 TRAINER_MARKER = "trainer_state.json"
 _ACCELERATE_FILE = re.compile(r"optimizer(_\d+)?\.bin")
-_ACCELERATE_DCP = re.compile(r"optimizer(_\d+)?")
+_ACCELERATE_DCP = re.compile(r"optimizer(_\d+)?|model_and_optim")  # accelerate's FSDP, OLMo-core's
+IN_PLACE = (".ckpt", ".pth")  # --replace converts these in place: Lightning / Fabric files, litgpt's lit_model.pth
+_RUN_FILES = ("lit_model.pth", "ckpt.pt")  # litgpt (Fabric), nanoGPT-style runs: weights and optimizer
 _OPTIMIZER_STEM = re.compile(r"optimizer(_\d+)?")  # one checkpoint may hold several of these (accelerate)
 # one file, a sharded set's index; at 8 or 4 bits
 _CONVERTED = tuple(f".q{bits}{suffix}" for suffix in (format.SUFFIX, format.INDEX_SUFFIX) for bits in (8, 4))
 _WIDTH_MARKS = (".q8", ".q4")
 _DEEPSPEED = re.compile(r"(.*_optim_states\.pt|mp_rank_\d+_model_states\.pt|zero_pp_rank_.*\.pt)")
-_CHECKPOINT_DIR = re.compile(r"checkpoint-\d+|global_step\d+")
+_CHECKPOINT_DIR = re.compile(r"checkpoint-\d+|global_step\d+|step-?\d+")
 _LOOKED_FOR = ("optimizer.pt (Trainer), optimizer.bin / optimizer_N.bin / optimizer_N/ (accelerate), "
-               "*.ckpt (Lightning)")
+               "*.ckpt (Lightning), lit_model.pth (litgpt), ckpt.pt (nanoGPT), model_and_optim/ (OLMo-core)")
 
 
 @dataclass
 class Job:
     src: str
     dst: str
-    in_place: bool = False  # expand: an 8-bit torch.save file rewritten as fp32 under its own name
+    in_place: bool = False  # a file rewritten under its own name (8-bit <-> fp32; ``ckptq.sources.inplace``)
     over_signpost: bool = False  # expand: the output replaces ckptq's signpost (CkptqTrainer's optimizer.pt)
 
 
 @dataclass
 class Layout:
     folder: str
-    framework: str  # "Trainer", "accelerate", "Lightning", or "plain" (e.g. nanoGPT's out/ after convert)
+    framework: str  # "Trainer", "accelerate", "Lightning", "litgpt", "nanoGPT", "OLMo-core" or "plain"
     jobs: list[Job] = field(default_factory=list)
 
 
@@ -93,6 +99,9 @@ def _framework(folder: str) -> str:
     names += [_recorded_source(os.path.join(folder, n)) or "" for n in names if _converted_stem(n) is not None]
     if TRAINER_MARKER in names or "optimizer.pt" in names:
         return "Trainer"
+    for name, framework in (("lit_model.pth", "litgpt"), ("ckpt.pt", "nanoGPT"), ("model_and_optim", "OLMo-core")):
+        if name in names:
+            return framework
     if any(n.endswith(".ckpt") for n in names):
         return "Lightning"
     if any(_ACCELERATE_FILE.fullmatch(n) or _ACCELERATE_DCP.fullmatch(n) or n.startswith("random_states_") for n in names):
@@ -112,10 +121,10 @@ def _sources(folder: str) -> list[str]:
     out = []
     for n in sorted(os.listdir(folder)):
         p = os.path.join(folder, n)
-        if os.path.isfile(p) and (n == "optimizer.pt" or _ACCELERATE_FILE.fullmatch(n) or n.endswith(".ckpt")) \
-                and not signpost.is_signpost_file(p):
+        if os.path.isfile(p) and (n in ("optimizer.pt", *_RUN_FILES) or _ACCELERATE_FILE.fullmatch(n)
+                                  or n.endswith(".ckpt")) and not signpost.is_signpost_file(p):
             out.append(p)
-        elif _ACCELERATE_DCP.fullmatch(n) and checkpoint.is_dcp_folder(p):
+        elif _ACCELERATE_DCP.fullmatch(n) and checkpoint.is_dcp_folder(p) and not signpost.is_signpost_folder(p):
             out.append(p)
     return out
 
@@ -129,7 +138,7 @@ def _one_checkpoint(folder: str, found: list[str], verb: str) -> None:
 
 
 def _subcheckpoints(folder: str, verb: str) -> None:
-    subs = sorted((n for n in os.listdir(folder) if _CHECKPOINT_DIR.fullmatch(n)), key=lambda n: int(n.split("-")[-1].removeprefix("global_step")))
+    subs = sorted((n for n in os.listdir(folder) if _CHECKPOINT_DIR.fullmatch(n)), key=lambda n: int(re.search(r"\d+$", n).group()))
     if subs:
         raise UsageError(f"{folder} holds {len(subs)} checkpoint folders ({', '.join(subs[:6])}"
                          f"{', ...' if len(subs) > 6 else ''}); pass one: ckptq {verb} {os.path.join(folder, subs[-1])}"
@@ -139,23 +148,37 @@ def _subcheckpoints(folder: str, verb: str) -> None:
 def _nothing(folder: str, what: str, error: type[InputError] = InputError) -> InputError:
     names = sorted(os.listdir(folder))
     held = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") if names else "nothing"
+    extra = {"reason": f"no {what}"} if error is NothingToConvertError else {}
     return error(f"{folder} is not a torch.distributed.checkpoint folder (no .metadata) and holds no {what} "
-                      f"(looked for {_LOOKED_FOR}; found {held}); pass the file that holds the optimizer state")
+                      f"(looked for {_LOOKED_FOR}; found {held}); pass the file that holds the optimizer state", **extra)
 
 
-def for_convert(folder: str, bits: int = 8) -> Layout:
-    """The optimizer files of a checkpoint folder and where their converted files go (``.q8`` or ``.q4``)."""
+def for_convert(folder: str, bits: int = 8, replace: bool = False, force: bool = False) -> Layout:
+    """The optimizer files of a checkpoint folder and where their converted files go (``.q8`` or ``.q4``;
+    with ``replace``, a ``.ckpt`` / ``.pth`` file in place)."""
     found = _sources(folder)
     if not found:
         _subcheckpoints(folder, "convert")
         done = [os.path.basename(p) for p in _converted(folder)]
         if done:
             raise NothingToConvertError(f"{folder} holds its optimizer state converted already ({', '.join(done)}); "
-                             f"`ckptq expand {folder}` turns it back into the framework's files")
+                                        f"`ckptq expand {folder}` turns it back into the framework's files",
+                                        reason="already converted")
         raise _nothing(folder, "optimizer file", NothingToConvertError)
     _one_checkpoint(folder, found, "convert")
-    jobs = [Job(p, p + f".q{bits}" if os.path.isdir(p) else _converted_name(p, bits)) for p in found]
+    jobs = [Job(p, p, in_place=True) if replace and os.path.isfile(p) and p.endswith(IN_PLACE) else
+            Job(p, p + f".q{bits}" if os.path.isdir(p) else _converted_name(p, bits)) for p in found]
+    if not (replace or force) and all(os.path.lexists(j.dst) and not j.in_place for j in jobs):
+        names = ", ".join(os.path.basename(j.dst) for j in jobs)
+        raise NothingToConvertError(f"{folder} holds its converted files already ({names}, beside the originals); "
+                                    "--replace deletes the originals, --force writes them again",
+                                    reason="already converted")
     return Layout(folder, _framework(folder), jobs)
+
+
+def is_accelerate_file(name: str) -> bool:
+    """``optimizer.bin``, ``optimizer_1.bin``...: what accelerate's ``load_state`` loads by name."""
+    return bool(_ACCELERATE_FILE.fullmatch(name))
 
 
 def _converted_name(path: str, bits: int = 8) -> str:
@@ -208,7 +231,7 @@ def for_expand(folder: str, replace: bool) -> Layout:
         _one_checkpoint(folder, found, "expand")
         jobs = [Job(p, dst) for p in found for dst in [_restored_name(folder, p)]]
         for job in jobs:
-            job.over_signpost = signpost.is_signpost_file(job.dst)
+            job.over_signpost = signpost.is_signpost_file(job.dst) or signpost.is_signpost_folder(job.dst)
         return Layout(folder, _framework(folder), jobs)
     eight = [p for p in _sources(folder) if os.path.isfile(p) and _holds_8bit(p)]
     if not eight:

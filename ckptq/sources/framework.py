@@ -14,10 +14,13 @@ import os
 import re
 import time
 
+import torch
+
+from ..codec import checkpoint, signpost
 from ..errors import NothingToConvertError, UsageError
-from ..format import atomic
-from . import folders
-from .original import Original, sync_folder
+from ..format import atomic, files
+from . import folders, inplace
+from .original import Original
 from .base import Source
 from .options import ConvertOptions, ExpandOptions, InfoOptions
 from .reports import ConvertReport, ExpandReport, InfoReport
@@ -40,18 +43,34 @@ class FrameworkFolder(Source):
     def convert(self, opts: ConvertOptions) -> ConvertReport:
         t0 = time.perf_counter()
         _no_output_path(opts.output, "convert")
-        layout = folders.for_convert(self.path, opts.bits)
+        layout = folders.for_convert(self.path, opts.bits, opts.replace, opts.force)
         report = ConvertReport(self.path, f"{layout.framework} {self.kind}", bits=opts.bits)
-        one = opts.with_output(None)
+        one = _replace_off(opts.with_output(None))
         sources = [self._detect(job.src) for job in layout.jobs]
-        originals = [Original(job.src) for job in layout.jobs] if opts.replace else []
-        for job, source in zip(layout.jobs, sources):  # each file beside its original; no file is deleted yet
-            report.add(source.convert(_replace_off(one.with_output(job.dst))))
-        for source, part in zip(sources, report.parts) if opts.replace else ():
-            source.check_converted(part.outputs, opts.trust)
-        for original, part in zip(originals, report.parts):
-            part.removed = original.remove(part.outputs)
-            report.removed += part.removed
+        originals = [Original(job.src) if opts.replace and not job.in_place else None for job in layout.jobs]
+        pending: dict = {}
+        try:
+            for job, source in zip(layout.jobs, sources):  # each file beside its original; no file is replaced yet
+                if job.in_place:  # a Lightning / Fabric / litgpt file: converted under its own name
+                    pending[job.src] = inplace.write(source, one)
+                    report.add(pending[job.src].report)
+                else:
+                    report.add(source.convert(one.with_output(job.dst)))
+            for job, source, part in zip(layout.jobs, sources, report.parts) if opts.replace else ():
+                inplace.check(pending[job.src], opts.trust) if job.in_place else \
+                    source.check_converted(part.outputs, opts.trust)
+            for job, original, part in zip(layout.jobs, originals, report.parts) if opts.replace else ():
+                if job.in_place:
+                    part.removed = inplace.commit(pending.pop(job.src))
+                else:
+                    stand_in = _signpost(self.path, job, part.outputs[0])
+                    part.removed = original.remove(part.outputs, stand_in=stand_in)
+                    part.signposts = [job.src] if stand_in else []
+                report.removed += part.removed
+                report.signposts += part.signposts
+        finally:
+            for p in pending.values():  # written, never committed: a failure on the way
+                files.remove_path(p.tmp)
         report.seconds = time.perf_counter() - t0
         return report
 
@@ -62,29 +81,30 @@ class FrameworkFolder(Source):
         report = ExpandReport(self.path, f"{layout.framework} {self.kind}")
         moved = [job for job in layout.jobs if not job.in_place]
         originals = {job.src: Original(job.src) for job in moved} if opts.replace else {}
-        for job in layout.jobs:
-            if job.in_place:
-                report.add(self._expand_in_place(job.src, opts))
-            else:
-                part = _replace_off(opts.with_output(job.dst))
+        # a signpost stays until the file that replaces it is checked: its name is never missing
+        written = {job.src: atomic.new_temp(job.dst) if opts.replace and job.over_signpost and not os.path.isdir(job.dst)
+                   else job.dst for job in moved}  # a DCP folder is written beside its signpost, then renamed over it
+        try:
+            for job in layout.jobs:
+                if job.in_place:
+                    report.add(inplace.expand(self._detect(job.src), opts))
+                    continue
+                part = _replace_off(opts.with_output(written[job.src]))
                 report.add(self._detect(job.src).expand(dataclasses.replace(part, force=True) if job.over_signpost else part))
-        for job in moved if opts.replace else ():
-            self._detect(job.src).check_expanded([job.dst], opts.trust)
-        for job in moved if opts.replace else ():
-            report.removed += originals[job.src].remove([job.dst], also=folders.parts_of(job.src)[1:])
+                report.parts[-1].outputs = [job.dst]
+            for job in moved if opts.replace else ():
+                self._detect(job.src).check_expanded([written[job.src]], opts.trust)
+            for job in moved if opts.replace else ():
+                if written[job.src] != job.dst:
+                    os.replace(written[job.src], job.dst)
+                report.removed += originals[job.src].remove([job.dst], also=folders.parts_of(job.src)[1:])
+        finally:
+            for job in moved:
+                if written[job.src] != job.dst and os.path.exists(written[job.src]):
+                    os.unlink(written[job.src])
+        report.outputs = [p for part in report.parts for p in part.outputs]
         report.seconds = time.perf_counter() - t0
         return report
-
-    def _expand_in_place(self, src: str, opts: ExpandOptions) -> ExpandReport:
-        """An 8-bit torch.save file -> fp32 under the same name: written to a temp of this run's own beside it,
-        checked, renamed over it (on failure only that temp is removed)."""
-        with atomic.atomic_outputs([src], True, "torch") as (tmp,):
-            part = self._detect(src).expand(ExpandOptions(output=tmp, force=True, verify=opts.verify, trust=opts.trust,
-                                                          progress=opts.progress))
-            self._detect(src).check_expanded([tmp], opts.trust)
-        sync_folder(src)
-        part.outputs = [src]
-        return part
 
     def info(self, opts: InfoOptions) -> InfoReport:
         layout = folders.for_info(self.path)
@@ -98,6 +118,31 @@ class FrameworkFolder(Source):
         return r
 
 
+def _signpost(folder: str, job: folders.Job, stored: str) -> str | None:
+    """A signpost for ``job.src`` (written to a temp file, to take its name once it goes), where the
+    framework loads that file by name to resume the optimizer: Trainer's ``optimizer.pt``, accelerate's
+    ``optimizer.bin``. Without it, a stock Trainer starts a fresh optimizer and scheduler without a word."""
+    name, where = os.path.basename(job.src), os.path.basename(os.path.normpath(folder))
+    if os.path.isdir(job.src):  # accelerate's FSDP optimizer_0/, OLMo-core's model_and_optim/: DCP folders
+        return signpost.folder_beside(job.src, stored)
+    if name == "optimizer.pt":
+        message = signpost.trainer_message(where, os.path.basename(stored))
+    elif folders.is_accelerate_file(name):
+        message = signpost.accelerate_message(where, name, os.path.basename(stored))
+    else:
+        return None
+    found = checkpoint.find_optimizers(checkpoint.load_torch(job.src))
+    if not found:
+        return None
+    tmp = atomic.new_temp(job.src)
+    try:
+        torch.save(signpost.make(found[0].state_dict, message), tmp)
+    except BaseException:
+        files.remove_path(tmp)
+        raise
+    return tmp
+
+
 def _replace_off(opts):
     """A part's options: the folder checks and replaces its files together, after all are written."""
     import dataclasses
@@ -105,7 +150,7 @@ def _replace_off(opts):
     return dataclasses.replace(opts, replace=False)
 
 
-_STEP = re.compile(r"(?:checkpoint-|global_step|step-|epoch=\d+-step=)(\d+)")
+_STEP = re.compile(r"(?:checkpoint-|global_step|step-?|epoch=\d+-step=)(\d+)")
 
 
 def linked_folders(path: str) -> list[str]:
@@ -114,14 +159,21 @@ def linked_folders(path: str) -> list[str]:
 
 
 def checkpoint_folders(path: str) -> list[str]:
-    """The checkpoint folders a run's output folder holds, oldest first (by the step in their names). A
-    symlink is never one: it may lead out of the folder the user named (``linked_folders`` lists them)."""
-    found = []
+    """The checkpoints a run's output folder holds, oldest first: its checkpoint folders (``checkpoint-N/``,
+    ``global_stepN/``, ``step-N/``, ``stepN/``) by the step in their names; else, in a Lightning
+    ``checkpoints/`` folder holding several ``.ckpt`` files, those (by step, ``last.ckpt`` and other
+    unnumbered ones after them, by time)."""
+    found, ckpts = [], []
     for name in os.listdir(path):
-        m = _STEP.fullmatch(name)
         full = os.path.join(path, name)
-        if m and os.path.isdir(full) and not os.path.islink(full):
+        m = _STEP.fullmatch(name)
+        if m and os.path.isdir(full) and not os.path.islink(full):  # never a link out of the run
             found.append((int(m.group(1)), name))
+        elif name.endswith(".ckpt") and os.path.isfile(full) and not os.path.islink(full):
+            step = _STEP.search(name)
+            ckpts.append((0 if step else 1, int(step.group(1)) if step else os.path.getmtime(full), name))
+    if not found and len(ckpts) > 1:
+        return [os.path.join(path, name) for *_, name in sorted(ckpts)]
     return [os.path.join(path, name) for _, name in sorted(found)]
 
 
@@ -154,8 +206,8 @@ class RunFolder(Source):
         for sub in subs[: len(subs) - len(keep)]:
             try:
                 report.add(self._detect(sub).convert(opts))
-            except NothingToConvertError:  # converted already, or no optimizer state: a rerun does nothing
-                report.skipped.append(f"{os.path.basename(sub)} (nothing to convert)")
+            except NothingToConvertError as e:  # converted already, or no Adam state: a rerun does nothing
+                report.skipped.append(f"{os.path.basename(sub)} ({e.reason})")
         report.seconds = time.perf_counter() - t0
         return report
 

@@ -25,7 +25,7 @@ def _whole(value, name: str, low: int) -> int:
 @dataclass(frozen=True)
 class ConvertOptions:
     output: str | None = None  # None: beside the input, named by ``bits``
-    bits: int = 8  # budget per value: 8, or 4 (a 6-bit ratio over a 2-bit second moment)
+    bits: int | None = 8  # budget per value: 8, or 4 (a 6-bit ratio over a 2-bit second moment); None: auto
     block_size: int | None = None  # None: policy.default_block_size(bits)
     min_size: int = policy.DEFAULT_MIN_SIZE
     key: str | None = None  # '/'-separated path to the optimizer state dict (default: found by shape)
@@ -39,10 +39,12 @@ class ConvertOptions:
     replace: bool = False
     keep_last: int = 0  # a run's folder: leave the newest N checkpoints as they are
     progress: Progress | None = None
+    auto_bits: bool = False  # bits were not given: a 4-bit input stays 4-bit (``narrowed``)
 
     def checked(self) -> "ConvertOptions":
         """These options with the block size resolved; UsageError naming the bad value and the fix."""
-        bits = policy.check_budget(self.bits)
+        auto = self.bits is None and self.block_size is None
+        bits = 8 if self.bits is None else policy.check_budget(self.bits)
         block = policy.default_block_size(bits) if self.block_size is None else policy.check_block_size(self.block_size)
         policy.check_min_size(self.min_size)
         _whole(self.keep_last, "--keep-last", 0)
@@ -53,10 +55,19 @@ class ConvertOptions:
                              "from 1 to 22 and threads >= 0 (0 = all cores)")
         if self.max_shard_size is not None:
             _whole(self.max_shard_size, "max shard size", 1)
-        return dataclasses.replace(self, bits=bits, block_size=block)
+        return dataclasses.replace(self, bits=bits, block_size=block, auto_bits=auto)
 
     def with_output(self, output: str | None) -> "ConvertOptions":
         return dataclasses.replace(self, output=output)
+
+    def narrowed(self, input_bits: int) -> "ConvertOptions":
+        """Without ``--bits``: no wider than the input's state (torchao's 4-bit state stays 4-bit; at 8 bits
+        its file grew 1.19x). An output named for 8 bits is named for 4."""
+        if not self.auto_bits or input_bits >= self.bits:
+            return self
+        out = self.output[: -len(".q8.safetensors")] + ".q4.safetensors" if self.output and \
+            self.output.endswith(".q8.safetensors") else self.output
+        return dataclasses.replace(self, bits=input_bits, block_size=policy.default_block_size(input_bits), output=out)
 
 
 @dataclass(frozen=True)

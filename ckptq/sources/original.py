@@ -61,9 +61,11 @@ class Original:
             return (st.st_dev, st.st_ino, inner.st_ino, inner.st_size, inner.st_mtime_ns)
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
-    def remove(self, outputs: list[str], also: list[str] = ()) -> list[str]:
+    def remove(self, outputs: list[str], also: list[str] = (), stand_in: str | None = None) -> list[str]:
         """Delete the input (and ``also``: the shards of a set) once ``outputs`` are checked, their folder
-        entries synced first; SourceChangedError, keeping it, if it is not the file that was converted."""
+        entries synced first; SourceChangedError, keeping it, if it is not the file that was converted.
+        ``stand_in``: a file this run wrote that takes the input's name as the input goes (a signpost, or the
+        input converted in place), so that the name is never missing for a framework looking for it."""
         try:
             for out in outputs:
                 sync_folder(out)
@@ -76,6 +78,8 @@ class Original:
                 raise SourceChangedError(
                     f"{self.path} changed while it was converted (another program rewrote it); it was kept: the "
                     f"output ({', '.join(outputs)}) holds the version that was read, check which one you want")
+            if stand_in is not None:
+                os.replace(stand_in, self.path)
             _delete(aside, self.path, outputs)
             for extra in also:
                 _delete(extra, extra, outputs)

@@ -52,6 +52,7 @@ class ConvertReport:
     warnings: list[str] = field(default_factory=list)  # states kept exact, or not stored as ratios, and why
     removed: list[str] = field(default_factory=list)  # originals deleted (--replace) once the outputs checked out
     skipped: list[str] = field(default_factory=list)  # a run's checkpoints left as they are (--keep-last, converted)
+    signposts: list[str] = field(default_factory=list)  # removed originals whose name a signpost took (--replace)
     seconds: float = 0.0
     parts: list[ConvertReport] = field(default_factory=list)
 
@@ -64,6 +65,7 @@ class ConvertReport:
         self.parts.append(part)
         self.outputs += part.outputs
         self.removed += part.removed
+        self.signposts += part.signposts
         self.warnings += part.warnings
         self.nonfinite_names += part.nonfinite_names
         for name in ("source_bytes", "output_bytes", "optimizers", "quantized", "kept_small", "kept_nonfinite",
@@ -75,7 +77,7 @@ class ConvertReport:
 
     def text(self) -> str:
         if not self.outputs and self.skipped:  # convert --all with every checkpoint converted or kept
-            return f"nothing to convert; left as they are: {_names(self.skipped)}"
+            return f"nothing left to convert; left as they are: {_names(self.skipped)}"
         lines = [f"wrote {_names(self.outputs)}: {mb(self.output_bytes)} from {mb(self.source_bytes)} "
                  f"({ratio_words(self.source_bytes, self.output_bytes)}) in {self.seconds:.1f} s; {self.quantized} "
                  f"states {self.bits}-bit, {self.kept_small} small kept exact"
@@ -83,11 +85,25 @@ class ConvertReport:
                     else "")]
         if self.skipped:
             lines.append(f"left as they are: {_names(self.skipped)}")
-        if self.removed:
-            lines.append(f"removed {_names(self.removed)} (outputs read back and checked)")
+        lines += _removed_lines(self.removed, self.outputs, self.signposts)
         if self.parts and self.removed:
             lines.append(f"saved {mb(self.source_bytes - self.output_bytes)} in all")
         return "\n".join(lines)
+
+
+def _removed_lines(removed: list[str], outputs: list[str], signposts: list[str]) -> list[str]:
+    """What --replace did to the originals: deleted, replaced in place, or replaced by a signpost."""
+    lines = []
+    in_place = [p for p in removed if p in outputs]
+    gone = [p for p in removed if p not in outputs and p not in signposts]
+    if gone:
+        lines.append(f"removed {_names(gone)} (outputs read back and checked)")
+    if in_place:
+        lines.append(f"replaced {_names(in_place)} in place (read back and checked)")
+    if signposts:
+        lines.append(f"removed {_names(signposts)} (outputs read back and checked); a signpost takes each one's "
+                     "name, so that a stock framework stops there instead of starting a fresh optimizer")
+    return lines
 
 
 @dataclass
@@ -115,9 +131,7 @@ class ExpandReport:
 
     def text(self) -> str:
         lines = [f"wrote {_names(self.outputs)}: {mb(self.output_bytes)} in {self.seconds:.1f} s"]
-        if self.removed:
-            lines.append(f"removed {_names(self.removed)} (outputs read back and checked)")
-        return "\n".join(lines)
+        return "\n".join(lines + _removed_lines(self.removed, self.outputs, []))
 
 
 @dataclass

@@ -13,7 +13,7 @@ from .. import __version__, format
 from ..codec import checkpoint, foreign, plan, policy, qstate, quant, signpost, tree
 from ..errors import InputError, NothingToConvertError
 from ..format import torch_stream, torch_zip
-from . import outputs, readback
+from . import inplace, outputs, readback
 from .original import Original
 from .base import Source
 from .options import ConvertOptions, ExpandOptions, InfoOptions
@@ -28,7 +28,7 @@ def check_converted(src: str, outputs: list[str], trust: bool = False) -> None:
         if format.is_safetensors(src):  # re-encoded at another width: its decoded states are the source
             want = tree.Converted(src).read(dequantize=True)
         else:  # compared with what a strict torch.load sees: record sizes, and each record's checksum
-            want = checkpoint.load_torch(src, trust=trust)
+            want = signpost.unwrapped(checkpoint.load_torch(src, trust=trust))[0]
             if zipfile.is_zipfile(src) and not trust:
                 torch_zip.verify_crcs(src)
         foreign.to_torch(want)  # bitsandbytes / torchao state is converted from its fp32 form, as convert does
@@ -45,7 +45,7 @@ def check_expanded(src: str, dst: str, trust: bool = False) -> None:
     with readback.discarding([dst]):
         got = checkpoint.load_torch(dst)
         if checkpoint.is_torch_file(src):
-            want = checkpoint.load_torch(src, trust=trust)
+            want = signpost.unwrapped(checkpoint.load_torch(src, trust=trust))[0]
             foreign.to_torch(want)
             quant.decode_qstates(want)
             readback.check_expanded(want, got, dst)
@@ -112,27 +112,47 @@ def save(obj: Any, path: str, *, info: dict | None = None, force: bool = False, 
                         max_shard_size=max_shard_size, on_tensor=on_tensor)
 
 
-def _write_converted(src: str, obj: Any, opts: ConvertOptions, kind: str, t0: float) -> ConvertReport:
-    """Plan and write ``obj`` (loaded from ``src``) as a converted file at ``opts.output``."""
+def planned(src: str, obj: Any, opts: ConvertOptions, kind: str):
+    """``(report, marked)``: the plan for ``obj`` (loaded from ``src``) applied (``tree.mark``: each state
+    stored low-bit a ``PendingQuant``), and the convert report counting it; NothingToConvertError when it
+    stores nothing (``convert --all`` passes over such a checkpoint and says so)."""
     report = ConvertReport(src, kind, source_bytes=os.path.getsize(src), bits=opts.bits)
     report.foreign_states = foreign.to_torch(obj)  # bitsandbytes / torchao 8-bit state, decoded first
+    held = quant.count_qstates(obj)
     marked = tree.mark(obj, opts.key, opts.block_size, opts.min_size, opts.bits, opts.backend,
                        quant_device(opts.device))
     counts = marked.counts()
     report.__dict__.update(counts)
     report.warnings = marked.warnings()
     report.nonfinite_names = [d.name for d in marked.kept("holds NaN/Inf")]
+    if held and not counts["quantized"]:
+        raise NothingToConvertError(f"{src} holds ckptq's low-bit optimizer state already ({held} states); `ckptq "
+                                    "expand` turns it back into fp32 state", reason="already converted")
     if not counts["optimizers"]:
-        raise InputError(f"{src}: no optimizer state dict (a dict with 'state' and 'param_groups') found; "
-                         "name it with --key if it is stored differently")
+        raise NothingToConvertError(f"{src}: no optimizer state dict (a dict with 'state' and 'param_groups') found; "
+                                    "name it with --key if it is stored differently", reason="no optimizer state")
     if not counts["quantized"]:
-        raise InputError(f"{src}: {marked.nothing_to_quantize(opts.min_size)}")
+        raise NothingToConvertError(f"{src}: {marked.nothing_to_quantize(opts.min_size)}",
+                                    reason="no Adam moments to store low-bit")
+    return report, marked
+
+
+def _write_converted(src: str, obj: Any, opts: ConvertOptions, kind: str, t0: float) -> ConvertReport:
+    """Plan and write ``obj`` (loaded from ``src``) as a converted file at ``opts.output``."""
+    report, marked = planned(src, obj, opts, kind)
     compression = None if opts.compress_level is None else format.Compression(opts.compress_level, opts.compress_threads)
-    info = convert_info(src, report.source_bytes, counts, opts.block_size, opts.min_size, opts.bits)
+    info = convert_info(src, report.source_bytes, marked.counts(), opts.block_size, opts.min_size, opts.bits)
     report.outputs = save(obj, opts.output, info=info, force=opts.force, compression=compression,
                           max_shard_size=opts.max_shard_size, progress=opts.progress)
     report.output_bytes = sum(os.path.getsize(p) for p in report.outputs)
     return report
+
+
+def _input_bits(obj: Any) -> int:
+    """The widest code width of the low-bit state a loaded file holds (4 for torchao's ``OptimState4bit``);
+    8 when it holds none (fp32 moments)."""
+    widths = {4 if type(t).__name__ == "OptimState4bit" else 8 for t in checkpoint.iter_tensors(obj) if foreign.is_torchao(t)}
+    return max(widths, default=8)
 
 
 class _OneFile(Source):
@@ -154,16 +174,23 @@ class TorchFile(_OneFile):
         """(the file's contents, how many states of a Lightning checkpoint were put back from under ckptq's
         signposts); InputError for a signpost itself, which holds no state."""
         obj = checkpoint.load_torch(self.path, trust=trust)
-        if signpost.is_signpost(obj):
+        if signpost.is_signpost(obj) and not signpost.carries(obj):
             raise InputError(f"{self.path} is a signpost, not optimizer state: {obj[signpost.SIGNPOST_KEY]}")
-        return obj, signpost.unwrap(obj)
+        return signpost.unwrapped(obj)
+
+    def planned(self, obj: Any, opts: ConvertOptions):
+        return planned(self.path, obj, opts.narrowed(_input_bits(obj)), self.kind)
 
     def convert(self, opts: ConvertOptions) -> ConvertReport:
+        if inplace.applies(self.path, opts.replace, opts.output):  # a Lightning / Fabric / litgpt file
+            return inplace.convert(self, opts)
         t0 = time.perf_counter()
+        obj = self._load(opts.trust)[0]
+        opts = opts.narrowed(_input_bits(obj))
         opts = opts.with_output(opts.output or default_output(self.path, opts.bits))
         outputs.check_separate([self.path], opts.output)
         original = Original(self.path) if opts.replace else None
-        report = _write_converted(self.path, self._load(opts.trust)[0], opts, self.kind, t0)
+        report = _write_converted(self.path, obj, opts, self.kind, t0)
         if original:  # the original goes only once the output reads back as what was meant
             self.check_converted(report.outputs, opts.trust)
             report.removed = original.remove(report.outputs)
@@ -173,6 +200,8 @@ class TorchFile(_OneFile):
     def expand(self, opts: ExpandOptions) -> ExpandReport:
         """A torch.save file holding 8-bit states (saved from AdamW8bit, or a bitsandbytes or torchao
         optimizer's): the same file with every state decoded to torch's fp32 form."""
+        if opts.replace and opts.output is None and inplace.converted_in_place(self.path):
+            return inplace.expand(self, opts)  # back under the name its framework resumes from
         t0 = time.perf_counter()
         dst = opts.output or default_expanded(self.path)
         outputs.check_separate([self.path], dst)
@@ -196,10 +225,13 @@ class TorchFile(_OneFile):
         tensor by tensor as its writer would write them; nothing is quantized)."""
         obj = checkpoint.load_torch(self.path, trust=opts.trust)
         r = InfoReport(self.path, self.kind, os.path.getsize(self.path), type=self.type)
-        if signpost.is_signpost(obj):  # a stock framework stops here; ckptq's file is beside it
+        if signpost.is_signpost(obj) and not signpost.carries(obj):  # a stock framework stops here
             r.kind, r.notes = "ckptq signpost (no optimizer state)", [obj[signpost.SIGNPOST_KEY]]
             return r
-        signpost.unwrap(obj)
+        obj, carried = signpost.unwrapped(obj)
+        if carried:
+            r.notes.append(f"{carried} optimizer states stored by ckptq behind signposts (a stock framework stops "
+                           "at them; `ckptq expand PATH --replace` writes them back fp32)")
         plan.recognise_all(obj, opts.key)  # what cannot be read (heavyball's nested state) is said first
         held = _count_qstates(obj, r)
         for s in tree.flatten(obj)[1]:  # the tensors as stored (shared storage once), by their state key
@@ -279,7 +311,8 @@ class ConvertedFile(_OneFile):
             if policy.budget_of(_widths(conv)) == opts.bits:
                 other = 4 if opts.bits == 8 else 8
                 raise NothingToConvertError(f"{self.path} already holds {opts.bits}-bit states; `ckptq convert --bits {other}` "
-                                 f"re-encodes them at {other} bits, `ckptq expand` turns them back into fp32")
+                                            f"re-encodes them at {other} bits, `ckptq expand` turns them back into fp32",
+                                            reason="already converted")
             original = Original(self.path) if opts.replace else None
             obj = conv.read(dequantize=True)
             files = list(conv.files)
