@@ -39,7 +39,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_RUN = {"fidelity-from-scratch.md"}
 RECIPE = re.compile(r"<!-- recipe: ([\w-]+) -->(.*?)<!-- /recipe -->", re.S)
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
-NAMES_ONLY = {"trainer", "accelerate", "lightning", "trainer-mixin", "accelerate-store", "lightning-plugin", "fsdp2"}
+NAMES_ONLY = {"trainer", "accelerate", "lightning", "trainer-mixin", "accelerate-store", "lightning-plugin", "fsdp2",
+              "cuda-graph"}  # cuda-graph: CUDA graphs need a GPU (tests/test_triton_cuda.py runs the same steps)
 
 
 def _pages():
