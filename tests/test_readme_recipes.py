@@ -40,7 +40,7 @@ NOT_RUN = {"fidelity-from-scratch.md"}
 RECIPE = re.compile(r"<!-- recipe: ([\w-]+) -->(.*?)<!-- /recipe -->", re.S)
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 NAMES_ONLY = {"trainer", "accelerate", "lightning", "trainer-mixin", "accelerate-store", "lightning-plugin", "fsdp2",
-              "fabric"}
+              "fabric", "cuda-graph"}  # cuda-graph: CUDA graphs need a GPU (tests/test_triton_cuda.py runs the same steps)
 
 
 def _pages():
