@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_checkpoint import GPT, SIZES, _transition_table, make_batch  # noqa: E402
 
-from ckptq.codec import codebooks, ops, policy  # noqa: E402
+from ckptq.codec import codebooks, ops  # noqa: E402
 from ckptq.codec.qstate import row_len_of  # noqa: E402
 
 MIN_NUMEL = 4096  # ckptq's (and bitsandbytes') min size: smaller states stay fp32
