@@ -171,11 +171,7 @@ FIXTURES = {
     "estimate": llama_config, "install": nothing, "fresh-machine": nothing,
     "dcp-planners": nothing, "optimizer": nothing, "format-decoder": nothing,
     "trainer-mixin": nothing, "accelerate-store": nothing, "lightning-plugin": nothing, "fsdp2": nothing,
-<<<<<<< HEAD
-    "fabric": nothing,
-=======
-    "cuda-graph": nothing,
->>>>>>> t30
+    "fabric": nothing, "cuda-graph": nothing,
 }
 
 
