@@ -11,6 +11,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def fresh_bitsandbytes_overrides():
+    """bitsandbytes keeps per-parameter overrides in a process-wide singleton keyed by (group, index), and
+    never clears them: after transformers' Trainer registers its embedding for 32-bit state, the first
+    parameter of every later bitsandbytes optimizer in the process keeps fp32 state. Each test starts clean."""
+    yield
+    bnb = sys.modules.get("bitsandbytes.optim.optimizer")
+    if bnb is not None:
+        bnb.GlobalOptimManager.get_instance().initialize()
+
+
 @pytest.fixture
 def eager_torchao(monkeypatch):
     """torchao's optimizers step eagerly: the same states and arithmetic as their compiled step, without
