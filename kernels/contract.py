@@ -22,6 +22,11 @@ identical signatures::
     adam_dense_group(group) -> None
         ``DenseGroup``: the Adam(W) step of parameters whose moments are plain fp32 tensors, many in one
         call; the same result as ``backend_torch.adam_dense_step`` on each
+    momentum_step(p, g, state, h, out, flags) -> None
+        the step of a one-state optimizer (SGD, Lion, Muon): p [n], g [n], one ``StepState``, h fp32 [8]
+        (``MOMENTUM_FIELDS``), out fp32 [n] or None (d, for ``UPDATE_NONE``), flags: ``MomentumFlags``
+    momentum_step_group(group) -> None
+        ``MomentumGroup``: the same, many parameters in one call (``momentum_steps`` says what it equals)
 
 Rows (``row_len``, format version 3): the n elements are ``rows = n // row_len`` rows of ``row_len``
 elements (a parameter of shape [d0, d1, ...] has rows = d0 and row_len = d1 * d2 * ...; 1-D tensors, and
@@ -138,6 +143,57 @@ class DenseGroup(NamedTuple):
     hyper: torch.Tensor  # fp32 [len(params), 10]; only the first 8 fields are read
     maximize: bool
     cache: dict
+
+
+# The scalars of one step of a one-state optimizer (SGD, Lion, Muon: ``momentum_step``), host-computed in
+# float64 and rounded once to fp32: g' = (maximize ? -g : g) + l2 * p; the state m becomes
+# m_new = m * keep + take * g'; the direction d = (m * c_old + m_new * c_new) + g' * c_grad (m the decoded
+# old state); and, for the updates that apply it, p = p * decay + neg_lr * d (``UPDATE_LINEAR``) or
+# p * decay + neg_lr * sign(d) (``UPDATE_SIGN``, sign(0) = 0, sign(NaN) = NaN). Each product and sum rounded
+# once, in this order, no FMA. SGD: keep = momentum, take = 1 - dampening (0 and 1 at its first step:
+# buf = g'), c_new = 1 (nesterov: c_new = momentum, c_grad = 1); Lion: keep = beta2, take = 1 - beta2,
+# c_old = beta1, c_grad = 1 - beta1; Muon: keep = momentum, take = 1 - momentum, c_new = 1 (nesterov:
+# c_new = momentum, c_grad = 1 - momentum), its update applied outside (Newton-Schulz needs the whole d).
+MOMENTUM_FIELDS = ("l2", "keep", "take", "c_old", "c_new", "c_grad", "decay", "neg_lr")
+UPDATE_NONE, UPDATE_LINEAR, UPDATE_SIGN = 0, 1, 2  # d written to ``out`` / applied / its sign applied
+
+
+class MomentumFlags(NamedTuple):
+    block_size: int
+    maximize: bool
+    update: int  # UPDATE_NONE, UPDATE_LINEAR or UPDATE_SIGN
+    seed: int | None = None  # uint32: m_new's codes round stochastically with it (u: the hash's high half)
+    row_len: int | None = None
+
+
+class MomentumGroup(NamedTuple):
+    """Parameters of a one-state optimizer stepped in one call (as ``StepGroup``, with one state per member:
+    ``GroupMember.codes`` and ``.absmax`` hold one tensor each). ``outs``: per member an fp32 [n] that
+    receives d (``UPDATE_NONE``), else ()."""
+
+    members: tuple  # GroupMember
+    grads: tuple
+    outs: tuple
+    hyper: torch.Tensor  # fp32 [len(members), 8] (MOMENTUM_FIELDS), on the host or on the group's device
+    seeds: torch.Tensor | None  # int64 [len(members)] in [0, 2**32); None: nearest
+    codebooks: StepCodebooks
+    bits: int
+    block_size: int
+    maximize: bool
+    update: int
+    cache: dict
+
+
+def momentum_steps(group: MomentumGroup):
+    """A ``MomentumGroup`` as per-parameter ``momentum_step`` calls (p, g, state, hyper row, out, flags), in
+    member order: a grouped step must equal these, bit for bit."""
+    cb = group.codebooks
+    for i, (m, g) in enumerate(zip(group.members, group.grads)):
+        state = StepState(m.codes[0], m.absmax[0], cb.qmap, cb.thresholds, cb.encode, group.bits)
+        seed = None if group.seeds is None else int(group.seeds[i])
+        out = group.outs[i] if group.outs else None
+        yield m.p, g, state, group.hyper[i], out, MomentumFlags(group.block_size, group.maximize, group.update, seed,
+                                                                m.row_len)
 
 
 def member_steps(group: StepGroup):

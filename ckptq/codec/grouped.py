@@ -1,5 +1,5 @@
 """The grouped operations: many parameters' Adam(W) steps in one backend call (``contract.StepGroup`` and
-``contract.DenseGroup``). Everything about the members is checked once, when the group is made
+``contract.DenseGroup``), and one-state steps (SGD, Lion, Muon: ``contract.MomentumGroup``). Everything about the members is checked once, when the group is made
 (``check_group``); a step then checks only what changes from call to call (the gradients), and hands
 the group to one backend: the C kernels split all its members' blocks over their thread pool, Triton
 runs one launch over a table of chunks. Backends without a grouped kernel step the members one by one.
@@ -104,3 +104,41 @@ def dense_group(group: DenseGroup, backend: str = "auto") -> None:
     p = group.params[0]
     impl = _backend(p.device, (p.dtype, group.grads[0].dtype), (), True, backend)
     (impl if hasattr(impl, "adam_dense_group") else backend_torch).adam_dense_group(group)
+
+
+def check_momentum_group(group: contract.MomentumGroup) -> None:
+    """``check_group`` for a one-state group: one codes/scales pair per member, one codebook."""
+    as_step = contract.StepGroup(group.members, (), torch.empty(0, 10), None, (group.codebooks,) * 2,
+                                 (group.bits,) * 2, group.block_size, False, group.maximize, {})
+    doubled = tuple(m._replace(codes=m.codes * 2, absmax=m.absmax * 2) for m in group.members)
+    if any(len(m.codes) != 1 or len(m.absmax) != 1 for m in group.members):
+        raise UsageError("a one-state step group takes one codes/scales pair per member")
+    check_group(as_step._replace(members=doubled))
+
+
+def momentum_group(group: contract.MomentumGroup, backend: str = "auto") -> None:
+    """One low-bit step of a one-state optimizer for every member, in place; equal bit for bit to
+    ``ops.momentum_step`` of each member with its hyper row, seed, out and row length. ``check_momentum_group``
+    must have passed for these members."""
+    if not group.members:
+        return
+    n = len(group.members)
+    if len(group.grads) != n or group.hyper.shape != (n, len(contract.MOMENTUM_FIELDS)) \
+            or len(group.outs) != (n if group.update == contract.UPDATE_NONE else 0):
+        raise UsageError(f"a one-state step of {n} parameters needs as many gradients (and outs for UPDATE_NONE) "
+                         f"and hyper rows [{n}, {len(contract.MOMENTUM_FIELDS)}]")
+    _check_call(group._replace(hyper=torch.empty(n, len(contract.HYPER_FIELDS))))
+    first = group.members[0]
+    flat = all(is_flat(m.p.numel(), m.row_len, group.block_size) for m in group.members)
+    impl = ops.momentum_backend(ops.resolve_backend(backend, first.p.device), (first.p.dtype, group.grads[0].dtype),
+                                group.codebooks.thresholds, flat)
+    if impl.__name__.endswith("backend_triton"):
+        from ..kernels import triton_group
+
+        impl = triton_group if hasattr(triton_group, "momentum_step_group") else impl
+    if hasattr(impl, "momentum_step_group"):
+        impl.momentum_step_group(group)
+        return
+    hyper = group.hyper.to("cpu")
+    for i, (p, g, state, _, out, flags) in enumerate(contract.momentum_steps(group)):
+        impl.momentum_step(p, g, state, hyper[i], out, flags)

@@ -1,4 +1,5 @@
-"""The operations, declared once: blockwise quantize, dequantize, and the fused 8-bit Adam step.
+"""The operations, declared once: blockwise quantize, dequantize, the fused 8-bit Adam step and the one-state
+step (SGD, Lion, Muon).
 
 Every operation takes the code width ``bits``: 8 (one code per byte, 256-entry codebooks), 6, 4 or 2
 (packed codes, 2**bits-entry codebooks; layout in ``ckptq/kernels/contract.py``). Every backend serves
@@ -46,7 +47,7 @@ TRANSFORMS = ("none", "sqrt")
 SUPPORTED_BITS = contract.WIDTHS  # code widths; a 2**bits-entry codebook
 
 ieee_sqrt, ieee_sqrt_into = backend_torch.ieee_sqrt, backend_torch.ieee_sqrt_into
-__all__ = ["quantize_blockwise", "dequantize_blockwise", "adam8bit_step", "adam_dense_step", "StepInput",
+__all__ = ["quantize_blockwise", "dequantize_blockwise", "adam8bit_step", "adam_dense_step", "momentum_step", "StepInput",
            "resolve_backend", "midpoints", "num_blocks", "code_bytes", "ieee_sqrt", "ieee_sqrt_into"]
 
 
@@ -240,10 +241,10 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.
 
 
 def _step_states(states: Sequence[StepInput], n: int, block_size: int, device, widths,
-                 row_len: int | None = None) -> tuple[StepState, ...]:
+                 row_len: int | None = None, counts: tuple = (2, 3)) -> tuple[StepState, ...]:
     """Check each moment against the param (n elements on ``device``, rows of ``row_len``) and build the
     kernels' view (flat codes and scales)."""
-    if len(states) not in (2, 3):
+    if len(states) not in counts:
         raise UsageError(f"the Adam step takes 2 or 3 moments (exp_avg, exp_avg_sq[, max_exp_avg_sq]), got {len(states)}")
     widths = (widths,) * len(states) if isinstance(widths, int) else tuple(widths)
     if len(widths) != len(states):
@@ -273,6 +274,11 @@ def step_seed(step: int, salt: int) -> int:
     return contract.mix32(contract.mix32(int(step) & 0xFFFFFFFF) ^ ((int(salt) * 0x9E3779B9) & 0xFFFFFFFF))
 
 
+def _check_seed(seed) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
+        raise UsageError(f"seed must be None or an integer in [0, 2**32), got {seed!r}")
+
+
 def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[StepInput], hyper: torch.Tensor, *,
                   block_size: int, ratio: bool, maximize: bool = False, backend: str = "auto",
                   bits: int | Sequence[int] = 8, seed: int | None = None, row_len: int | None = None) -> None:
@@ -287,8 +293,7 @@ def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[Step
     back as ratios with encode_eps. ``hyper``: fp32 [10] (``ckptq.kernels.contract.HYPER_FIELDS``).
     """
     check_block_size(block_size)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
-        raise UsageError(f"seed must be None or an integer in [0, 2**32), got {seed!r}")
+    _check_seed(seed)
     p, g = _local(param, "the parameter"), _local(grad, "the gradient")
     if not p.is_floating_point() or not g.is_floating_point() or g.numel() != p.numel() or g.device != p.device:
         raise UsageError(f"the gradient ({g.dtype}, {g.numel()} elements on {g.device}) does not fit the parameter "
@@ -315,3 +320,46 @@ def adam_dense_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper: tor
     p, g = _local(param, "the parameter"), _local(grad, "the gradient")
     states = [None if t is None else _local(t, "a moment") for t in (exp_avg, exp_avg_sq, max_exp_avg_sq)]
     backend_torch.adam_dense_step(p.detach(), g, *states, hyper, maximize)
+
+
+def momentum_step(param: torch.Tensor, grad: torch.Tensor, state: StepInput, hyper: torch.Tensor, *,
+                  block_size: int, bits: int = 8, update: int = contract.UPDATE_LINEAR, maximize: bool = False,
+                  out: torch.Tensor | None = None, seed: int | None = None, row_len: int | None = None,
+                  backend: str = "auto") -> None:
+    """One low-bit step of a one-state optimizer (SGD's, Muon's momentum; Lion's exp_avg) on one parameter, in
+    place: the state's codes and scales, and the param (``update`` UPDATE_LINEAR / UPDATE_SIGN) or ``out``
+    (fp32, the param's element count: the direction d, for UPDATE_NONE). ``hyper``: fp32 [8]
+    (``ckptq/kernels/contract.py``, ``MOMENTUM_FIELDS``); ``seed`` as ``adam8bit_step``'s."""
+    check_block_size(block_size)
+    _check_seed(seed)
+    p, g = _local(param, "the parameter"), _local(grad, "the gradient")
+    if not p.is_floating_point() or not g.is_floating_point() or g.numel() != p.numel() or g.device != p.device:
+        raise UsageError(f"the gradient ({g.dtype}, {g.numel()} elements on {g.device}) does not fit the parameter "
+                         f"({p.dtype}, {p.numel()} elements on {p.device})")
+    if hyper.numel() != len(contract.MOMENTUM_FIELDS):
+        raise UsageError(f"hyper must hold {len(contract.MOMENTUM_FIELDS)} values "
+                         f"({', '.join(contract.MOMENTUM_FIELDS)})")
+    if update not in (contract.UPDATE_NONE, contract.UPDATE_LINEAR, contract.UPDATE_SIGN):
+        raise UsageError(f"update must be UPDATE_NONE, UPDATE_LINEAR or UPDATE_SIGN, got {update!r}")
+    if (out is None) != (update != contract.UPDATE_NONE) or (out is not None and (
+            out.dtype != torch.float32 or out.numel() != p.numel() or not out.is_contiguous() or out.device != p.device)):
+        raise UsageError("UPDATE_NONE writes the direction into out: a contiguous fp32 tensor of the parameter's "
+                         "size on its device (and only UPDATE_NONE takes one)")
+    row_len = check_row_len(p.numel(), row_len)
+    (kernel_state,) = _step_states([state], p.numel(), block_size, p.device, bits, row_len, counts=(1,))
+    impl = momentum_backend(resolve_backend(backend, p.device), (p.dtype, g.dtype), kernel_state.thresholds,
+                            is_flat(p.numel(), row_len, block_size))
+    data = p.detach()
+    flat = data.reshape(-1) if data.is_contiguous() else data.contiguous().view(-1)
+    h = hyper.to(device="cpu", dtype=torch.float32).contiguous()
+    impl.momentum_step(flat, _flat(g), kernel_state, h, None if out is None else out.view(-1),
+                       contract.MomentumFlags(block_size, bool(maximize), update, seed, row_len))
+    if not data.is_contiguous():
+        data.copy_(flat.view(data.shape))
+
+
+def momentum_backend(name: str, dtypes: Sequence[torch.dtype], thresholds: torch.Tensor, flat: bool):
+    """The backend module of a one-state step: as ``_implementation`` picks, the reference where that backend
+    has no one-state kernel."""
+    impl = _implementation(name, dtypes, [thresholds], flat)
+    return impl if hasattr(impl, "momentum_step") else backend_torch
