@@ -113,6 +113,12 @@ def test_each_optimizer_converts_by_role_and_expands_into_its_own_class(tmp_path
         for key in exact:
             assert torch.equal(torch.as_tensor(back["state"][0][key]), torch.as_tensor(sd["state"][0][key]))
         _step_from(make, ps, back)
+    # --replace reads every state back against what convert meant to store, by its role's codebook (SGD's
+    # momentum, Lion's exp_avg, RMSprop's square_avg... failed it, read back under Adam's key policies)
+    again = tmp_path / "again.pt"
+    torch.save({"optimizer": sd}, again)
+    report = ckptq.convert(str(again), replace=True)
+    assert not again.exists() and ckptq.load(report.outputs[0])["optimizer"]["state"][0].keys() == sd["state"][0].keys()
 
 
 def test_muon_with_adamw_side_by_side_converts_each(tmp_path):

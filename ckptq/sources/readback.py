@@ -19,7 +19,7 @@ import torch
 
 from ..codec import policy, qstate, quant
 from ..format import files
-from ..errors import FormatError, InputError, ReadbackError
+from ..errors import FormatError, InputError, ReadbackError, UsageError
 
 
 @contextmanager
@@ -77,12 +77,30 @@ def _requantize(t: torch.Tensor, q: dict, path: str, where: str, siblings: dict 
     """What convert meant to store for source tensor ``t``, with the parameters the file records."""
     key = path.rsplit("/", 1)[-1]
     if q.get("transform") != policy.RATIO_TRANSFORM:
-        return quant.quantize_state(t, key, q["block_size"], bits=q.get("bits", 8), layout=q.get("layout", "flat"))
+        return quant.quantize_state(t, key, q["block_size"], bits=q.get("bits", 8), layout=q.get("layout", "flat"),
+                                    role=_role_of(q, key))
     v = (siblings or {}).get(q.get("divisor"))
     if not isinstance(v, torch.Tensor):
         raise _mismatch(where, path, "ratio state without its second moment in the source")
     return quant.quantize_ratio(t, v, q["eps"], q["block_size"], divisor_key=q["divisor"], bits=q.get("bits", 8),
                                 layout=q.get("layout", "flat"))
+
+
+def _role_of(q: dict, key: str) -> str | None:
+    """The role whose codebook and transform the file records for a state stored on its own (SGD's momentum is
+    written by its role, Adam's states by their key): None (the key's policy) when that one matches or none
+    does, so that a codebook no policy has still reads back as differing."""
+    bits, qmap = q.get("bits", 8), q.get("qmap")
+    if not isinstance(qmap, torch.Tensor):
+        return None
+    for role in (None, *policy.ROLE_POLICIES.get(bits, {})):
+        try:
+            pol = policy.policy_for(key, bits, role)
+        except UsageError:
+            continue
+        if pol.transform == q.get("transform") and torch.equal(pol.qmap(), qmap.detach().to("cpu", torch.float32)):
+            return role
+    return None
 
 
 def _materialize(x: Any) -> Any:
