@@ -18,7 +18,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ckptq.dcp
-from ckptq.optim import AdamW8bit
+from ckptq.optim import AdamW8bit, Lion8bit, Muon8bit, SGD8bit
+
+# ckptq's one-state optimizers (Muon8bit on the hidden matrices only: Muon takes 2-D parameters, not embeddings)
+ONE_STATE = {"sgd8bit": lambda ps, b: SGD8bit(ps, lr=0.05, momentum=0.9, nesterov=True, min_size=1024, backend=b),
+             "lion8bit": lambda ps, b: Lion8bit(ps, lr=1e-3, weight_decay=0.1, min_size=1024, backend=b),
+             "muon8bit": lambda ps, b: Muon8bit(ps, lr=0.02, min_size=1024, backend=b)}
 
 
 def model_and_opt(name: str, backend: str = "auto", wrap: str = "fsdp"):
@@ -38,6 +43,9 @@ def model_and_opt(name: str, backend: str = "auto", wrap: str = "fsdp"):
         model = DDP(model)
     if name == "adamw8bit":
         return model, AdamW8bit(model.parameters(), lr=1e-2, min_size=1024, backend=backend)
+    if name in ONE_STATE:
+        params = [p for n, p in model.named_parameters() if name != "muon8bit" or (p.ndim == 2 and not n.startswith("0."))]
+        return model, ONE_STATE[name](params, backend)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
