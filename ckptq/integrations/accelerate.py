@@ -37,8 +37,8 @@ def store_8bit(optimizer: torch.optim.Optimizer, *, block_size: int = 256,
     """From now on ``optimizer.state_dict()`` holds its Adam moments 8-bit (states with at least
     ``min_size`` elements, blocks of ``block_size``) and ``optimizer.load_state_dict`` takes such state
     back in the optimizer's own form (``_state.for_optimizer``: fp32, or torchao's). Call it on the
-    prepared optimizer (or the one it wraps); returns ``optimizer``. A ckptq ``AdamW8bit``/``Adam8bit`` is
-    returned unchanged (its state is 8-bit already)."""
+    prepared optimizer (or the one it wraps); returns ``optimizer``. A ckptq optimizer (``AdamW8bit``,
+    ``SGD8bit``, ``Lion8bit``, ``Muon8bit``...) is returned unchanged (its state is low-bit already)."""
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
     if not _state.is_ckptq_optimizer(inner):
         inner.register_state_dict_post_hook(lambda opt, state_dict: _signposted(
