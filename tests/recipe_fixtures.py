@@ -171,7 +171,7 @@ FIXTURES = {
     "estimate": llama_config, "install": nothing, "fresh-machine": nothing,
     "dcp-planners": nothing, "optimizer": nothing, "format-decoder": nothing,
     "trainer-mixin": nothing, "accelerate-store": nothing, "lightning-plugin": nothing, "fsdp2": nothing,
-    "fabric": nothing, "cuda-graph": nothing,
+    "fabric": nothing, "cuda-graph": nothing, "muon": nothing,
 }
 
 
