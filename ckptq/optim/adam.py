@@ -16,6 +16,7 @@ from ..errors import UsageError
 from ..codec.qstate import QState
 from ..kernels.contract import HYPER_FIELDS
 from . import scalars
+from .args import stochastic
 
 MOMENT_KEYS = policy.MOMENT_KEYS
 
@@ -89,7 +90,8 @@ def step_quantized(param, grad, exp_avg: dict, exp_avg_sq: dict, max_exp_avg_sq:
     exp_avg.update(qmap=encode, transform=policy.RATIO_TRANSFORM, eps=float(ratio_eps), divisor="exp_avg_sq")
 
 
-def step_param(p: torch.Tensor, state: dict, group: dict, decoupled: bool, backend: str, salt: int = 0) -> None:
+def step_param(p: torch.Tensor, state: dict, group: dict, decoupled: bool, backend: str, salt: int = 0,
+               rounding: str = "auto") -> None:
     """The optimizer's step for one parameter with a gradient and an initialised ``state``; ``salt``: the
     parameter's index in the optimizer.
 
@@ -108,6 +110,6 @@ def step_param(p: torch.Tensor, state: dict, group: dict, decoupled: bool, backe
     if not qstate.is_qstate(moments[0]):
         ops.adam_dense_step(p, p.grad, *moments, hyper, maximize=group["maximize"])
         return
-    seed = ops.step_seed(state["step"], salt) if moments[0].get("bits", 8) < 8 else None
+    seed = ops.step_seed(state["step"], salt) if stochastic(rounding, moments[0].get("bits", 8)) else None
     step_quantized(p, p.grad, *moments, hyper, ratio_eps=policy.ratio_eps_for(group, state["step"]),
                    maximize=group["maximize"], backend=backend, seed=seed)

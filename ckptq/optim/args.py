@@ -112,6 +112,21 @@ def check_flags(group: dict) -> None:
         )
 
 
+ROUNDINGS = ("auto", "nearest", "stochastic")
+
+
+def stochastic(rounding: str, bits: int) -> bool:
+    """Whether a state of ``bits``-bit codes is requantized with stochastic rounding under the optimizer's
+    ``rounding`` option: "auto" rounds 8-bit codes to nearest and narrower ones stochastically."""
+    return rounding == "stochastic" or (rounding == "auto" and bits < 8)
+
+
+def check_rounding(rounding) -> str:
+    if rounding not in ROUNDINGS:
+        raise ArgumentError(f"rounding {rounding!r} is not one of {', '.join(ROUNDINGS)}")
+    return rounding
+
+
 def check_options(block_size, min_size, backend, bits=8) -> int:
     """Check ckptq's own options; returns the block size (``None``: the default for ``bits``)."""
     if type(bits) is not int or bits not in policy.BUDGETS:

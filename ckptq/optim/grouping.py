@@ -27,7 +27,7 @@ from ..codec import dtensor, grouped, policy
 from ..errors import UsageError
 from ..codec.qstate import QState
 from ..kernels import contract, memo
-from . import adam, scalars
+from . import adam, args as optim_args, scalars
 
 
 @dataclass
@@ -73,20 +73,22 @@ class KernelGroup:
     block_size: int
     ratio: bool
     maximize: bool
-    seeded: bool  # stochastic rounding (code widths under 8 bits)
+    seeded: bool  # stochastic rounding (``args.stochastic``: by default code widths under 8 bits)
     kernel_members: tuple = ()
     cache: dict = field(default_factory=dict)
     salt: torch.Tensor | None = None  # host steps: scalars.salt_hash of the members' indices (seeded groups)
     device: scalars.DeviceScalars | None = None  # capturable steps: their scalars on the device
 
 
-def _quantized_key(m: Member, amsgrad: bool, maximize: bool, capturable: bool) -> tuple:
-    """What decides a member's kernel group (and validates its state: QState.from_dict raises)."""
+def _quantized_key(m: Member, amsgrad: bool, maximize: bool, capturable: bool, rounding: str = "auto") -> tuple:
+    """What decides a member's kernel group (and validates its state: QState.from_dict raises); the last
+    entry: whether its moments round stochastically (``args.stochastic``)."""
     keys = policy.MOMENT_KEYS[: 3 if amsgrad else 2]
     qs = [QState.from_dict(dtensor.unplace(m.state[k])) for k in keys]
     encode = qs[0].qmap if qs[0].is_ratio else policy.ratio_policy(qs[0].bits).qmap()
     return (m.flat.device, m.flat.dtype, keys, tuple(q.bits for q in qs), qs[0].block_size, qs[0].is_ratio, maximize,
-            capturable, tuple(_codebook_key(q.qmap) for q in qs), _codebook_key(encode))
+            capturable, tuple(_codebook_key(q.qmap) for q in qs), _codebook_key(encode),
+            optim_args.stochastic(rounding, qs[0].bits))
 
 
 def _kernel_group(members: list[Member], key: tuple) -> KernelGroup:
@@ -94,7 +96,7 @@ def _kernel_group(members: list[Member], key: tuple) -> KernelGroup:
     first = [QState.from_dict(dtensor.unplace(members[0].state[k])) for k in keys]
     encode = first[0].qmap if ratio else policy.ratio_policy(bits[0]).qmap()
     codebooks = tuple(_shared_codebooks(q.qmap, encode if i == 0 else q.qmap, device) for i, q in enumerate(first))
-    kg = KernelGroup(members, keys, codebooks, bits, block_size, ratio, maximize, seeded=bits[0] < 8)
+    kg = KernelGroup(members, keys, codebooks, bits, block_size, ratio, maximize, seeded=key[-1])
     kg.kernel_members = tuple(_kernel_member(m, keys) for m in members)
     grouped.check_group(contract.StepGroup(kg.kernel_members, (), torch.empty(0, 10), None, kg.codebooks, bits,
                                            block_size, ratio, maximize, {}))
@@ -172,7 +174,8 @@ class StepPlan:
             if m.flat is None:
                 self.single.append(m)
             elif isinstance(m.state.get("exp_avg"), dict):
-                quantized.setdefault(_quantized_key(m, amsgrad, maximize, capturable), []).append(m)
+                key = _quantized_key(m, amsgrad, maximize, capturable, getattr(opt, "rounding", "auto"))
+                quantized.setdefault(key, []).append(m)
             else:
                 keys = policy.MOMENT_KEYS[: 3 if amsgrad else 2]
                 dense.setdefault((m.flat.device, m.flat.dtype, keys, maximize, capturable), []).append(m)
@@ -197,7 +200,8 @@ class StepPlan:
             p = torch.view_as_real(m.param) if m.param.is_complex() else m.param
             if p is not m.param:
                 p.grad = torch.view_as_real(m.param.grad)
-            adam.step_param(p, m.state, group, self.decoupled, self.backend, salt=m.index)
+            adam.step_param(p, m.state, group, self.decoupled, self.backend, salt=m.index,
+                            rounding=getattr(opt, "rounding", "auto"))
         if self.capturable and opt._step_plan is None:
             opt._step_plan_now()
 

@@ -30,7 +30,7 @@ from ..errors import ArgumentError, UsageError
 from ..kernels import backend_torch, contract
 from . import args as optim_args, momentum_io
 
-OPTIONS = {"block_size": 256, "min_size": 4096, "backend": "auto", "bits": 8}
+OPTIONS = {"block_size": 256, "min_size": 4096, "backend": "auto", "bits": 8, "rounding": "auto"}
 
 
 class _OneState(torch.optim.Optimizer):
@@ -39,9 +39,10 @@ class _OneState(torch.optim.Optimizer):
     state_key = "momentum_buffer"
     update = contract.UPDATE_LINEAR
 
-    def __init__(self, params, defaults: dict, block_size, min_size, backend, bits):
+    def __init__(self, params, defaults: dict, block_size, min_size, backend, bits, rounding="auto"):
         self.block_size = optim_args.check_options(block_size, min_size, backend, bits)
         self.min_size, self.backend, self.bits = int(min_size), backend, bits
+        self.rounding = optim_args.check_rounding(rounding)
         super().__init__(params, defaults)
 
     # what each optimizer defines
@@ -187,7 +188,7 @@ class _OneState(torch.optim.Optimizer):
         codebooks = contract.StepCodebooks(encode, contract.midpoints(encode).contiguous(), encode)
         rows = [self._coefficients(group, id(p) in fresh) for _, p, _, _ in members]
         seeds = None
-        if q0.bits < 8:
+        if optim_args.stochastic(self.rounding, q0.bits):
             seeds = torch.tensor([ops.step_seed(int(self.state[p]["step"]), i) for i, p, _, _ in members])
         grads = tuple(_flat_grad(p) for _, p, _, _ in members)
         outs = ()
@@ -256,11 +257,11 @@ class SGD8bit(_OneState):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused=None, block_size=None, min_size=4096,
-                 backend="auto", bits=8):
+                 backend="auto", bits=8, rounding="auto"):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         maximize=maximize, foreach=foreach, differentiable=differentiable, fused=fused)
         self._check_group(defaults, "the arguments")
-        super().__init__(params, defaults, block_size, min_size, backend, bits)
+        super().__init__(params, defaults, block_size, min_size, backend, bits, rounding)
 
     def _check_group(self, group: dict, where: str) -> None:
         try:
@@ -293,13 +294,13 @@ class Lion8bit(_OneState):
     update = contract.UPDATE_SIGN
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, decoupled_weight_decay=False, *,
-                 block_size=None, min_size=4096, backend="auto", bits=8):
+                 block_size=None, min_size=4096, backend="auto", bits=8, rounding="auto"):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay)
         self._check_group(defaults, "the arguments")
         self._init_lr, self.decoupled_wd = float(lr), bool(decoupled_weight_decay)
         if self.decoupled_wd and self._init_lr == 0:
             raise ArgumentError("decoupled_weight_decay divides weight_decay by lr, which is 0")
-        super().__init__(params, defaults, block_size, min_size, backend, bits)
+        super().__init__(params, defaults, block_size, min_size, backend, bits, rounding)
 
     def _check_group(self, group: dict, where: str) -> None:
         try:
@@ -327,11 +328,11 @@ class Muon8bit(_OneState):
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
-                 block_size=None, min_size=4096, backend="auto", bits=8):
+                 block_size=None, min_size=4096, backend="auto", bits=8, rounding="auto"):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         self._check_group(defaults, "the arguments")
-        super().__init__(params, defaults, block_size, min_size, backend, bits)
+        super().__init__(params, defaults, block_size, min_size, backend, bits, rounding)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:

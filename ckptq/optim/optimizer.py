@@ -36,7 +36,7 @@ from .state_io import (MOMENT_KEYS, expand_on_load, import_state_dict, step_tens
                        with_float_eps)
 
 BACKENDS = ops.BACKENDS
-OPTIONS = {"block_size": 256, "min_size": 4096, "backend": "auto", "bits": 8}  # ckptq's own, beyond torch's arguments
+OPTIONS = {"block_size": 256, "min_size": 4096, "backend": "auto", "bits": 8, "rounding": "auto"}  # ckptq's own, beyond torch's arguments
 
 
 class _Adam8bitBase(torch.optim.Optimizer):
@@ -60,17 +60,21 @@ class _Adam8bitBase(torch.optim.Optimizer):
         min_size=4096,
         backend="auto",
         bits=8,
+        rounding="auto",
     ):
         """torch.optim.Adam(W)'s arguments (``foreach``/``fused``/``capturable``/``differentiable`` as
         ``ckptq.optim_args`` documents), plus ``bits`` (8 or 4), ``block_size`` (default 256 for 8 bits,
-        128 for 4), ``min_size`` and ``backend`` for the quantized state. Bad values raise
-        ``ArgumentError``, a ``ValueError``, before anything is built."""
+        128 for 4), ``min_size`` and ``backend`` for the quantized state, and ``rounding``: how the moments'
+        new codes are rounded at every step: "auto" (to nearest at 8 bits, stochastically below), "nearest"
+        or "stochastic" (seeded by the step count and the parameter's index: a resumed run draws the same
+        numbers). Bad values raise ``ArgumentError``, a ``ValueError``, before anything is built."""
         optim_args.check_hyper(lr, betas, eps, weight_decay)
         block_size = optim_args.check_options(block_size, min_size, backend, bits)
         flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused)
         flags.update(capturable=capturable, differentiable=differentiable)
         optim_args.check_flags(flags)
         self.block_size, self.min_size, self.backend, self.bits = block_size, min_size, backend, bits
+        self.rounding = optim_args.check_rounding(rounding)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -167,7 +171,7 @@ class _Adam8bitBase(torch.optim.Optimizer):
     def _signature(self, active: list) -> tuple:
         """What a kept plan depends on beyond the state it was built on (``_state_version`` counts that)."""
         flags = tuple((bool(g["amsgrad"]), bool(g["maximize"]), bool(g["capturable"])) for g in self.param_groups)
-        return (getattr(self, "_state_version", 0), flags, tuple(id(p) for _, p, _ in active),
+        return (getattr(self, "_state_version", 0), self.rounding, flags, tuple(id(p) for _, p, _ in active),
                 tuple(p.grad.dtype for _, p, _ in active))
 
     def _prepare_state(self, p: torch.Tensor, group: dict) -> None:
