@@ -59,13 +59,20 @@ from ckptq.optim import AdamW4bit, AdamW8bit  # noqa: E402
 # small enough that five continuations run in a few minutes on 2 cores.
 # "byte128": issue 23's byte-level GPT-2 on English text (``--preset issue23``).
 SIZES = {**mc.SIZES, "mid": dict(vocab_size=2048, n_layer=2, n_head=4, n_embd=128, block_size=64, batch_size=16),
-         "byte128": dict(vocab_size=256, n_layer=2, n_head=4, n_embd=128, block_size=128, batch_size=16)}
+         "byte128": dict(vocab_size=256, n_layer=2, n_head=4, n_embd=128, block_size=128, batch_size=16),
+         "byte96x3": dict(vocab_size=256, n_layer=3, n_head=4, n_embd=96, block_size=128, batch_size=16)}
 VARIANTS = ("fp32", "ckptq", "expanded", "bnb", "fresh", "ckptq4", "expanded4")
-SCRATCH_VARIANTS = ("fp32", "noise1", "noise001", "ckptq", "ckptq4", "bnb", "ao4", "ao8")
+SCRATCH_VARIANTS = ("fp32", "noise1", "noise001", "ckptq", "ckptq-sr", "ckptq4", "bnb", "ao4", "ao8")
 NOISE = {"noise1": 1e-2, "noise001": 1e-4}  # the controls: relative Gaussian gradient noise
 # Issue 23's setting: byte-level GPT-2 (n_embd 128, 2 layers, 4 heads), 16 x 128 bytes of English text,
 # lr 3e-3 after 30 linear warm-up steps, betas (0.9, 0.95) and weight decay 0.1 (make_checkpoint's).
-PRESETS = {"issue23": dict(size="byte128", data="text", lr=3e-3, warmup=30)}
+PRESETS = {"issue23": dict(size="byte128", data="text", lr=3e-3, warmup=30),
+           # #31's second model/corpus pair: a 3-layer byte-level GPT of width 96 on Python source (the standard
+           # library's own modules, offline), lr 2e-3 after 30 warm-up steps
+           "pysrc": dict(size="byte96x3", data="pysrc", lr=2e-3, warmup=30),
+           # the project's default setting (make_checkpoint's Zipf chains, the mid model), warmed up as the others
+           "zipf": dict(size="mid", data="zipf", lr=3e-3, warmup=30)}
+VAL_BATCHES = 8  # held-out batches for the validation loss (text: the corpus' last 10%, never trained on)
 # More --from-scratch variants by name: name -> f(param groups, lr, seed) -> optimizer (for experiments
 # that import this module).
 SCRATCH_FACTORIES: dict = {}
@@ -93,9 +100,10 @@ def set_lr(opt, base: list[float], factor: float) -> None:
             group["lr"] = lr * factor
 
 
-def train_steps(model, opt, batches, losses: list[float] | None = None, schedule=None) -> None:
+def train_steps(model, opt, batches, losses: list[float] | None = None, schedule=None, after=None) -> None:
     """make_checkpoint's step: loss, backward, clip at 1.0, step; appends each loss to ``losses``.
-    ``schedule``: lr factor of step t (t from 1), applied to each group's lr as it was on entry."""
+    ``schedule``: lr factor of step t (t from 1), applied to each group's lr as it was on entry; ``after``:
+    called with t after step t."""
     base = [float(g["lr"]) for g in opt.param_groups]
     for t, (x, y) in enumerate(batches, start=1):
         if schedule is not None:
@@ -107,6 +115,8 @@ def train_steps(model, opt, batches, losses: list[float] | None = None, schedule
         opt.step()
         if losses is not None:
             losses.append(loss.item())
+        if after is not None:
+            after(t)
 
 
 def batches(cfg: dict, batch_size: int, perm: torch.Tensor, count: int, seed: int) -> list:
@@ -237,6 +247,8 @@ def scratch_optimizer(variant: str, model: torch.nn.Module, lr: float, seed: int
         return NoisyAdamW(groups, NOISE[variant], seed + 7919, lr=lr)
     if variant in ("bnb", "ao4", "ao8"):
         return _third_party(variant, groups, lr)
+    if variant == "ckptq-sr":
+        return AdamW8bit(groups, lr=lr, rounding="stochastic")
     cls = {"fp32": torch.optim.AdamW, "ckptq": AdamW8bit, "ckptq4": AdamW4bit}[variant]
     return cls(groups, lr=lr)
 
@@ -250,9 +262,29 @@ def english_text() -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
-def text_batches(cfg: dict, batch_size: int, count: int, seed: int) -> list:
-    """``count`` batches of ``batch_size`` random windows of ``english_text`` (inputs, next-byte targets)."""
-    data, block = english_text(), cfg["block_size"]
+def python_source() -> torch.Tensor:
+    """Python source code, offline and deterministic: the bytes of the standard library's ``json``, ``email``,
+    ``http``, ``logging``, ``unittest`` and ``asyncio`` packages (their .py files in sorted order), as int64 ids."""
+    import pathlib
+    import sysconfig
+
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for pkg in ("json", "email", "http", "logging", "unittest", "asyncio")
+                   for f in (root / pkg).rglob("*.py") if "test" not in f.parts[-2:-1])
+    text = b"\n".join(f.read_bytes() for f in files)
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+
+
+def corpus(data: str, part: str) -> torch.Tensor:
+    """A byte corpus' training part (its first 90%) or its held-out part (the last 10%)."""
+    ids = english_text() if data == "text" else python_source()
+    cut = ids.numel() * 9 // 10
+    return ids[:cut] if part == "train" else ids[cut:]
+
+
+def text_batches(cfg: dict, batch_size: int, count: int, seed: int, data: str = "text", part: str = "train") -> list:
+    """``count`` batches of ``batch_size`` random windows of a byte corpus' ``part`` (inputs, next-byte targets)."""
+    data, block = corpus(data, part), cfg["block_size"]
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
@@ -265,10 +297,29 @@ def text_batches(cfg: dict, batch_size: int, count: int, seed: int) -> list:
 def scratch_data(args, seed: int) -> list:
     """The batches of one seed: English bytes for ``--data text``, make_checkpoint's Zipf chains otherwise."""
     cfg, batch_size = model_config(args.size)
-    if args.data == "text":
-        return text_batches(cfg, batch_size, args.steps, seed + 1)
+    if args.data in ("text", "pysrc"):
+        return text_batches(cfg, batch_size, args.steps, seed + 1, args.data)
     perm = mc._transition_table(cfg["vocab_size"], torch.Generator().manual_seed(seed))
     return batches(cfg, batch_size, perm, args.steps, seed + 1)
+
+
+def validation_data(args, seed: int) -> list:
+    """``VAL_BATCHES`` held-out batches: windows of the corpus' last 10% (text), or fresh chains from the same
+    transition table (zipf: an unlimited source, so new samples are unseen ones)."""
+    cfg, batch_size = model_config(args.size)
+    if args.data in ("text", "pysrc"):
+        return text_batches(cfg, batch_size, VAL_BATCHES, 10_000 + seed, args.data, "val")
+    perm = mc._transition_table(cfg["vocab_size"], torch.Generator().manual_seed(seed))
+    return batches(cfg, batch_size, perm, VAL_BATCHES, 10_000 + seed)
+
+
+@torch.no_grad()
+def validation_loss(model, data: list) -> float:
+    was = model.training
+    model.eval()
+    loss = statistics.fmean(float(model(x, y)) for x, y in data)
+    model.train(was)
+    return loss
 
 
 def warmup_schedule(warmup: int):
@@ -276,16 +327,21 @@ def warmup_schedule(warmup: int):
     return (lambda t: min(1.0, t / warmup)) if warmup > 0 else None
 
 
-def from_scratch_seed(args, seed: int) -> dict[str, list[float]]:
-    """Every variant trained from the same initialization on the same batches, for one seed."""
+def from_scratch_seed(args, seed: int, val: dict | None = None) -> dict[str, list[float]]:
+    """Every variant trained from the same initialization on the same batches, for one seed; ``val`` (a dict)
+    receives each variant's held-out loss at the end of every ``--windows`` window: {variant: {step: loss}}."""
     cfg, _ = model_config(args.size)
     data = scratch_data(args, seed)
+    held_out = validation_data(args, seed)
+    ends = set(getattr(args, "window_list", None) or [args.steps])
     curves: dict[str, list[float]] = {}
     for variant in ["fp32"] + [v for v in args.variants.split(",") if v != "fp32"]:
         torch.manual_seed(seed)
         model = mc.GPT(**cfg)
         opt = scratch_optimizer(variant, model, args.lr, seed, args.betas)
-        train_steps(model, opt, data, curves.setdefault(variant, []), warmup_schedule(args.warmup))
+        seen = (val if val is not None else {}).setdefault(variant, {})
+        train_steps(model, opt, data, curves.setdefault(variant, []), warmup_schedule(args.warmup),
+                    lambda t: seen.__setitem__(t, validation_loss(model, held_out)) if t in ends else None)
         print(f"seed {seed} {variant}: last {LAST_WINDOW} mean {statistics.fmean(curves[variant][-LAST_WINDOW:]):.4f}",
               file=sys.stderr, flush=True)
     return curves
@@ -318,21 +374,36 @@ def seed_table(runs: dict[int, dict[str, list[float]]], end: int) -> str:
     return "\n".join(rows)
 
 
+def val_table(vals: dict[int, dict[str, dict[int, float]]], end: int) -> str:
+    """Per variant and seed: the held-out loss after step ``end`` vs fp32's on the same seed."""
+    seeds = sorted(vals)
+    variants = [v for v in vals[seeds[0]] if v != "fp32"]
+    rows = [f"| validation loss at step {end} vs fp32 | " + " | ".join(f"seed {s}" for s in seeds) + " | max abs |",
+            "|---|" + "---:|" * (len(seeds) + 1)]
+    for v in variants:
+        xs = [100 * (vals[s][v][end] / vals[s]["fp32"][end] - 1) for s in seeds]
+        rows.append(f"| {v} | " + " | ".join(f"{x:+.2f}%" for x in xs) + f" | {max(map(abs, xs)):.2f}% |")
+    rows.append("| (fp32 validation loss) | " + " | ".join(f"{vals[s]['fp32'][end]:.4f}" for s in seeds) + " | |")
+    return "\n".join(rows)
+
+
 def many_seeds(args) -> None:
-    """``--seeds``: every seed, then one table per ``--windows`` entry (the curves to ``--json``, rewritten
-    after each seed)."""
-    runs = {}
+    """``--seeds``: every seed, then per ``--windows`` entry a table of the train loss (last 100 steps) and
+    one of the held-out loss (the curves and held-out losses to ``--json``, rewritten after each seed)."""
+    runs, vals = {}, {}
     for seed in args.seed_list:
-        runs[seed] = from_scratch_seed(args, seed)
+        vals[seed] = {}
+        runs[seed] = from_scratch_seed(args, seed, vals[seed])
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "runs": {str(s): c for s, c in runs.items()}}, f)
+                json.dump({"args": vars(args), "runs": {str(s): c for s, c in runs.items()},
+                           "val": {str(s): v for s, v in vals.items()}}, f)
     cfg, _ = model_config(args.size)
     n = sum(p.numel() for p in mc.GPT(**cfg).parameters())
     print(f"{args.size} ({n / 1e6:.2f} M params, {args.data} data), from scratch, lr {args.lr:g}, warm-up "
           f"{args.warmup}, betas {args.betas}, seeds {','.join(map(str, args.seed_list))}")
     for end in args.window_list:
-        print(f"\n{seed_table(runs, end)}")
+        print(f"\n{seed_table(runs, end)}\n\n{val_table(vals, end)}")
 
 
 def _running_mean(xs: list[float], width: int) -> list[float]:
@@ -374,8 +445,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--from-scratch", action="store_true", help="train every variant from initialization instead")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="from scratch in a named setting (sets --size, "
                         "--data, --lr, --warmup)")
-    parser.add_argument("--data", choices=("zipf", "text"), default="zipf", help="from scratch: make_checkpoint's "
-                        "Zipf chains or English text bytes")
+    parser.add_argument("--data", choices=("zipf", "text", "pysrc"), default="zipf", help="from scratch: "
+                        "make_checkpoint's Zipf chains, English text bytes or Python source bytes")
     parser.add_argument("--warmup", type=int, default=0, help="from scratch: linear lr warm-up steps")
     parser.add_argument("--betas", type=lambda x: tuple(float(b) for b in x.split(",")), default=mc.BETAS,
                         help="from scratch: Adam's betas (default %(default)s, make_checkpoint's)")
