@@ -26,7 +26,7 @@ identical signatures::
         the step of a one-state optimizer (SGD, Lion, Muon): p [n], g [n], one ``StepState``, h fp32 [8]
         (``MOMENTUM_FIELDS``), out fp32 [n] or None (d, for ``UPDATE_NONE``), flags: ``MomentumFlags``
     momentum_step_group(group) -> None
-        ``MomentumGroup``: the same, many parameters in one call (``momentum_steps`` says what it equals)
+        ``MomentumGroup``: the same, many parameters in one call (``momentum_steps`` says what it equals; the reference: ``momentum_torch``)
 
 Rows (``row_len``, format version 3): the n elements are ``rows = n // row_len`` rows of ``row_len``
 elements (a parameter of shape [d0, d1, ...] has rows = d0 and row_len = d1 * d2 * ...; 1-D tensors, and

@@ -38,7 +38,7 @@ import torch
 from ..errors import UsageError
 from .policy import DEFAULT_BLOCK_SIZE, check_block_size
 from .dtensor import is_dtensor
-from ..kernels import backend_native, backend_torch, contract, cpu_runtime, memo
+from ..kernels import backend_native, backend_torch, contract, cpu_runtime, memo, momentum_torch
 from ..kernels.contract import (KERNEL_DTYPES, StepFlags, StepState, code_bytes, is_flat, layout_blocks, layout_bytes,
                                 midpoints, num_blocks)
 
@@ -362,4 +362,4 @@ def momentum_backend(name: str, dtypes: Sequence[torch.dtype], thresholds: torch
     """The backend module of a one-state step: as ``_implementation`` picks, the reference where that backend
     has no one-state kernel."""
     impl = _implementation(name, dtypes, [thresholds], flat)
-    return impl if hasattr(impl, "momentum_step") else backend_torch
+    return impl if hasattr(impl, "momentum_step") else momentum_torch

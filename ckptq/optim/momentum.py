@@ -27,7 +27,7 @@ import torch
 from ..codec import dtensor, grouped, ops, qstate, quant, roles
 from ..codec.qstate import QState
 from ..errors import ArgumentError, UsageError
-from ..kernels import backend_torch, contract
+from ..kernels import contract, momentum_torch
 from . import args as optim_args, momentum_io
 
 OPTIONS = {"block_size": 256, "min_size": 4096, "backend": "auto", "bits": 8, "rounding": "auto"}
@@ -203,11 +203,11 @@ class _OneState(torch.optim.Optimizer):
         return {id(p): out for (_, p, _, _), out in zip(members, outs)}
 
     def _step_dense(self, group: dict, p: torch.Tensor, fresh: bool):
-        """A parameter with fp32 state: the same math in PyTorch (``backend_torch.momentum_math``)."""
+        """A parameter with fp32 state: the same math in PyTorch (``momentum_torch.momentum_math``)."""
         h = torch.tensor(self._coefficients(group, fresh), dtype=torch.float32, device=dtensor.local(p).device)
         data, state = dtensor.local(p).detach(), dtensor.local(self.state[p][self.state_key])
         grad = dtensor.local(p.grad)
-        new_p, m_new, d = backend_torch.momentum_math(data.float(), grad.float(), state, h,
+        new_p, m_new, d = momentum_torch.momentum_math(data.float(), grad.float(), state, h,
                                                       bool(group.get("maximize", False)), self.update)
         state.copy_(m_new)
         if new_p is not None:
