@@ -274,9 +274,16 @@ def step_seed(step: int, salt: int) -> int:
     return contract.mix32(contract.mix32(int(step) & 0xFFFFFFFF) ^ ((int(salt) * 0x9E3779B9) & 0xFFFFFFFF))
 
 
-def _check_seed(seed) -> None:
+def _step_operands(param, grad, block_size: int, seed) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's block size and seed checked, and its param and gradient as local tensors that fit each other."""
+    check_block_size(block_size)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
         raise UsageError(f"seed must be None or an integer in [0, 2**32), got {seed!r}")
+    p, g = _local(param, "the parameter"), _local(grad, "the gradient")
+    if not p.is_floating_point() or not g.is_floating_point() or g.numel() != p.numel() or g.device != p.device:
+        raise UsageError(f"the gradient ({g.dtype}, {g.numel()} elements on {g.device}) does not fit the parameter "
+                         f"({p.dtype}, {p.numel()} elements on {p.device})")
+    return p, g
 
 
 def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[StepInput], hyper: torch.Tensor, *,
@@ -292,12 +299,7 @@ def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[Step
     are ratios m / (sqrt(v) + decode_eps) when ``ratio``, plain values otherwise, and are always written
     back as ratios with encode_eps. ``hyper``: fp32 [10] (``ckptq.kernels.contract.HYPER_FIELDS``).
     """
-    check_block_size(block_size)
-    _check_seed(seed)
-    p, g = _local(param, "the parameter"), _local(grad, "the gradient")
-    if not p.is_floating_point() or not g.is_floating_point() or g.numel() != p.numel() or g.device != p.device:
-        raise UsageError(f"the gradient ({g.dtype}, {g.numel()} elements on {g.device}) does not fit the parameter "
-                         f"({p.dtype}, {p.numel()} elements on {p.device})")
+    p, g = _step_operands(param, grad, block_size, seed)
     if hyper.numel() != len(contract.HYPER_FIELDS):
         raise UsageError(f"hyper must hold {len(contract.HYPER_FIELDS)} values ({', '.join(contract.HYPER_FIELDS)})")
     row_len = check_row_len(p.numel(), row_len)
@@ -330,12 +332,7 @@ def momentum_step(param: torch.Tensor, grad: torch.Tensor, state: StepInput, hyp
     place: the state's codes and scales, and the param (``update`` UPDATE_LINEAR / UPDATE_SIGN) or ``out``
     (fp32, the param's element count: the direction d, for UPDATE_NONE). ``hyper``: fp32 [8]
     (``ckptq/kernels/contract.py``, ``MOMENTUM_FIELDS``); ``seed`` as ``adam8bit_step``'s."""
-    check_block_size(block_size)
-    _check_seed(seed)
-    p, g = _local(param, "the parameter"), _local(grad, "the gradient")
-    if not p.is_floating_point() or not g.is_floating_point() or g.numel() != p.numel() or g.device != p.device:
-        raise UsageError(f"the gradient ({g.dtype}, {g.numel()} elements on {g.device}) does not fit the parameter "
-                         f"({p.dtype}, {p.numel()} elements on {p.device})")
+    p, g = _step_operands(param, grad, block_size, seed)
     if hyper.numel() != len(contract.MOMENTUM_FIELDS):
         raise UsageError(f"hyper must hold {len(contract.MOMENTUM_FIELDS)} values "
                          f"({', '.join(contract.MOMENTUM_FIELDS)})")

@@ -29,12 +29,15 @@ from ..codec.qstate import QState
 from ..errors import ArgumentError, UsageError
 from ..kernels import contract, momentum_torch
 from . import args as optim_args, momentum_io
+from .surface import LowBitOptimizer
 
 OPTIONS = {"block_size": 256, "min_size": 4096, "backend": "auto", "bits": 8, "rounding": "auto"}
 
 
-class _OneState(torch.optim.Optimizer):
+class _OneState(LowBitOptimizer):
     """What SGD8bit, Lion8bit and Muon8bit share: the low-bit state, the grouped step, state dicts."""
+
+    OPTIONS = OPTIONS
 
     state_key = "momentum_buffer"
     update = contract.UPDATE_LINEAR
@@ -61,42 +64,11 @@ class _OneState(torch.optim.Optimizer):
     def _apply(self, group: dict, params: list, directions: list) -> None:
         """Apply directions d (UPDATE_NONE optimizers: Muon) to their parameters."""
 
-    # torch.optim.Optimizer's surface
-
-    def add_param_group(self, param_group: dict) -> None:
-        if isinstance(param_group, dict):
-            self._check_group({**self.defaults, **param_group}, f"param group {len(self.param_groups)}")
-        super().add_param_group(param_group)
-        self._state_changed()
-
-    def __getstate__(self) -> dict:
-        return {**super().__getstate__(), **{k: getattr(self, k) for k in OPTIONS}}
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        for key, default in OPTIONS.items():
-            if key not in self.__dict__:
-                setattr(self, key, default)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load this optimizer's own state dict, its torch counterpart's (fp32 state, quantized here as
-        ``ckptq convert`` does), ``ckptq.load(path)["optimizer"]`` (low-bit state used as stored where its
-        width and layout fit, else requantized) or a bitsandbytes one-state optimizer's (decoded first).
-        ``StateMismatchError`` before anything changes if groups, counts, shapes or values are wrong; torch's
-        load_state_dict pre and post hooks run as torch runs them."""
-        if isinstance(state_dict, dict):
-            state_dict = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        state, groups = momentum_io.import_state_dict(self, state_dict)
-        self.state.clear()
-        self.state.update(state)
-        self.param_groups = groups
-        self._state_changed()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+    def _import(self, state_dict) -> tuple[dict, list]:
+        """This optimizer's own state dict, its torch counterpart's (fp32 state, quantized here as ``ckptq convert``
+        does), ``ckptq.load(path)["optimizer"]`` (low-bit state used as stored where its width and layout fit,
+        else requantized) or a bitsandbytes one-state optimizer's (decoded first): ``momentum_io``."""
+        return momentum_io.import_state_dict(self, state_dict)
 
     # state
 
@@ -133,13 +105,7 @@ class _OneState(torch.optim.Optimizer):
 
     # the step
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _step(self) -> None:
         index = 0
         for group in self.param_groups:
             active = []
@@ -149,7 +115,6 @@ class _OneState(torch.optim.Optimizer):
                 index += 1
             if active:
                 self._step_group(group, active)
-        return loss
 
     def _step_group(self, group: dict, active: list) -> None:
         for _, p in active:

@@ -15,7 +15,7 @@ import torch
 
 from ..codec import dtensor, foreign, policy, qstate, roles
 from ..errors import ArgumentError, InputError, StateMismatchError
-from .state_io import _check_shape, _copy_qstate, _decoded, step_tensor
+from .state_io import _check_shape, _copy_qstate, _decoded, check_saved_group, step_tensor
 from .validate import check_param_state, step_value
 
 
@@ -66,18 +66,7 @@ def _decoded_foreign(state: dict, groups: list) -> dict:
 
 
 def _import_group(opt, i: int, group: dict, saved) -> dict:
-    where = f"param group {i} of the state dict"
-    if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
-        raise StateMismatchError(f"{where} has no 'params' list of parameter ids; it is not an optimizer state dict")
-    if len(group["params"]) != len(saved["params"]):
-        raise StateMismatchError(f"param group {i} has {len(group['params'])} parameters but the state dict's has "
-                                 f"{len(saved['params'])}; pass the same parameters in the same order")
-    for j, pid in enumerate(saved["params"]):
-        try:
-            hash(pid)
-        except TypeError:
-            raise StateMismatchError(f"{where} lists a {type(pid).__name__} as parameter id {j}; ids are ints as "
-                                     "optimizer.state_dict() writes them") from None
+    where = check_saved_group(i, group, saved)
     new = {**opt.defaults, **{k: v for k, v in saved.items() if k in opt.defaults or k == "param_names"},
            "params": group["params"]}
     if "param_names" in group and "param_names" not in saved:

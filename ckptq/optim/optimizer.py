@@ -32,6 +32,7 @@ from . import args as optim_args, grouping
 from ..codec import dtensor, foreign, ops, qstate, sharded
 from ..errors import InputError, StateMismatchError, UsageError
 from .args import GROUP_FLAGS
+from .surface import LowBitOptimizer
 from .state_io import (MOMENT_KEYS, expand_on_load, import_state_dict, step_tensor, to_torch_state_dict,
                        with_float_eps)
 
@@ -39,8 +40,9 @@ BACKENDS = ops.BACKENDS
 OPTIONS = {"block_size": 256, "min_size": 4096, "backend": "auto", "bits": 8, "rounding": "auto"}  # ckptq's own, beyond torch's arguments
 
 
-class _Adam8bitBase(torch.optim.Optimizer):
+class _Adam8bitBase(LowBitOptimizer):
     decoupled = True
+    OPTIONS = OPTIONS
 
     def __init__(
         self,
@@ -77,23 +79,11 @@ class _Adam8bitBase(torch.optim.Optimizer):
         self.rounding = optim_args.check_rounding(rounding)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags))
 
-    def add_param_group(self, param_group: dict) -> None:
-        """torch's ``add_param_group``, with the group's values checked first (``ArgumentError``)."""
-        if isinstance(param_group, dict):
-            where = f"param group {len(self.param_groups)}"
-            optim_args.check_group({**self.defaults, **param_group}, where)
-        super().add_param_group(param_group)
-        self._state_changed()
-
-    def __getstate__(self) -> dict:
-        """torch keeps defaults, state and param_groups; the 8-bit options travel too (deepcopy, pickle)."""
-        return {**super().__getstate__(), **{k: getattr(self, k) for k in OPTIONS}}
+    def _check_group(self, group: dict, where: str) -> None:
+        optim_args.check_group(group, where)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        for key, default in OPTIONS.items():  # objects pickled before the options travelled
-            if key not in self.__dict__:
-                setattr(self, key, default)
         for group in self.param_groups:  # groups pickled before a flag existed, as torch's Adam does
             for key, default in GROUP_FLAGS.items():
                 group.setdefault(key, default)
@@ -128,17 +118,10 @@ class _Adam8bitBase(torch.optim.Optimizer):
         DTensor moments are quantized shard by shard into state placed like them)."""
         return sharded.quantize_moments(dense, group, step, self.block_size, self.bits)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _step(self) -> None:
         self._check_not_meta()
         capturing = _capturing(self)
         self._step_plan_now(capturing).step(self)
-        return loss
 
     def state_dict(self) -> dict:
         """torch's ``state_dict``, with every first moment's eps' a float, as the format (docs/FORMAT.md) and
@@ -208,33 +191,14 @@ class _Adam8bitBase(torch.optim.Optimizer):
         zeros = self._zeros(p)
         return self._quantize(zeros, "max_exp_avg_sq") if qstate.is_qstate(template) else zeros
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load this optimizer's own state dict, a torch Adam/AdamW one (fp32 moments, quantized here
-        as ``ckptq convert`` does: ``quant.quantize_state``, exp_avg by ``quant.quantize_ratio``), or
-        ``ckptq.load(path)["optimizer"]`` (qstates used as stored; a plain, pre-ratio exp_avg is
-        re-encoded as a ratio by the next step), or a bitsandbytes / torchao 8-bit optimizer's state dict
-        (decoded, then quantized as ckptq's).
-
-        Raises ``StateMismatchError`` (a ``ValueError``) before changing anything if groups, counts, shapes
-        or group values are wrong. Group flags an older torch did not save (``maximize``...) are filled in
-        as torch fills them; torch's implementation flags (``foreach``, ``fused``...) stay this optimizer's.
-        Runs torch's ``register_load_state_dict_pre_hook``/``post_hook`` hooks as torch does: pre hooks on
-        a shallow copy (one may return a replacement), post hooks after the state is in place.
-        """
-        if isinstance(state_dict, dict):
-            state_dict = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        state_dict = _from_other_8bit_optimizers(state_dict)
-        state, groups = import_state_dict(self, state_dict)
-        self.state.clear()
-        self.state.update(state)
-        self.param_groups = groups
-        self._state_changed()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+    def _import(self, state_dict) -> tuple[dict, list]:
+        """This optimizer's own state dict, a torch Adam/AdamW one (fp32 moments, quantized here as
+        ``ckptq convert`` does: ``quant.quantize_state``, exp_avg by ``quant.quantize_ratio``), or
+        ``ckptq.load(path)["optimizer"]`` (qstates used as stored; a plain, pre-ratio exp_avg is re-encoded as a
+        ratio by the next step), or a bitsandbytes / torchao 8-bit optimizer's state dict (decoded, then
+        quantized as ckptq's). Group flags an older torch did not save (``maximize``...) are filled in as torch
+        fills them; torch's implementation flags (``foreach``, ``fused``...) stay this optimizer's."""
+        return import_state_dict(self, _from_other_8bit_optimizers(state_dict))
 
 
 def _from_other_8bit_optimizers(state_dict):

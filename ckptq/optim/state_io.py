@@ -52,10 +52,9 @@ def import_state_dict(opt, state_dict: dict):
     return state, groups
 
 
-def _import_group(i: int, group: dict, saved) -> dict:
-    """The group to install for saved group ``i``: saved values, flags an older torch did not save filled
-    as torch fills them, torch's implementation flags and ``params`` (and ``param_names`` when the saved
-    group has none) kept from the optimizer's group ``group``. Checked like a constructor argument."""
+def check_saved_group(i: int, group: dict, saved) -> str:
+    """StateMismatchError unless saved group ``i`` is a dict with a 'params' list of hashable ids, as many as the
+    optimizer's group ``group`` has; returns how messages name it."""
     where = f"param group {i} of the state dict"
     if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
         raise StateMismatchError(f"{where} has no 'params' list of parameter ids; it is not an optimizer state dict")
@@ -70,6 +69,14 @@ def _import_group(i: int, group: dict, saved) -> dict:
             f"param group {i} has {len(group['params'])} parameters but the state dict's has "
             f"{len(saved['params'])}; pass the same parameters in the same order"
         )
+    return where
+
+
+def _import_group(i: int, group: dict, saved) -> dict:
+    """The group to install for saved group ``i``: saved values, flags an older torch did not save filled
+    as torch fills them, torch's implementation flags and ``params`` (and ``param_names`` when the saved
+    group has none) kept from the optimizer's group ``group``. Checked like a constructor argument."""
+    where = check_saved_group(i, group, saved)
     new = {**GROUP_FLAGS, **saved, "params": group["params"]}
     new.update({k: group[k] for k in IMPL_FLAGS if k in group})
     if "param_names" in group and "param_names" not in saved:
