@@ -1,3 +1,6 @@
+import copy
+import functools
+import io
 import os
 import sys
 
@@ -71,17 +74,30 @@ def train(model, opt, steps, start=0):
     return losses
 
 
-@pytest.fixture
-def trained_ckpt(tmp_path):
-    """A nanoGPT-style ckpt.pt after a few AdamW steps: (path, model, optimizer)."""
+@functools.cache
+def _trained() -> tuple[bytes, TinyLM, torch.optim.AdamW, torch.Tensor]:
+    """trained_ckpt's training, done once: (ckpt.pt's bytes, model, optimizer, the RNG state after it)."""
     torch.manual_seed(0)
     model = TinyLM()
     opt = torch.optim.AdamW(param_groups(model), lr=1e-2, betas=(0.9, 0.95))
     train(model, opt, 20)
     ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "model_args": {"vocab": 96, "dim": 64},
             "iter_num": 20, "best_val_loss": torch.tensor(3.25), "config": {"lr": 1e-2, "compile": False}}
+    buf = io.BytesIO()
+    torch.save(ckpt, buf)
+    return buf.getvalue(), model, opt, torch.get_rng_state()
+
+
+@pytest.fixture
+def trained_ckpt(tmp_path):
+    """A nanoGPT-style ckpt.pt after a few AdamW steps: (path, model, optimizer). Trained once per session:
+    each test gets the file in its own tmp_path, its own copies of the model and optimizer, and the global
+    RNG where the training left it, as if it had trained them itself."""
+    data, model, opt, rng = _trained()
     path = tmp_path / "ckpt.pt"
-    torch.save(ckpt, path)
+    path.write_bytes(data)
+    model, opt = copy.deepcopy((model, opt))  # one deepcopy: the optimizer keeps the copied parameters
+    torch.set_rng_state(rng)
     return str(path), model, opt
 
 

@@ -1,14 +1,18 @@
 """One rank of an FSDP2 run (launched by tests/test_distributed.py through torchrun, gloo on the CPU).
 
     fsdp_worker.py OPT START STOP [--load DIR] [--save DIR] [--wrap fsdp|ddp|plain] --out FILE
+    fsdp_worker.py --plan FILE   (FILE: a JSON list of such argument lists, run one after another)
 
 Trains a small model with every block and the model wrapped in ``fully_shard`` (or DDP, or nothing), on the same batch on
 every rank (so the averaged gradient equals one process's), optionally resuming from / saving a DCP
 checkpoint (``get_state_dict`` / ``set_state_dict``), and writes rank 0's losses and the full (gathered)
-optimizer state to FILE as a torch.save file.
+optimizer state to FILE as a torch.save file. With --plan, one launch runs several such runs in turn, each
+with its own freshly seeded model and optimizer (as a launch of its own has them), so that a later run can
+load what an earlier one saved without paying for another launch.
 """
 
 import argparse
+import json
 
 import torch
 import torch.distributed as dist
@@ -62,7 +66,7 @@ def train(model, opt, start: int, stop: int) -> list[float]:
     return losses
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("opt")
     ap.add_argument("start", type=int)
@@ -75,8 +79,10 @@ def main():
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--wrap", choices=["fsdp", "ddp", "plain"], default="fsdp",
                     help="fully_shard every block (default), DistributedDataParallel, or no wrapper")
-    a = ap.parse_args()
-    dist.init_process_group("gloo")
+    return ap
+
+
+def run(a: argparse.Namespace) -> None:
     model, opt = model_and_opt(a.opt, a.backend, a.wrap)
     flat = StateDictOptions(flatten_optimizer_state_dict=a.flat)
     if a.load:
@@ -96,6 +102,17 @@ def main():
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "optim": full, "world": dist.get_world_size(),
                     "local_state_bytes": local_bytes}, a.out)
+    dist.barrier()  # every rank is done with this run (its folder written) before the next one starts
+
+
+def main():
+    ap = argparse.ArgumentParser(allow_abbrev=False)
+    ap.add_argument("--plan", help="a JSON file: a list of argument lists, one run each, run in turn")
+    plan, rest = ap.parse_known_args()
+    runs = json.load(open(plan.plan)) if plan.plan else [rest]
+    dist.init_process_group("gloo")
+    for args in runs:
+        run(parser().parse_args(args))
     dist.barrier()  # no rank tears gloo down while another still talks to it (SIGABRT otherwise)
     dist.destroy_process_group()
 

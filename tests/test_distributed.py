@@ -3,9 +3,11 @@ checkpoints that resume at another world size without changing a bit, and about 
 rank. Every rank sees the same batch, so FSDP2's averaged
 gradient equals one process's gradient and results can be compared exactly."""
 
+import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -42,11 +44,31 @@ def torchrun(n: int, *args: str, ok: bool = True) -> str:
     return r.stderr
 
 
-def run(tmp_path, n: int, opt: str, start: int, stop: int, load=None, save=None, planners=False, *extra) -> dict:
-    out = tmp_path / f"out-{n}-{opt}-{start}-{stop}.pt"
+_launches = itertools.count()
+
+
+def _args(tmp_path, n: int, opt: str, start: int, stop: int, load=None, save=None, planners=False, *extra):
+    """The worker's arguments for one run, and the file it writes its result to."""
+    out = tmp_path / f"out-{n}-{opt}-{start}-{stop}-{next(_launches)}.pt"
     args = [opt, str(start), str(stop), "--out", str(out), *extra] + (["--planners"] if planners else [])
     args += ["--load", str(load)] if load else []
     args += ["--save", str(save)] if save else []
+    return args, out
+
+
+def runs(tmp_path, n: int, *specs: tuple) -> list[dict]:
+    """Several runs (each ``run``'s arguments after ``n``) one after another in one launch of ``n`` ranks:
+    each builds its own model and optimizer as a launch of its own would, and a later run may load what an
+    earlier one saved. Returns each run's result."""
+    planned = [_args(tmp_path, n, *spec) for spec in specs]
+    plan = tmp_path / f"plan-{next(_launches)}.json"
+    plan.write_text(json.dumps([args for args, _ in planned]))
+    torchrun(n, "--plan", str(plan))
+    return [torch.load(out, weights_only=False) for _, out in planned]
+
+
+def run(tmp_path, n: int, opt: str, start: int, stop: int, load=None, save=None, planners=False, *extra) -> dict:
+    args, out = _args(tmp_path, n, opt, start, stop, load, save, planners, *extra)
     torchrun(n, *args)
     return torch.load(out, weights_only=False)
 
@@ -110,9 +132,63 @@ def _assert_same_state(full: dict, ref: dict) -> None:
                 assert torch.equal(got, v), (fqn, key)
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The 2-rank runs that several tests start from or look at, one after another in one launch (a launch
+    costs more than the runs): name -> (result, the folder it saved or None). Tests only read these folders;
+    one that converts a folder next to itself works on its own copy."""
+    d = tmp_path_factory.mktemp("saved")
+    specs = {
+        "fp32": ("adamw", 0, 3, None, d / "fp32"),  # a plain dcp.save of torch AdamW
+        "q8": ("adamw", 0, 3, None, d / "q8", True),  # the same through ckptq's planner pair
+        "flat": ("adamw", 0, 3, None, d / "flat", False, "--flat"),  # torchtitan's flattened keys
+        "flat-q8": ("adamw", 0, 3, None, d / "flat-q8", True, "--flat"),
+        "8bit": ("adamw8bit", 0, 3, None, d / "8bit"),  # AdamW8bit, a plain dcp.save
+        "ddp": ("adamw8bit", 0, 3, None, d / "ddp", True, "--wrap", "ddp"),
+        "steps-auto": ("adamw8bit", 0, 4, None, None, False, "--backend", "auto"),
+        "steps-torch": ("adamw8bit", 0, 4, None, None, False, "--backend", "torch"),
+        # resumed from the folders above, still at 2 ranks
+        "ddp->fsdp": ("adamw8bit", 3, 5, d / "ddp", d / "fsdp", True),  # DDP's folder into FSDP2, saved again
+        "q8->adamw": ("adamw", 3, 5, d / "q8", None, True),
+        "flat-q8->adamw": ("adamw", 3, 5, d / "flat-q8", None, True, "--flat"),
+        "fp32->adamw8bit": ("adamw8bit", 3, 5, d / "fp32", None, True),
+    }
+    results = runs(d, 2, *specs.values())
+    return {name: (r, spec[4] if len(spec) > 4 else None) for (name, spec), r in zip(specs.items(), results)}
+
+
+def _round_trip(folder, wrap: str) -> list[tuple]:
+    """test_planner_pair_round_trip_in_one_process_and_ddp's runs: torch AdamW saved through the planner pair
+    and resumed, then AdamW8bit the same."""
+    return [("adamw", 0, 3, None, folder / "a", True, "--wrap", wrap), ("adamw", 3, 5, folder / "a", None, True, "--wrap", wrap),
+            ("adamw8bit", 0, 3, None, folder / "b", True, "--wrap", wrap),
+            ("adamw8bit", 3, 5, folder / "b", None, True, "--wrap", wrap)]
+
+
+@pytest.fixture(scope="module")
+def moved(saved, tmp_path_factory):
+    """Runs at 1 rank that start from ``saved``'s folders (or need none), in one launch, then the 2-rank runs
+    that start from theirs, in one more: name -> result."""
+    d = tmp_path_factory.mktemp("moved")
+    w2 = saved["8bit"][1]
+    one = {
+        "8bit@1": ("adamw8bit", 3, 3, w2),  # no step: the state as loaded
+        "8bit@1+2": ("adamw8bit", 3, 5, w2),
+        "8bit->adamw@1": ("adamw", 3, 5, w2, None, True),
+        "fsdp->plain": ("adamw8bit", 5, 7, saved["ddp->fsdp"][1], None, True, "--wrap", "plain"),
+        "plain": ("adamw8bit", 0, 3, None, d / "plain", False, "--wrap", "plain"),  # a plain dcp.save
+    }
+    one.update({f"round-trip-plain-{i}": spec for i, spec in enumerate(_round_trip(d / "rt-plain", "plain"))})
+    two = {"plain->fsdp": ("adamw8bit", 3, 5, d / "plain", None, False)}  # into FSDP2's DTensor state
+    two.update({f"round-trip-ddp-{i}": spec for i, spec in enumerate(_round_trip(d / "rt-ddp", "ddp"))})
+    got = dict(zip(one, runs(d, 1, *one.values())))
+    got.update(zip(two, runs(d, 2, *two.values())))
+    return got
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_fsdp2_steps_give_the_bits_of_one_process(tmp_path, backend):
-    out = run(tmp_path, 2, "adamw8bit", 0, 4, None, None, False, "--backend", backend)
+def test_fsdp2_steps_give_the_bits_of_one_process(saved, backend):
+    out = saved[f"steps-{backend}"][0]
     losses, ref = single_process(4)
     assert out["losses"] == losses
     _assert_same_state(out["optim"], ref)
@@ -121,52 +197,53 @@ def test_fsdp2_steps_give_the_bits_of_one_process(tmp_path, backend):
                                                          for v in st.values())
 
 
-def test_checkpoints_resume_at_other_world_sizes_without_changing_a_bit(tmp_path):
+def test_checkpoints_resume_at_other_world_sizes_without_changing_a_bit(tmp_path, saved, moved):
     """A DCP save at 2 ranks loads at 1, 3 (uneven shards) and 4 ranks with codes and scales as saved, bit for
     bit (DCP reshards them row by row). At 1 and 4 ranks every continued loss and the final state equal the
     run that never stopped; at 3 ranks FSDP2's gradient average (a sum of 3, divided by 3) rounds, so the
     continued losses agree to float rounding."""
     losses, ref = single_process(5)
-    a = run(tmp_path, 2, "adamw8bit", 0, 3, save=tmp_path / "w2")
+    a, w2 = saved["8bit"]
     assert a["losses"] == losses[:3]
-    local = {}
-    for n in (1, 3, 4):
-        loaded = run(tmp_path, n, "adamw8bit", 3, 3, load=tmp_path / "w2")  # no step: the state as loaded
+    local, resumed = {}, {}
+    for n in (1, 3, 4):  # at each world size: the state as loaded (no step), then two steps on from it
+        if n == 1:  # ran with the module's other 1-rank runs
+            loaded, resumed[n] = moved["8bit@1"], moved["8bit@1+2"]
+        else:
+            loaded, resumed[n] = runs(tmp_path, n, ("adamw8bit", 3, 3, w2), ("adamw8bit", 3, 5, w2))
         _assert_same_state(loaded["optim"], a["optim"])
         local[n] = loaded["local_state_bytes"]
     for n in (1, 4):
-        r = run(tmp_path, n, "adamw8bit", 3, 5, load=tmp_path / "w2")
+        r = resumed[n]
         assert r["losses"] == losses[3:], n
         _assert_same_state(r["optim"], ref)
-    r = run(tmp_path, 3, "adamw8bit", 3, 5, load=tmp_path / "w2")
+    r = resumed[3]
     assert r["losses"] == pytest.approx(losses[3:], rel=1e-6)
     # each rank holds about 1/N of the sharded state
     assert local[4] * 4 == pytest.approx(local[1], rel=0.05) and local[3] * 3 == pytest.approx(local[1], rel=0.05)
 
 
-def test_ddp_and_single_process_checkpoints_move_to_fsdp2_and_back(tmp_path):
+def test_ddp_and_single_process_checkpoints_move_to_fsdp2_and_back(saved, moved):
     """One process, DDP and FSDP2 keep one layout (rows), so DDP (2 ranks) -> FSDP2 (2 ranks) -> one plain
     process resumes without changing a bit, through ckptq's planners or a plain dcp.save alike."""
     losses, ref = single_process(7)
-    a = run(tmp_path, 2, "adamw8bit", 0, 3, None, tmp_path / "ddp", True, "--wrap", "ddp")
-    b = run(tmp_path, 2, "adamw8bit", 3, 5, tmp_path / "ddp", tmp_path / "fsdp", True)
-    c = run(tmp_path, 1, "adamw8bit", 5, 7, tmp_path / "fsdp", None, True, "--wrap", "plain")
+    a = saved["ddp"][0]  # DDP at 2 ranks, saved through the planners
+    b = saved["ddp->fsdp"][0]  # FSDP2 at 2 ranks from DDP's folder, saved through the planners
+    c = moved["fsdp->plain"]  # one plain process from FSDP2's folder
+    p, d = moved["plain"], moved["plain->fsdp"]  # a plain dcp.save at 1 rank, into FSDP2's DTensor state
     assert a["losses"] + b["losses"] + c["losses"] == losses
     _assert_same_state(c["optim"], ref)
-    p = run(tmp_path, 1, "adamw8bit", 0, 3, None, tmp_path / "plain", False, "--wrap", "plain")  # a plain dcp.save
-    d = run(tmp_path, 2, "adamw8bit", 3, 5, tmp_path / "plain", None, False)  # into FSDP2's DTensor state
     assert p["losses"] + d["losses"] == losses[:5]
 
 
-def test_planner_pair_stores_fp32_adamw_moments_8bit_and_reads_them_back(tmp_path):
+def test_planner_pair_stores_fp32_adamw_moments_8bit_and_reads_them_back(saved):
     """A run that keeps torch AdamW changes one argument of dcp.save: its moments are stored 8-bit (the
     folder shrinks), and LoadPlanner gives fp32 AdamW exactly the values one process gets from 8 bits."""
-    plain = run(tmp_path, 2, "adamw", 0, 3, save=tmp_path / "plain")
-    small = run(tmp_path, 2, "adamw", 0, 3, save=tmp_path / "q8", planners=True)
+    (plain, plain_dir), (small, q8_dir) = saved["fp32"], saved["q8"]
     assert small["losses"] == plain["losses"]
-    size = {d: sum(f.stat().st_size for f in (tmp_path / d).iterdir()) for d in ("plain", "q8")}
+    size = {d: sum(f.stat().st_size for f in folder.iterdir()) for d, folder in (("plain", plain_dir), ("q8", q8_dir))}
     assert size["q8"] < 0.6 * size["plain"]
-    resumed = run(tmp_path, 2, "adamw", 3, 5, load=tmp_path / "q8", planners=True)
+    resumed = saved["q8->adamw"][0]  # 2 ranks of torch AdamW from the 8-bit folder, through LoadPlanner
     losses, ref = single_process(5, ("adamw", "adamw"), switch_at=3, via_8bit=True)
     assert plain["losses"] + resumed["losses"] == losses
     for (fqn, st), (pid, rst) in zip(resumed["optim"]["state"].items(), sorted(ref["state"].items())):
@@ -174,39 +251,36 @@ def test_planner_pair_stores_fp32_adamw_moments_8bit_and_reads_them_back(tmp_pat
 
 
 @pytest.mark.parametrize("wrap,world", [("plain", 1), ("ddp", 2)])
-def test_planner_pair_round_trip_in_one_process_and_ddp(tmp_path, wrap, world):
+def test_planner_pair_round_trip_in_one_process_and_ddp(moved, wrap, world):
     """SavePlanner/LoadPlanner with plain tensors (one process, DDP): torch AdamW's moments stored 8-bit in
     the row layout and read back into fp32 as one process decodes them; AdamW8bit's state saved and resumed
     without changing a bit."""
-    fp32 = run(tmp_path, world, "adamw", 0, 3, None, tmp_path / "a", True, "--wrap", wrap)
-    resumed = run(tmp_path, world, "adamw", 3, 5, tmp_path / "a", None, True, "--wrap", wrap)
+    fp32, resumed, q8, again = (moved[f"round-trip-{wrap}-{i}"] for i in range(4))  # the runs of _round_trip
+    assert {r["world"] for r in (fp32, resumed, q8, again)} == {world}
     assert fp32["losses"] + resumed["losses"] == single_process(5, ("adamw", "adamw"), switch_at=3, via_8bit=True)[0]
     losses, ref = single_process(5)
-    q8 = run(tmp_path, world, "adamw8bit", 0, 3, None, tmp_path / "b", True, "--wrap", wrap)
-    again = run(tmp_path, world, "adamw8bit", 3, 5, tmp_path / "b", None, True, "--wrap", wrap)
     assert q8["losses"] + again["losses"] == losses
     _assert_same_state(again["optim"], ref)
 
 
-def test_planner_pair_with_torchtitan_style_flattened_optimizer_state(tmp_path):
+def test_planner_pair_with_torchtitan_style_flattened_optimizer_state(saved):
     """torchtitan keeps torch AdamW and saves its state flattened (state.<fqn>.exp_avg keys): the same one
     argument stores the moments 8-bit, and LoadPlanner reads them back into the flattened fp32 template."""
-    plain = run(tmp_path, 2, "adamw", 0, 3, None, tmp_path / "plain", False, "--flat")
-    run(tmp_path, 2, "adamw", 0, 3, None, tmp_path / "q8", True, "--flat")
-    size = {d: sum(f.stat().st_size for f in (tmp_path / d).iterdir()) for d in ("plain", "q8")}
+    (plain, plain_dir), q8_dir = saved["flat"], saved["flat-q8"][1]
+    size = {d: sum(f.stat().st_size for f in folder.iterdir()) for d, folder in (("plain", plain_dir), ("q8", q8_dir))}
     assert size["q8"] < 0.6 * size["plain"]
-    resumed = run(tmp_path, 2, "adamw", 3, 5, tmp_path / "q8", None, True, "--flat")
+    resumed = saved["flat-q8->adamw"][0]  # 2 ranks, flattened, from the 8-bit folder through LoadPlanner
     assert plain["losses"] + resumed["losses"] == single_process(5, ("adamw", "adamw"), switch_at=3, via_8bit=True)[0]
 
 
-def test_planner_pair_moves_checkpoints_between_fp32_and_8bit_optimizers(tmp_path):
+def test_planner_pair_moves_checkpoints_between_fp32_and_8bit_optimizers(saved, moved):
     """torch AdamW's fp32 folder into AdamW8bit (quantized on load, as one process would), and AdamW8bit's
     8-bit folder into torch AdamW at another world size (decoded on load)."""
-    run(tmp_path, 2, "adamw", 0, 3, save=tmp_path / "fp32")
-    into_8bit = run(tmp_path, 2, "adamw8bit", 3, 5, load=tmp_path / "fp32", planners=True)
+    into_8bit = saved["fp32->adamw8bit"][0]  # 2 ranks' fp32 folder into AdamW8bit at 2 ranks
+    assert into_8bit["world"] == 2
     assert into_8bit["losses"] == single_process(5, ("adamw", "adamw8bit"), switch_at=3)[0][3:]
-    run(tmp_path, 2, "adamw8bit", 0, 3, save=tmp_path / "q8")
-    into_fp32 = run(tmp_path, 1, "adamw", 3, 5, load=tmp_path / "q8", planners=True)
+    into_fp32 = moved["8bit->adamw@1"]  # 2 ranks' 8-bit folder into torch AdamW at 1 rank
+    assert into_fp32["world"] == 1
     assert into_fp32["losses"] == single_process(5, ("adamw8bit", "adamw"), switch_at=3)[0][3:]
 
 
@@ -263,43 +337,42 @@ def _cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
-def test_convert_and_expand_dcp_folders_written_by_fsdp2(tmp_path):
+def test_convert_and_expand_dcp_folders_written_by_fsdp2(tmp_path, saved):
     """ckptq convert of a torch AdamW DCP folder gives the folder AdamW8bit resumes from with a plain
     dcp.load (the codes one process writes); expand gives one torch AdamW resumes from; under torchrun the
     ranks share the conversion and the result resumes the same."""
-    run(tmp_path, 2, "adamw", 0, 3, save=tmp_path / "fp32")
+    shutil.copytree(saved["fp32"][1], tmp_path / "fp32")  # 2 ranks' torch AdamW folder, converted next to itself
     assert _cli("convert", tmp_path / "fp32", "--min-size", 1024).exit_code == 0
     info = __import__("json").loads(_cli("info", tmp_path / "fp32.q8", "--json").output)
     assert info["type"] == "dcp" and sum(r["tensors"] for r in info["states"] if r["bits"] == 8) == 8
-    want_8bit = single_process(5, ("adamw", "adamw8bit"), switch_at=3)[0][3:]
-    assert run(tmp_path, 2, "adamw8bit", 3, 5, load=tmp_path / "fp32.q8")["losses"] == want_8bit
     assert _cli("expand", tmp_path / "fp32.q8").exit_code == 0
-    back = run(tmp_path, 2, "adamw", 3, 5, load=tmp_path / "fp32.fp32")
-    assert back["losses"] == single_process(5, ("adamw", "adamw"), switch_at=3, via_8bit=True)[0][3:]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ckptq",
            "convert", str(tmp_path / "fp32"), "-o", str(tmp_path / "par"), "--min-size", "1024"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert sorted(f.name for f in (tmp_path / "par").iterdir()) == [".ckptq", ".metadata", "__0_0.distcp", "__1_0.distcp"]
-    assert run(tmp_path, 2, "adamw8bit", 3, 5, load=tmp_path / "par")["losses"] == want_8bit
+    q8, back, par = runs(tmp_path, 2, ("adamw8bit", 3, 5, tmp_path / "fp32.q8"), ("adamw", 3, 5, tmp_path / "fp32.fp32"),
+                         ("adamw8bit", 3, 5, tmp_path / "par"))  # the three folders resumed, in one launch
+    want_8bit = single_process(5, ("adamw", "adamw8bit"), switch_at=3)[0][3:]
+    assert q8["losses"] == want_8bit
+    assert back["losses"] == single_process(5, ("adamw", "adamw"), switch_at=3, via_8bit=True)[0][3:]
+    assert par["losses"] == want_8bit
 
 
-def test_torchtitan_style_flattened_optimizer_folders_convert_too(tmp_path):
+def test_torchtitan_style_flattened_optimizer_folders_convert_too(tmp_path, saved):
     """torchtitan saves the optimizer with flatten_optimizer_state_dict (keys state.<fqn>.exp_avg and
     param_groups.<fqn>.eps): convert finds the moments and their eps'; expand gives torch AdamW back
     exactly the moments passed through 8 bits. (AdamW8bit itself cannot be saved that way yet: torch's
     flattener accepts only tensor, int, float and dict state values.)"""
-    run(tmp_path, 2, "adamw", 0, 3, None, tmp_path / "fp32", False, "--flat")
+    shutil.copytree(saved["flat"][1], tmp_path / "fp32")  # converted next to itself: a copy of its own
     assert _cli("convert", tmp_path / "fp32", "--min-size", 1024).exit_code == 0
     assert _cli("expand", tmp_path / "fp32.q8").exit_code == 0
     resumed = run(tmp_path, 2, "adamw", 3, 5, tmp_path / "fp32.fp32", None, False, "--flat")
     assert resumed["losses"] == single_process(5, ("adamw", "adamw"), switch_at=3, via_8bit=True)[0][3:]
 
 
-def test_damaged_dcp_folders_are_one_line_errors_and_leave_nothing(tmp_path):
-    import shutil
-
-    run(tmp_path, 2, "adamw", 0, 1, save=tmp_path / "ok")
+def test_damaged_dcp_folders_are_one_line_errors_and_leave_nothing(tmp_path, saved):
+    shutil.copytree(saved["fp32"][1], tmp_path / "ok")  # a folder written by 2 ranks
     missing = tmp_path / "missing"
     shutil.copytree(tmp_path / "ok", missing)
     (missing / "__1_0.distcp").unlink()

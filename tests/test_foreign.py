@@ -1,6 +1,7 @@
 """bitsandbytes' and torchao's 8-bit Adam state, made by the real libraries on the CPU: info recognises
 it, expand turns it into torch AdamW's fp32 state (the values those libraries decode to, exactly),
-convert re-encodes it as ckptq's 8-bit state."""
+convert re-encodes it as ckptq's 8-bit state. torchao's optimizers step eagerly here (``eager_torchao``):
+the same states as their compiled step, without its C++ compilation."""
 
 import json
 import subprocess
@@ -76,7 +77,7 @@ def test_bitsandbytes_state_converts_to_ckptq_state(tmp_path):
     assert float((back["exp_avg_sq"] - want).abs().max()) <= 0.02 * float(want.abs().max())
 
 
-def test_torchao_state_needs_trust_then_expands(tmp_path):
+def test_torchao_state_needs_trust_then_expands(tmp_path, eager_torchao):
     ao = pytest.importorskip("torchao.optim")
     _, opt = _train(ao.AdamW8bit, n=8192)  # torchao quantizes only sizes divisible by its block (256)
     sd = opt.state_dict()
@@ -115,7 +116,7 @@ def test_adamw8bit_loads_bitsandbytes_state_directly():
     ours.step()
 
 
-def test_torchao_4bit_state_stays_4bit_without_bits(tmp_path):
+def test_torchao_4bit_state_stays_4bit_without_bits(tmp_path, eager_torchao):
     """torchao's AdamW4bit state converted without --bits: 4-bit, the same size within headers (measured
     1.058x at 65,536 values, 1.004x at 2**20), where the old default of 8 bits grew it 1.93x; --bits 8 still
     asks for 8."""

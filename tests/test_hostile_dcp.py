@@ -188,41 +188,64 @@ def run_isolated(calls: str, timeout=120) -> list[str]:
     return r.stdout.splitlines()
 
 
+def _fifo_folders(root) -> dict:
+    """The folders of the FIFO tests below and the ckptq calls each test makes on them: name -> (its folder
+    of outputs, the calls)."""
+    scenarios = {}
+    for how in ("fifo", "symlink"):  # a FIFO as a data file, or a data file that links to one
+        tmp = root / how
+        folder = dcp_folder(tmp / "src")
+        data = folder / "__0_0.distcp"
+        data.unlink()
+        if how == "fifo":
+            os.mkfifo(data)
+        else:
+            os.mkfifo(tmp / "pipe")
+            data.symlink_to(tmp / "pipe")
+        scenarios[how] = tmp, [f"ckptq.info({str(folder)!r})", f"ckptq.convert({str(folder)!r}, {str(tmp / 'q8')!r})",
+                               f"ckptq.expand({str(folder)!r}, {str(tmp / 'fp32')!r})"]
+    run = root / "accelerate" / "checkpoint"  # an accelerate run's folder with a FIFO in optimizer_0/
+    run.mkdir(parents=True)
+    folder = dcp_folder(run / "optimizer_0")
+    (folder / "__0_0.distcp").unlink()
+    os.mkfifo(folder / "__0_0.distcp")
+    scenarios["accelerate"] = run.parent, [f"ckptq.info({str(run)!r})", f"ckptq.convert({str(run)!r})"]
+    tmp = root / "companion"  # a FIFO in a companion folder
+    folder = dcp_folder(tmp / "src")
+    (folder / "extra").mkdir()
+    (folder / "extra" / "notes.txt").write_text("kept")
+    os.mkfifo(folder / "extra" / "pipe")
+    scenarios["companion"] = tmp, [f"ckptq.convert({str(folder)!r}, {str(tmp / 'out')!r})"]
+    return scenarios
+
+
+@pytest.fixture(scope="module")
+def fifo_runs(tmp_path_factory):
+    """Every FIFO test's calls in one child with a time limit (a hang fails them instead of blocking them; a
+    child of its own each would cost seconds of imports each): name -> (its folder, one line per call)."""
+    scenarios = _fifo_folders(tmp_path_factory.mktemp("fifos"))
+    out = run_isolated("\n".join(call for _, calls in scenarios.values() for call in calls))
+    got, at = {}, 0
+    for name, (tmp, calls) in scenarios.items():
+        got[name], at = (tmp, out[at:at + len(calls)]), at + len(calls)
+    assert at == len(out), out
+    return got
+
+
 @pytest.mark.parametrize("how", ["fifo", "symlink"])
-def test_fifo_data_file_never_hangs(tmp_path, how):
-    folder = dcp_folder(tmp_path / "src")
-    data = folder / "__0_0.distcp"
-    data.unlink()
-    if how == "fifo":
-        os.mkfifo(data)
-    else:
-        os.mkfifo(tmp_path / "pipe")
-        data.symlink_to(tmp_path / "pipe")
-    out = run_isolated(f"""
-ckptq.info({str(folder)!r})
-ckptq.convert({str(folder)!r}, {str(tmp_path / "q8")!r})
-ckptq.expand({str(folder)!r}, {str(tmp_path / "fp32")!r})
-""")
+def test_fifo_data_file_never_hangs(fifo_runs, how):
+    tmp_path, out = fifo_runs[how]  # info, convert and expand of the folder
     assert len(out) == 3 and all(ln.startswith("REFUSED") and "FIFO" in ln for ln in out), out
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("q8", "fp32"))]
 
 
-def test_fifo_in_an_accelerate_optimizer_folder_never_hangs(tmp_path):
-    run = tmp_path / "checkpoint"
-    run.mkdir()
-    folder = dcp_folder(run / "optimizer_0")
-    (folder / "__0_0.distcp").unlink()
-    os.mkfifo(folder / "__0_0.distcp")
-    out = run_isolated(f"ckptq.info({str(run)!r})\nckptq.convert({str(run)!r})")
+def test_fifo_in_an_accelerate_optimizer_folder_never_hangs(fifo_runs):
+    out = fifo_runs["accelerate"][1]  # info and convert of the run's folder
     assert len(out) == 2 and all(ln.startswith("REFUSED") and "FIFO" in ln for ln in out), out
 
 
-def test_fifo_in_a_companion_folder_is_one_line_and_leaves_no_temp_folder(tmp_path):
-    folder = dcp_folder(tmp_path / "src")
-    (folder / "extra").mkdir()
-    (folder / "extra" / "notes.txt").write_text("kept")
-    os.mkfifo(folder / "extra" / "pipe")
-    out = run_isolated(f"ckptq.convert({str(folder)!r}, {str(tmp_path / 'out')!r})")
+def test_fifo_in_a_companion_folder_is_one_line_and_leaves_no_temp_folder(fifo_runs):
+    tmp_path, out = fifo_runs["companion"]  # convert of the folder
     assert len(out) == 1 and out[0].startswith("REFUSED") and "pipe" in out[0] and "FIFO" in out[0], out
     assert "[(" not in out[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -41,18 +41,24 @@ def _cpu_flags() -> set[str]:
 BUILDS = {"portable": ("x86-64-v2", set()), "avx512-no-vbmi": ("skylake-avx512", {"avx512f", "avx512bw", "avx512dq"})}
 
 
+_BUILD_CACHES: dict[str, str] = {}  # build -> its cache folder, for the session
+
+
 @pytest.fixture(scope="module", params=["native", "portable", "avx512-no-vbmi"])
 def build(request, tmp_path_factory):
     """Each equality test runs against the build for this CPU (AVX-512 and VBMI paths where it has them),
     a portable x86-64-v2 build (scalar C only) and an AVX-512 build without VBMI (16-lane gathers for
-    the codebook), each from a cache folder of its own."""
+    the codebook), each from a cache folder of its own: compiled by the first module that asks for it,
+    loaded from that folder by the next ones."""
     if request.param != "native":
         march, needs = BUILDS[request.param]
         if platform.machine() not in ("x86_64", "AMD64") or not needs <= _cpu_flags():
             pytest.skip(f"the {request.param} build needs an x86-64 CPU with {sorted(needs) or 'SSE4.2'}")
+        if request.param not in _BUILD_CACHES:
+            _BUILD_CACHES[request.param] = str(tmp_path_factory.mktemp(request.param))
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("CKPTQ_NATIVE_MARCH", march)
-            mp.setenv("CKPTQ_CACHE_DIR", str(tmp_path_factory.mktemp(request.param)))
+            mp.setenv("CKPTQ_CACHE_DIR", _BUILD_CACHES[request.param])
             native._load.cache_clear()
             assert native.library() is not None, native.why_unavailable()
             yield request.param
