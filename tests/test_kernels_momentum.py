@@ -49,8 +49,8 @@ HYPER = {UPDATE_LINEAR: (0.01, 0.9, 0.875, 0.0, 0.9, 1.0, 1.0, -0.1),  # SGD, da
 
 # (n, row_len, block): flat with a short last block; rows of whole blocks; rows with a short last block
 # (and rows shorter than one block)
-LAYOUTS = {"flat": (1000, None, 64), "rows-whole": (6 * 128, 128, 64), "rows-short": (7 * 45, 45, 16),
-           "rows-tiny": (5 * 12, 12, 16)}
+LAYOUTS = {"flat": (1000, None, 64), "rows-whole": (6 * 128, 128, 64), "rows-short": (5 * 100, 100, 64),
+           "rows-tiny": (5 * 12, 12, 64)}
 
 
 def _state(n, row_len, block, bits, gen, device, zero_block=False, qmap=None):
@@ -58,7 +58,7 @@ def _state(n, row_len, block, bits, gen, device, zero_block=False, qmap=None):
     thresholds = contract.midpoints(qmap)
     m = torch.randn(n, generator=gen) * 0.1
     if zero_block:
-        m[:block] = 0.0
+        m[:min(block, row_len or n)] = 0.0
     codes = torch.zeros(layout_bytes(n, row_len, bits), dtype=torch.uint8)
     absmax = torch.zeros(layout_blocks(n, row_len, block), dtype=torch.float32)
     backend_torch.quantize(m, thresholds, block, False, codes, absmax, bits, row_len)
@@ -72,9 +72,10 @@ def _case(layout, bits, pdtype, gdtype, special, seed_gen, device="cpu"):
     p = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen)
     if special:  # NaN and Inf gradients, huge ones, a block all zero (state, grad and param)
-        g[block + 3], g[n // 2], g[-1] = float("nan"), float("inf"), -float("inf")
+        first = min(block, row_len or n)  # the layout's first block
+        g[first + 3], g[n // 2], g[-1] = float("nan"), float("inf"), -float("inf")
         g[n // 3] = 3e38
-        p[:block] = g[:block] = 0.0
+        p[:first] = g[:first] = 0.0
     state = _state(n, row_len, block, bits, gen, device, zero_block=special)
     return p.to(pdtype).to(device), g.to(gdtype).to(device), state, (block, row_len)
 
@@ -221,9 +222,9 @@ def test_every_build_matches_reference(bits, update, build):  # noqa: F811
 
 
 def _group(members_spec, bits, update, maximize, seeded, device="cpu", pdtype=torch.float32):
-    """A MomentumGroup of members (n, row_len) sharing one block size of 16 and one codebook."""
+    """A MomentumGroup of members (n, row_len) sharing one block size of 64 and one codebook."""
     gen = torch.Generator().manual_seed(len(members_spec) + bits)
-    block, qmap = 16, QMAPS[bits].to(device)
+    block, qmap = 64, QMAPS[bits].to(device)
     books = StepCodebooks(qmap, contract.midpoints(qmap), qmap)
     members, grads, outs = [], [], []
     for n, row_len in members_spec:
@@ -255,7 +256,7 @@ def _assert_groups(got: MomentumGroup, want: MomentumGroup):
         _assert_same(a, b)
 
 
-GROUP_SPECS = ((100, None), (12 * 20, 20), (64, 16), (1, None), (5 * 33, 33))
+GROUP_SPECS = ((100, None), (12 * 20, 20), (3 * 150, 150), (1, None), (0, None), (5 * 33, 33))
 
 
 @needs_c
@@ -271,6 +272,43 @@ def test_native_group_matches_members(bits, update, maximize, seeded):
     want, got = want._replace(grads=grads), got._replace(grads=grads)
     backend_native.momentum_step_group(got)
     backend_torch.momentum_step_group(want)
+    _assert_groups(got, want)
+
+
+OTHER = {8: codebooks.power_map(True, 2.5, 8), 6: codebooks.lloyd_gaussian_map_6bit(),
+         4: policy.ratio_policy(4).qmap(), 2: torch.tensor([-1.0, -0.3, 0.2, 1.0])}
+
+
+@needs_c
+@pytest.mark.parametrize("bits", (8, 6, 4, 2))
+def test_native_decodes_and_encodes_on_different_codebooks(bits):
+    """Stored codes on one codebook (qmap), new ones written on another (encode, its thresholds)."""
+    other = OTHER[bits] / OTHER[bits].abs().max()
+    for seed in (None, 11):
+        p, g, state, (block, row_len) = _case("rows-short", bits, torch.float32, torch.float32, False, bits)
+        state = state._replace(thresholds=contract.midpoints(other), encode=other)
+        want = _step(backend_torch, p, g, state, UPDATE_LINEAR, False, seed, block, row_len)
+        got = _step(backend_native, p, g, state, UPDATE_LINEAR, False, seed, block, row_len)
+        _assert_results(got, want)
+
+
+@needs_c
+def test_ops_and_grouped_steps_dispatch_to_the_c_kernels():
+    from ckptq.codec import grouped, ops
+
+    p, g, state, (block, row_len) = _case("rows-short", 4, torch.bfloat16, torch.bfloat16, False, 1)
+    assert ops.momentum_backend("native", (p.dtype, g.dtype), state.thresholds, False) is backend_native
+    results = []
+    for backend in ("torch", "native"):
+        q, s = p.clone(), _clone(state)
+        ops.momentum_step(q, g, ops.StepInput(s.codes, s.absmax, s.qmap, s.encode), torch.tensor(HYPER[UPDATE_SIGN]),
+                          block_size=block, bits=4, update=UPDATE_SIGN, seed=5, row_len=row_len, backend=backend)
+        results.append((q, s.codes, s.absmax))
+    _assert_results(results[1], results[0])
+    group = _group(GROUP_SPECS, 6, UPDATE_NONE, True, True)
+    want, got = _clone_group(group), _clone_group(group)
+    grouped.momentum_group(want, "torch")
+    grouped.momentum_group(got, "native")
     _assert_groups(got, want)
 
 
