@@ -1089,38 +1089,72 @@ static inline __m512 sign16(__m512 d) {
 }
 #endif
 
+#if VEC
+/* The hyper row on 16 lanes. */
+typedef struct { __m512 l2, keep, take, c_old, c_new, c_grad, decay, neg_lr; } vmomentum_t;
+
+static inline vmomentum_t vmomentum_init(const float *h) {
+    vmomentum_t k = {_mm512_set1_ps(h[M_L2]), _mm512_set1_ps(h[M_KEEP]), _mm512_set1_ps(h[M_TAKE]),
+                     _mm512_set1_ps(h[M_C_OLD]), _mm512_set1_ps(h[M_C_NEW]), _mm512_set1_ps(h[M_C_GRAD]),
+                     _mm512_set1_ps(h[M_DECAY]), _mm512_set1_ps(h[M_NEG_LR])};
+    return k;
+}
+
+/* The step on elements j .. j + 15 from the decoded state m (times its scale): the scalar loop of
+ * momentum_values on 16 lanes; acc tracks the unsigned max of m_new's bits with the sign cleared. */
+static inline __attribute__((always_inline)) void momentum16(const vmomentum_t *k, __m512 m, const float *gf,
+                                                             float *pf, float *mn, float *out, int j, __m512i *acc,
+                                                             int maximize, int update) {
+    __m512 p = _mm512_loadu_ps(pf + j), g = _mm512_loadu_ps(gf + j);
+    if (maximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
+    __m512 gi = _mm512_add_ps(g, _mm512_mul_ps(k->l2, p));
+    __m512 m_new = _mm512_add_ps(_mm512_mul_ps(m, k->keep), _mm512_mul_ps(k->take, gi));
+    __m512 d = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(m, k->c_old), _mm512_mul_ps(m_new, k->c_new)),
+                             _mm512_mul_ps(gi, k->c_grad));
+    if (update != UPDATE_NONE)
+        _mm512_storeu_ps(pf + j, _mm512_add_ps(_mm512_mul_ps(p, k->decay),
+                                               _mm512_mul_ps(k->neg_lr, update == UPDATE_SIGN ? sign16(d) : d)));
+    if (out) _mm512_storeu_ps(out + j, d);
+    _mm512_storeu_ps(mn + j, m_new);
+    *acc = _mm512_max_epu32(*acc, _mm512_and_si512(_mm512_castps_si512(m_new), _mm512_set1_epi32(0x7FFFFFFF)));
+}
+#endif
+
+#if DECODE64
+typedef planes_t momentum_planes_t;
+#else
+typedef int momentum_planes_t;  /* unused */
+#endif
+
 /* One block of len elements: decode the state (codes c, scale sc), step each element (param pf in place
  * unless UPDATE_NONE, grad gf), m_new to mn, d to out (NULL: not written). Returns the unsigned max of
- * m_new's bits with the sign cleared (bits_to_absmax gives the new scale). Always inlined with constant
- * widths and switches (momentum_blocks). */
+ * m_new's bits with the sign cleared (bits_to_absmax gives the new scale). 8-bit codes decode 64 at a
+ * time by byte permutes where the CPU has VBMI (planes: the decode map's byte planes), else 16 at a time.
+ * Always inlined with constant widths and switches (momentum_blocks). */
 static inline __attribute__((always_inline)) uint32_t momentum_values(
-        const momentum_config_t *cfg, const float *h, const uint8_t *c, float sc, const float *gf, float *pf,
-        float *mn, float *out, int len, int bits, int maximize, int update) {
+        const momentum_config_t *cfg, const float *h, const momentum_planes_t *planes, const uint8_t *c, float sc,
+        const float *gf, float *pf, float *mn, float *out, int len, int bits, int maximize, int update) {
     uint32_t mx = 0;
     int i = 0;
+    (void)planes;
 #if VEC
-    const __m512 l2 = _mm512_set1_ps(h[M_L2]), keep = _mm512_set1_ps(h[M_KEEP]), take = _mm512_set1_ps(h[M_TAKE]);
-    const __m512 c_old = _mm512_set1_ps(h[M_C_OLD]), c_new = _mm512_set1_ps(h[M_C_NEW]);
-    const __m512 c_grad = _mm512_set1_ps(h[M_C_GRAD]), decay = _mm512_set1_ps(h[M_DECAY]);
-    const __m512 neg_lr = _mm512_set1_ps(h[M_NEG_LR]), vsc = _mm512_set1_ps(sc);
-    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
-    const unpack_t u = unpack_init(bits);
-    const cb_t cb = cb_init(cfg->decode, bits);
+    const vmomentum_t k = vmomentum_init(h);
+    const __m512 vsc = _mm512_set1_ps(sc);
     __m512i acc = _mm512_setzero_si512();
-    for (; i + VEC <= len; i += VEC) {
-        __m512 m = _mm512_mul_ps(cb_lookup(&cb, codes16(&u, c, i, bits), bits), vsc);
-        __m512 p = _mm512_loadu_ps(pf + i), g = _mm512_loadu_ps(gf + i);
-        if (maximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
-        __m512 gi = _mm512_add_ps(g, _mm512_mul_ps(l2, p));
-        __m512 m_new = _mm512_add_ps(_mm512_mul_ps(m, keep), _mm512_mul_ps(take, gi));
-        __m512 d = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(m, c_old), _mm512_mul_ps(m_new, c_new)),
-                                 _mm512_mul_ps(gi, c_grad));
-        if (update != UPDATE_NONE)
-            _mm512_storeu_ps(pf + i, _mm512_add_ps(_mm512_mul_ps(p, decay),
-                                                   _mm512_mul_ps(neg_lr, update == UPDATE_SIGN ? sign16(d) : d)));
-        if (out) _mm512_storeu_ps(out + i, d);
-        _mm512_storeu_ps(mn + i, m_new);
-        acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_castps_si512(m_new), abs_mask));
+#if DECODE64
+    for (; bits == 8 && i + 64 <= len; i += 64) {
+        __m512 q[4];
+        decode64(planes, c + i, q);
+        for (int r = 0; r < 4; r++)
+            momentum16(&k, _mm512_mul_ps(q[r], vsc), gf, pf, mn, out, i + 16 * r, &acc, maximize, update);
+    }
+#endif
+    {
+        const unpack_t u = unpack_init(bits);
+        const cb_t cb = cb_init(cfg->decode, bits);
+        for (; i + VEC <= len; i += VEC)
+            momentum16(&k, _mm512_mul_ps(cb_lookup(&cb, codes16(&u, c, i, bits), bits), vsc), gf, pf, mn, out, i,
+                       &acc, maximize, update);
     }
     mx = (uint32_t)_mm512_reduce_max_epu32(acc);
 #endif
@@ -1145,8 +1179,14 @@ static inline __attribute__((always_inline)) void momentum_blocks_of(
         const int64_t *seed, int64_t b0, int64_t b1, int bits, int maximize, int update) {
     const int block = c->block;
     const int32_t *table = c->table + 32768;
-    float pb[block], gb[block], mn[block];  /* C99 VLAs: 48 KB at most */
+    /* C99 VLAs: a block each of param, grad, hashes; m_new in a ring (SCRATCH_RING: no fixed store place) */
+    float pb[block], gb[block], ring[SCRATCH_RING + block];
     uint32_t hb[block];
+    int at_ring = 0;
+    momentum_planes_t planes;
+#if DECODE64
+    if (bits == 8) planes_init(&planes, c->decode);
+#endif
     rows_t at = rows_at(mem->row_len, block, b0);
     for (int64_t b = b0; b < b1; b++, rows_next(&at)) {
         const int64_t off = rows_offset(&at);
@@ -1156,8 +1196,10 @@ static inline __attribute__((always_inline)) void momentum_blocks_of(
         if (c->pdtype != F32) load_block(mem->p, off, len, c->pdtype, 0, pb);
         if (c->gdtype != F32) load_block(g, off, len, c->gdtype, 0, gb);
         uint8_t *codes = mem->codes[0] + rows_code_byte(&at, bits);
-        uint32_t mx = momentum_values(c, h, codes, mem->absmax[0][b], gf, pf, mn, out ? out + off : 0, len, bits,
-                                      maximize, update);
+        at_ring = (at_ring + block) & (SCRATCH_RING - 1);
+        float *mn = ring + at_ring;
+        uint32_t mx = momentum_values(c, h, &planes, codes, mem->absmax[0][b], gf, pf, mn, out ? out + off : 0, len,
+                                      bits, maximize, update);
         if (c->pdtype != F32 && update != UPDATE_NONE) store_block(mem->p, off, len, c->pdtype, pb);
         const float absmax = mem->absmax[0][b] = bits_to_absmax(mx);
         if (seed) {
