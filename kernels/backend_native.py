@@ -5,7 +5,8 @@ quantize / dequantize: each call takes a range of blocks of the row layout (``co
 pool runs chunks of about ``cpu_runtime.native_chunk`` elements. The step: one ``ckq_adam_step_group``
 call per pool thread for a whole group, the threads taking (member, block range) items from a shared
 counter, so that hundreds of small tensors and a few huge ones balance alike; one parameter's step is a
-group of one. What a group's members determine (the kernels' config of codebooks and code tables, the
+group of one. The one-state step (``momentum_step`` / ``momentum_step_group``: SGD, Lion, Muon) works the
+same way through ``ckq_momentum_step_group``. What a group's members determine (the kernels' config of codebooks and code tables, the
 table of member addresses, the work list) is built once into ``group.cache``; a call refreshes only the
 gradients' addresses and passes its hyper rows and seeds.
 

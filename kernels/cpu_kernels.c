@@ -1,5 +1,5 @@
-/* ckptq CPU kernels: blockwise 8-, 6-, 4- and 2-bit quantize / dequantize and the fused low-bit Adam step,
- * one parameter or a group of many at a time.
+/* ckptq CPU kernels: blockwise 8-, 6-, 4- and 2-bit quantize / dequantize, the fused low-bit Adam step and
+ * the one-state step (SGD, Lion, Muon), one parameter or a group of many at a time.
  *
  * Plain C99 with no Python or torch headers, compiled on first use by ckptq/kernels/native.py
  * (`cc -O3 -march=native -ffp-contract=off -fno-math-errno`) and called through ctypes, which releases
@@ -12,6 +12,7 @@
  *   ckq_dequantize         <-> ckptq.kernels.backend_torch.dequantize
  *   ckq_adam_step_group    <-> ckptq.kernels.backend_torch.adam_step (step_rows) of each member in turn
  *   ckq_adam_dense_group   <-> ckptq.kernels.backend_torch.adam_dense_step (adam_math) of each member
+ *   ckq_momentum_step_group <-> ckptq.kernels.backend_torch.momentum_step (SGD, Lion, Muon) of each member
  * That is why no FMA contraction is allowed (-ffp-contract=off, and no fma intrinsics): each product and
  * sum is rounded to fp32 on its own, in the order the reference writes it. Division and sqrt are IEEE
  * (correctly rounded), scalar and vector alike.

@@ -1,6 +1,6 @@
 """The Triton building blocks every kernel of ``backend_triton`` and ``triton_group`` is made of: a tile of
 ``ROWS`` quantization blocks of the row layout (``contract``, "Rows"), its codes read and written, its
-values encoded and decoded, and the fused Adam update of one tile.
+values encoded and decoded, the fused Adam update of one tile and the one-state (SGD, Lion, Muon) one.
 
 A tile is ``[ROWS, BLOCK]``: ``ROWS`` consecutive blocks of one parameter (block b is the b-th scale of
 its absmax, row-major), one block per tile row, lane c of it the block's c-th element. Block b lies in

@@ -1,7 +1,7 @@
-"""Grouped Adam(W) steps in Triton: every member of a ``contract.StepGroup`` (low-bit moments) or
-``contract.DenseGroup`` (fp32 moments) stepped by one kernel launch (two where some members cannot take the
-vectorized path), bit for bit as ``backend_torch.adam_step_group`` / ``adam_dense_group`` step them one by
-one.
+"""Grouped steps in Triton: every member of a ``contract.StepGroup`` (Adam(W), low-bit moments),
+``contract.DenseGroup`` (fp32 moments) or ``contract.MomentumGroup`` (one-state: SGD, Lion, Muon) stepped by
+one kernel launch (two where some members cannot take the vectorized path), bit for bit as
+``backend_torch.adam_step_group`` / ``adam_dense_group`` / ``momentum_step_group`` step them one by one.
 
 Like torch's ``multi_tensor_apply`` (aten/src/ATen/native/cuda/MultiTensorApply.cuh), the launch runs over
 a chunk table: program k reads row k, (member, first block, blocks), and steps that tile of that member
