@@ -392,3 +392,20 @@ def test_triton_kernels_compile_for_sm90_exact_and_without_spills():
     done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=root,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_grouped_step_dispatches_to_the_triton_group_kernel(monkeypatch):
+    from ckptq.codec import grouped
+    from ckptq.kernels import triton_group
+
+    calls = []
+    real = triton_group.momentum_step_group
+    monkeypatch.setattr(triton_group, "momentum_step_group", lambda group: calls.append(1) or real(group))
+    group = _group(GROUP_SPECS[:3], 2, UPDATE_LINEAR, False, True, DEVICE)
+    want, got = _clone_group(group), _clone_group(group)
+    grouped.momentum_group(want, "torch")
+    grouped.momentum_group(got, "triton")
+    assert calls == [1]
+    _assert_groups(got, want)
