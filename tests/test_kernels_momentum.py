@@ -211,7 +211,7 @@ def test_native_matches_reference(bits, layout, update, seed):
 def test_every_build_matches_reference(bits, update, build):  # noqa: F811
     """This CPU's build, a portable one (scalar loops only) and an AVX-512 one without VBMI, on a size
     that spans several work items of the pool."""
-    n, block = 3 * 32768 + 77, 256
+    n, block = 32768 + 4077, 256  # two work items of the pool (backend_native.ITEM_ELEMENTS)
     gen = torch.Generator().manual_seed(bits)
     p, g = torch.randn(n, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen)
     state = _state(n, None, block, bits, gen, "cpu")
