@@ -5,7 +5,8 @@ quantize / dequantize: each call takes a range of blocks of the row layout (``co
 pool runs chunks of about ``cpu_runtime.native_chunk`` elements. The step: one ``ckq_adam_step_group``
 call per pool thread for a whole group, the threads taking (member, block range) items from a shared
 counter, so that hundreds of small tensors and a few huge ones balance alike; one parameter's step is a
-group of one. What a group's members determine (the kernels' config of codebooks and code tables, the
+group of one. The one-state step (``momentum_step`` / ``momentum_step_group``: SGD, Lion, Muon) works the
+same way through ``ckq_momentum_step_group``. What a group's members determine (the kernels' config of codebooks and code tables, the
 table of member addresses, the work list) is built once into ``group.cache``; a call refreshes only the
 gradients' addresses and passes its hyper rows and seeds.
 
@@ -23,8 +24,8 @@ import numpy as np
 import torch
 
 from . import cpu_runtime, lut, memo, native
-from .contract import (KERNEL_DTYPES, DenseGroup, GroupMember, StepCodebooks, StepFlags, StepGroup, StepState,
-                       layout_blocks, layout_rows)
+from .contract import (KERNEL_DTYPES, DenseGroup, GroupMember, MomentumFlags, MomentumGroup, StepCodebooks, StepFlags,
+                       StepGroup, StepState, layout_blocks, layout_rows)
 
 ROWS = True  # quantize, dequantize and the step take rows that are not whole blocks (ckptq.ops routes them here)
 
@@ -256,3 +257,67 @@ def adam_dense_group(group: DenseGroup) -> None:
     hyper = _host(group.hyper, torch.float32)
     dtypes = (KERNEL_DTYPES[group.params[0].dtype], KERNEL_DTYPES[group.grads[0].dtype])
     _run(plan, (hyper.data_ptr(),), (*dtypes, group.maximize))
+
+
+# The one-state step (SGD, Lion, Muon): ckq_momentum_step_group over a plan as the Adam step's, one state
+# per member (member_t's first codes/absmax pair); outs (UPDATE_NONE's d) and hyper rows of 8 per call.
+
+_momentum_configs: dict = {}
+
+
+def _momentum_config(books: StepCodebooks, bits: int, block: int, maximize: bool, update: int,
+                     dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[native.MomentumConfig, tuple]:
+    """The kernels' config of a one-state step and the tensors it points into (as ``_step_config``)."""
+    key = (tuple((id(t), t._version) for t in books), bits, block, maximize, update, dtypes)
+    hit = _momentum_configs.get(key)
+    if hit is not None:
+        return hit
+    decode = memo.by_tensor(_decode_map, books.qmap)
+    table = memo.by_tensor(lut.native_code_table, books.thresholds)
+    config = native.MomentumConfig(decode.data_ptr(), table.data_ptr(), books.thresholds.data_ptr(),
+                                   books.encode.data_ptr(), bits, block, int(maximize), int(update),
+                                   KERNEL_DTYPES[dtypes[0]], KERNEL_DTYPES[dtypes[1]])
+    if len(_momentum_configs) >= _MAX_CONFIGS:
+        _momentum_configs.clear()
+    hit = _momentum_configs[key] = (config, (decode, table, books))
+    return hit
+
+
+def _momentum_plan(members, books: StepCodebooks, bits: int, block: int, maximize: bool, update: int,
+                   grad_dtype) -> _Plan:
+    config, keep = _momentum_config(books, bits, block, maximize, update, (members[0].p.dtype, grad_dtype))
+    lengths = [layout_rows(m.p.numel(), m.row_len)[1] for m in members]
+    rows = [_member_row(m.p, m.codes, m.absmax, length) for m, length in zip(members, lengths)]
+    blocks = [layout_blocks(m.p.numel(), m.row_len, block) for m in members]
+    per_item = [max(1, ITEM_ELEMENTS // max(1, min(block, length))) for length in lengths]
+    return _new_plan(native.library().ckq_momentum_step_group, config, _step_witness(members), grad_dtype, rows,
+                     blocks, per_item, keep)
+
+
+def _outs_table(outs) -> np.ndarray | None:
+    return np.array([o.data_ptr() for o in outs], dtype=np.int64) if outs else None
+
+
+def momentum_step_group(group: MomentumGroup) -> None:
+    if not group.members:
+        return
+    grad_dtype = group.grads[0].dtype
+    plan = _plan(group.cache, _step_witness(group.members) + (group.update, group.maximize), grad_dtype, lambda: _momentum_plan(
+        group.members, group.codebooks, group.bits, group.block_size, group.maximize, group.update, grad_dtype))
+    plan.grads[:] = [g.data_ptr() for g in group.grads]
+    hyper, seeds = _host(group.hyper, torch.float32), _host(group.seeds, torch.int64)
+    outs = _outs_table(group.outs)
+    _run(plan, (None if outs is None else outs.ctypes.data, hyper.data_ptr(),
+                None if seeds is None else seeds.data_ptr()))
+
+
+def momentum_step(p, g, state: StepState, h, out, flags: MomentumFlags) -> None:
+    """One parameter: the grouped kernel on a group of one."""
+    member = GroupMember(p, (state.codes,), (state.absmax,), flags.row_len or p.numel())
+    plan = _momentum_plan((member,), StepCodebooks(state.qmap, state.thresholds, state.encode), state.bits,
+                          flags.block_size, flags.maximize, flags.update, g.dtype)
+    plan.grads[0] = g.data_ptr()
+    outs = None if out is None else np.array([out.data_ptr()], dtype=np.int64)
+    seeds = None if flags.seed is None else np.array([flags.seed], dtype=np.int64)
+    h = _host(h, torch.float32)
+    _run(plan, (None if outs is None else outs.ctypes.data, h.data_ptr(), None if seeds is None else seeds.ctypes.data))

@@ -17,10 +17,10 @@ import triton.language as tl
 
 from . import memo
 from . import triton_blocks as tb
-from .contract import StepFlags, StepState, is_flat, layout_rows, num_blocks
+from .contract import MomentumFlags, StepFlags, StepState, is_flat, layout_rows, num_blocks
 
-ROWS = True  # quantize, dequantize and adam_step take rows that are not whole blocks
-__all__ = ["ROWS", "quantize", "dequantize", "adam_step"]
+ROWS = True  # quantize, dequantize, adam_step and momentum_step take rows that are not whole blocks
+__all__ = ["ROWS", "quantize", "dequantize", "adam_step", "momentum_step"]
 
 
 @triton.jit
@@ -84,6 +84,23 @@ def _adam_kernel(
                  BLOCK, ROWS, M_RATIO, AMSGRAD, MAXIMIZE, M_BITS, V_BITS, X_BITS, STOCHASTIC, ALIGNED)
 
 
+@triton.jit(do_not_specialize=["seed"])
+def _momentum_kernel(
+    p_ptr, g_ptr, out_ptr,  # param [n] (updated in place unless UPDATE_NONE), grad [n], fp32 d [n] (HAS_OUT)
+    codes, absmax, qmap, tree, enc,  # the state (as _adam_kernel's moments)
+    l2, keep, take, c_old, c_new, c_grad, decay, neg_lr,  # fp32 (contract.MOMENTUM_FIELDS)
+    seed,  # int32: the bits of the uint32 seed (read only when STOCHASTIC)
+    n_blocks, row_len,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, MAXIMIZE: tl.constexpr,
+    UPDATE: tl.constexpr, HAS_OUT: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    tb.momentum_tile(p_ptr, g_ptr, out_ptr, codes, absmax, qmap, tree, enc,
+                     l2, keep, take, c_old, c_new, c_grad, decay, neg_lr, seed.to(tl.uint32, bitcast=True),
+                     first, n_blocks - first, row_len, BLOCK, ROWS, BITS, MAXIMIZE, UPDATE, HAS_OUT, STOCHASTIC,
+                     ALIGNED)
+
+
 def _launch(kernel, n: int, row_len, block_size: int, *args, **constexprs) -> None:
     """Run a kernel over the blocks of n elements in rows of ``row_len`` (None: one row; a layout that is
     the flat one runs as one row), tiles as ``triton_blocks.tile_shape`` cuts them."""
@@ -122,4 +139,12 @@ def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
     _launch(_adam_kernel, p.numel(), flags.row_len, flags.block_size, p, g, *h.tolist(), *_moment(m), *_moment(v),
             *_moment(x[0] if x else v), seed - (1 << 32) if seed >= 1 << 31 else seed, M_RATIO=flags.ratio,
             AMSGRAD=bool(x), MAXIMIZE=flags.maximize, M_BITS=m.bits, V_BITS=v.bits, X_BITS=(x[0] if x else v).bits,
+            STOCHASTIC=flags.seed is not None, enable_fp_fusion=False)
+
+
+def momentum_step(p, g, state: StepState, h, out, flags: MomentumFlags) -> None:
+    seed = flags.seed or 0
+    _launch(_momentum_kernel, p.numel(), flags.row_len, flags.block_size, p, g, p if out is None else out,
+            *_moment(state), *h.tolist(), seed - (1 << 32) if seed >= 1 << 31 else seed, BITS=state.bits,
+            MAXIMIZE=flags.maximize, UPDATE=flags.update, HAS_OUT=out is not None,
             STOCHASTIC=flags.seed is not None, enable_fp_fusion=False)

@@ -1,5 +1,5 @@
-/* ckptq CPU kernels: blockwise 8-, 6-, 4- and 2-bit quantize / dequantize and the fused low-bit Adam step,
- * one parameter or a group of many at a time.
+/* ckptq CPU kernels: blockwise 8-, 6-, 4- and 2-bit quantize / dequantize, the fused low-bit Adam step and
+ * the one-state step (SGD, Lion, Muon), one parameter or a group of many at a time.
  *
  * Plain C99 with no Python or torch headers, compiled on first use by ckptq/kernels/native.py
  * (`cc -O3 -march=native -ffp-contract=off -fno-math-errno`) and called through ctypes, which releases
@@ -12,6 +12,7 @@
  *   ckq_dequantize         <-> ckptq.kernels.backend_torch.dequantize
  *   ckq_adam_step_group    <-> ckptq.kernels.backend_torch.adam_step (step_rows) of each member in turn
  *   ckq_adam_dense_group   <-> ckptq.kernels.backend_torch.adam_dense_step (adam_math) of each member
+ *   ckq_momentum_step_group <-> ckptq.kernels.backend_torch.momentum_step (SGD, Lion, Muon) of each member
  * That is why no FMA contraction is allowed (-ffp-contract=off, and no fma intrinsics): each product and
  * sum is rounded to fp32 on its own, in the order the reference writes it. Division and sqrt are IEEE
  * (correctly rounded), scalar and vector alike.
@@ -1048,5 +1049,208 @@ int ckq_adam_dense_group(const dense_member_t *members, const int64_t *grads, co
             dense_chunk(hyper + 10 * item[0], maximize, pf, gf, d->m + off, d->v + off, d->vmax ? d->vmax + off : 0, len);
             if (pdtype != F32) store_block(d->p, off, len, pdtype, pb);
         }
+    }
+}
+
+/* ---- The one-state step (SGD, Lion, Muon: backend_torch.momentum_step) ----
+ *
+ * Per element, fp32, each operation rounded once in this order (ckptq.kernels.contract.MOMENTUM_FIELDS):
+ * gi = (maximize ? -g : g) + l2 * p; m = qmap[code] * absmax; m_new = m * keep + take * gi;
+ * d = (m * c_old + m_new * c_new) + gi * c_grad; then p = p * decay + neg_lr * d (UPDATE_LINEAR) or
+ * p * decay + neg_lr * sign(d) (UPDATE_SIGN; sign(+-0) = +0, sign(NaN) = NaN), or p untouched
+ * (UPDATE_NONE); d written to out where the caller passes one. m_new is requantized per block as the Adam
+ * step's moments are (encode_block; stochastically from the hash's high half when seeded). */
+
+enum { M_L2, M_KEEP, M_TAKE, M_C_OLD, M_C_NEW, M_C_GRAD, M_DECAY, M_NEG_LR };
+enum { UPDATE_NONE = 0, UPDATE_LINEAR = 1, UPDATE_SIGN = 2 };
+
+/* What all members of a one-state step share (native.MomentumConfig mirrors it field for field). */
+typedef struct {
+    const float *decode;      /* fp32 [256]: the codebook the stored codes refer to (a smaller one padded) */
+    const int32_t *table;     /* int32 [65536]: code table of the codebook new codes are written on */
+    const float *thresholds;  /* fp32 [2**bits - 1]: its midpoints */
+    const float *encode;      /* fp32 [2**bits]: that codebook (stochastic rounding reads it) */
+    int32_t bits, block, maximize, update, pdtype, gdtype;
+} momentum_config_t;
+
+static int bad_momentum_config(const momentum_config_t *c) {
+    return BAD_BLOCK(c->block) || BAD_BITS(c->bits, c->block) || (unsigned)c->update > UPDATE_SIGN ||
+           (unsigned)c->pdtype > F16 || (unsigned)c->gdtype > F16;
+}
+
+/* sign(d) as the contract has it: -1, +0 or 1, NaN for NaN. */
+static inline float sign1(float d) { return d != d ? d : (float)((d > 0.0f) - (d < 0.0f)); }
+
+#if VEC
+static inline __m512 sign16(__m512 d) {
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 s = _mm512_mask_mov_ps(zero, _mm512_cmp_ps_mask(d, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f));
+    s = _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(d, zero, _CMP_LT_OQ), _mm512_set1_ps(-1.0f));
+    return _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q), d);
+}
+#endif
+
+#if VEC
+/* The hyper row on 16 lanes. */
+typedef struct { __m512 l2, keep, take, c_old, c_new, c_grad, decay, neg_lr; } vmomentum_t;
+
+static inline vmomentum_t vmomentum_init(const float *h) {
+    vmomentum_t k = {_mm512_set1_ps(h[M_L2]), _mm512_set1_ps(h[M_KEEP]), _mm512_set1_ps(h[M_TAKE]),
+                     _mm512_set1_ps(h[M_C_OLD]), _mm512_set1_ps(h[M_C_NEW]), _mm512_set1_ps(h[M_C_GRAD]),
+                     _mm512_set1_ps(h[M_DECAY]), _mm512_set1_ps(h[M_NEG_LR])};
+    return k;
+}
+
+/* The step on elements j .. j + 15 from the decoded state m (times its scale): the scalar loop of
+ * momentum_values on 16 lanes; acc tracks the unsigned max of m_new's bits with the sign cleared. */
+static inline __attribute__((always_inline)) void momentum16(const vmomentum_t *k, __m512 m, const float *gf,
+                                                             float *pf, float *mn, float *out, int j, __m512i *acc,
+                                                             int maximize, int update) {
+    __m512 p = _mm512_loadu_ps(pf + j), g = _mm512_loadu_ps(gf + j);
+    if (maximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
+    __m512 gi = _mm512_add_ps(g, _mm512_mul_ps(k->l2, p));
+    __m512 m_new = _mm512_add_ps(_mm512_mul_ps(m, k->keep), _mm512_mul_ps(k->take, gi));
+    __m512 d = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(m, k->c_old), _mm512_mul_ps(m_new, k->c_new)),
+                             _mm512_mul_ps(gi, k->c_grad));
+    if (update != UPDATE_NONE)
+        _mm512_storeu_ps(pf + j, _mm512_add_ps(_mm512_mul_ps(p, k->decay),
+                                               _mm512_mul_ps(k->neg_lr, update == UPDATE_SIGN ? sign16(d) : d)));
+    if (out) _mm512_storeu_ps(out + j, d);
+    _mm512_storeu_ps(mn + j, m_new);
+    *acc = _mm512_max_epu32(*acc, _mm512_and_si512(_mm512_castps_si512(m_new), _mm512_set1_epi32(0x7FFFFFFF)));
+}
+#endif
+
+#if DECODE64
+typedef planes_t momentum_planes_t;
+#else
+typedef int momentum_planes_t;  /* unused */
+#endif
+
+/* One block of len elements: decode the state (codes c, scale sc), step each element (param pf in place
+ * unless UPDATE_NONE, grad gf), m_new to mn, d to out (NULL: not written). Returns the unsigned max of
+ * m_new's bits with the sign cleared (bits_to_absmax gives the new scale). 8-bit codes decode 64 at a
+ * time by byte permutes where the CPU has VBMI (planes: the decode map's byte planes), else 16 at a time.
+ * Always inlined with constant widths and switches (momentum_blocks). */
+static inline __attribute__((always_inline)) uint32_t momentum_values(
+        const momentum_config_t *cfg, const float *h, const momentum_planes_t *planes, const uint8_t *c, float sc,
+        const float *gf, float *pf, float *mn, float *out, int len, int bits, int maximize, int update) {
+    uint32_t mx = 0;
+    int i = 0;
+    (void)planes;
+#if VEC
+    const vmomentum_t k = vmomentum_init(h);
+    const __m512 vsc = _mm512_set1_ps(sc);
+    __m512i acc = _mm512_setzero_si512();
+#if DECODE64
+    for (; bits == 8 && i + 64 <= len; i += 64) {
+        __m512 q[4];
+        decode64(planes, c + i, q);
+        for (int r = 0; r < 4; r++)
+            momentum16(&k, _mm512_mul_ps(q[r], vsc), gf, pf, mn, out, i + 16 * r, &acc, maximize, update);
+    }
+#endif
+    {
+        const unpack_t u = unpack_init(bits);
+        const cb_t cb = cb_init(cfg->decode, bits);
+        for (; i + VEC <= len; i += VEC)
+            momentum16(&k, _mm512_mul_ps(cb_lookup(&cb, codes16(&u, c, i, bits), bits), vsc), gf, pf, mn, out, i,
+                       &acc, maximize, update);
+    }
+    mx = (uint32_t)_mm512_reduce_max_epu32(acc);
+#endif
+    for (; i < len; i++) {
+        float m = cfg->decode[code_at(c, i, bits)] * sc;
+        float gi = (maximize ? -gf[i] : gf[i]) + h[M_L2] * pf[i];
+        float m_new = m * h[M_KEEP] + h[M_TAKE] * gi;
+        float d = (m * h[M_C_OLD] + m_new * h[M_C_NEW]) + gi * h[M_C_GRAD];
+        if (update != UPDATE_NONE) pf[i] = pf[i] * h[M_DECAY] + h[M_NEG_LR] * (update == UPDATE_SIGN ? sign1(d) : d);
+        if (out) out[i] = d;
+        mn[i] = m_new;
+        uint32_t a = f2u(m_new) & 0x7FFFFFFFu;
+        mx = a > mx ? a : mx;
+    }
+    return mx;
+}
+
+/* The one-state step on blocks [b0, b1) of one member (grad g, out NULL or fp32 [n], hyper row h, seed
+ * NULL: to nearest). Operation order as backend_torch._momentum_span. */
+static inline __attribute__((always_inline)) void momentum_blocks_of(
+        const momentum_config_t *c, const member_t *mem, const void *g, float *out, const float *h,
+        const int64_t *seed, int64_t b0, int64_t b1, int bits, int maximize, int update) {
+    const int block = c->block;
+    const int32_t *table = c->table + 32768;
+    /* C99 VLAs: a block each of param, grad, hashes; m_new in a ring (SCRATCH_RING: no fixed store place) */
+    float pb[block], gb[block], ring[SCRATCH_RING + block];
+    uint32_t hb[block];
+    int at_ring = 0;
+    momentum_planes_t planes;
+#if DECODE64
+    if (bits == 8) planes_init(&planes, c->decode);
+#endif
+    rows_t at = rows_at(mem->row_len, block, b0);
+    for (int64_t b = b0; b < b1; b++, rows_next(&at)) {
+        const int64_t off = rows_offset(&at);
+        const int len = rows_len(&at);
+        float *pf = c->pdtype == F32 ? (float *)mem->p + off : pb;
+        const float *gf = c->gdtype == F32 ? (const float *)g + off : gb;
+        if (c->pdtype != F32) load_block(mem->p, off, len, c->pdtype, 0, pb);
+        if (c->gdtype != F32) load_block(g, off, len, c->gdtype, 0, gb);
+        uint8_t *codes = mem->codes[0] + rows_code_byte(&at, bits);
+        at_ring = (at_ring + block) & (SCRATCH_RING - 1);
+        float *mn = ring + at_ring;
+        uint32_t mx = momentum_values(c, h, &planes, codes, mem->absmax[0][b], gf, pf, mn, out ? out + off : 0, len,
+                                      bits, maximize, update);
+        if (c->pdtype != F32 && update != UPDATE_NONE) store_block(mem->p, off, len, c->pdtype, pb);
+        const float absmax = mem->absmax[0][b] = bits_to_absmax(mx);
+        if (seed) {
+            hashes(hb, len, off, (uint32_t)*seed);  /* off: the element's index in the parameter */
+            encode_block(mn, len, absmax, table, codes, bits, c->encode, hb, 1, bits <= 4 ? c->thresholds : 0);
+        } else if (bits == 8) {
+            encode_nearest8(mn, len, absmax, table, codes);
+        } else {
+            encode_block(mn, len, absmax, table, codes, bits, 0, 0, 0, bits <= 4 ? c->thresholds : 0);
+        }
+    }
+}
+
+/* momentum_blocks_of with the width and switches constant (each case compiled on its own). */
+static void momentum_blocks(const momentum_config_t *c, const member_t *mem, const void *g, float *out,
+                            const float *h, const int64_t *seed, int64_t b0, int64_t b1) {
+#define MOMENTUM_CASE(BITS)                                                                                   \
+    case BITS:                                                                                                \
+        if (c->maximize)                                                                                      \
+            momentum_blocks_of(c, mem, g, out, h, seed, b0, b1, BITS, 1, c->update);                          \
+        else if (c->update == UPDATE_LINEAR)                                                                  \
+            momentum_blocks_of(c, mem, g, out, h, seed, b0, b1, BITS, 0, UPDATE_LINEAR);                      \
+        else if (c->update == UPDATE_SIGN)                                                                    \
+            momentum_blocks_of(c, mem, g, out, h, seed, b0, b1, BITS, 0, UPDATE_SIGN);                        \
+        else                                                                                                  \
+            momentum_blocks_of(c, mem, g, out, h, seed, b0, b1, BITS, 0, UPDATE_NONE);                        \
+        break;
+    switch (c->bits) {
+        MOMENTUM_CASE(8)
+        MOMENTUM_CASE(6)
+        MOMENTUM_CASE(4)
+        MOMENTUM_CASE(2)
+    }
+#undef MOMENTUM_CASE
+}
+
+/* The one-state step of a group of parameters (one call per thread, sharing ``next`` as
+ * ckq_adam_step_group does). Member i: members[i] (codes[0], absmax[0] its state), its grad at address
+ * grads[i], its out at outs[i] (outs NULL: none written), hyper row hyper[8 i .. 8 i + 7], seed seeds[i]
+ * (seeds NULL: to nearest). items[3 j .. 3 j + 2] = (member, first block, end block). Returns -1 for a
+ * config the kernels cannot take, else 0. */
+int ckq_momentum_step_group(const momentum_config_t *config, const member_t *members, const int64_t *grads,
+                            const int64_t *outs, const float *hyper, const int64_t *seeds, const int64_t *items,
+                            int64_t n_items, int64_t *next) {
+    if (bad_momentum_config(config)) return -1;
+    for (;;) {
+        int64_t j = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (j >= n_items) return 0;
+        const int64_t *item = items + 3 * j, i = item[0];
+        momentum_blocks(config, members + i, (const void *)(uintptr_t)grads[i],
+                        outs ? (float *)(uintptr_t)outs[i] : 0, hyper + 8 * i, seeds ? seeds + i : 0, item[1], item[2]);
     }
 }

@@ -47,6 +47,7 @@ _SIGNATURES = {
     "ckq_dequantize": [_P, _P, _P, _I64, _I64, _I64, _I64, _INT, _P, _INT, _INT],
     "ckq_adam_step_group": [_P, _P, _P, _P, _P, _P, _I64, _P],
     "ckq_adam_dense_group": [_P, _P, _P, _P, _I64, _P, _INT, _INT, _INT],
+    "ckq_momentum_step_group": [_P, _P, _P, _P, _P, _P, _P, _I64, _P],
 }
 
 
@@ -58,6 +59,14 @@ class StepConfig(ctypes.Structure):
                 ("bits", ctypes.c_int32 * 3), ("moments", ctypes.c_int32), ("block", ctypes.c_int32),
                 ("ratio", ctypes.c_int32), ("maximize", ctypes.c_int32), ("pdtype", ctypes.c_int32),
                 ("gdtype", ctypes.c_int32)]
+
+
+class MomentumConfig(ctypes.Structure):
+    """``momentum_config_t`` of cpu_kernels.c, field for field: what a one-state step group's members share."""
+
+    _fields_ = [("decode", _P), ("table", _P), ("thresholds", _P), ("encode", _P), ("bits", ctypes.c_int32),
+                ("block", ctypes.c_int32), ("maximize", ctypes.c_int32), ("update", ctypes.c_int32),
+                ("pdtype", ctypes.c_int32), ("gdtype", ctypes.c_int32)]
 
 
 _lock = threading.Lock()

@@ -1,6 +1,6 @@
 """The Triton building blocks every kernel of ``backend_triton`` and ``triton_group`` is made of: a tile of
 ``ROWS`` quantization blocks of the row layout (``contract``, "Rows"), its codes read and written, its
-values encoded and decoded, and the fused Adam update of one tile.
+values encoded and decoded, the fused Adam update of one tile and the one-state (SGD, Lion, Muon) one.
 
 A tile is ``[ROWS, BLOCK]``: ``ROWS`` consecutive blocks of one parameter (block b is the b-th scale of
 its absmax, row-major), one block per tile row, lane c of it the block's c-th element. Block b lies in
@@ -247,3 +247,43 @@ def tile_shape(block_size: int, longest_row: int) -> tuple[int, int, int]:
     width = block_size if longest_row >= block_size else max(32, min(block_size, triton.next_power_of_2(longest_row)))
     rows = max(1, TILE_ELEMENTS // width)
     return width, rows, TILE_WARPS * 2 if rows * width > TILE_ELEMENTS else TILE_WARPS
+
+
+@triton.jit
+def sign_of(d):
+    # the contract's sign: -1, +0 or 1, NaN for NaN
+    s = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+    return tl.where(d != d, d, s)
+
+
+@triton.jit
+def momentum_tile(p_ptr, g_ptr, out_ptr, codes_ptr, absmax_ptr, qmap_ptr, tree_ptr, enc_ptr,
+                  l2, keep, take, c_old, c_new, c_grad, decay, neg_lr, seed, first, count, row_len,
+                  BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, MAXIMIZE: tl.constexpr,
+                  UPDATE: tl.constexpr, HAS_OUT: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr):
+    # One tile of the one-state step (contract.MOMENTUM_FIELDS; backend_torch._momentum_span in the same
+    # op order): blocks first .. first + count - 1 of a param in rows of row_len. p_ptr (updated in place
+    # unless UPDATE is 0, UPDATE_NONE), g_ptr; out_ptr: fp32 d (written only when HAS_OUT); the state's
+    # codes and scales, its decode map, the search tree of its encode map's midpoints and the encode map;
+    # the fp32 scalars; seed: uint32 (read only when STOCHASTIC: u from the hash's high half).
+    b, bmask, r, col0, offs, mask = geometry(first, count, row_len, BLOCK, ROWS)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    g = g + l2 * p
+    m = decode(codes_ptr, absmax_ptr, qmap_ptr, b, bmask, r, col0, mask, row_len, BLOCK, BITS, ALIGNED)
+    m_new = m * keep + take * g
+    d = (m * c_old + m_new * c_new) + g * c_grad
+    if UPDATE == 1:  # UPDATE_LINEAR
+        p = p * decay + neg_lr * d
+        tl.store(p_ptr + offs, cast_to(p, p_ptr.dtype.element_ty), mask=mask)
+    elif UPDATE == 2:  # UPDATE_SIGN
+        p = p * decay + neg_lr * sign_of(d)
+        tl.store(p_ptr + offs, cast_to(p, p_ptr.dtype.element_ty), mask=mask)
+    if HAS_OUT:
+        tl.store(out_ptr + offs, d, mask=mask)
+    codes, absmax = encode(m_new, mask, tree_ptr, BITS)
+    if STOCHASTIC:
+        codes = stochastic(codes, m_new, absmax, enc_ptr, offs, seed, BITS, True)
+    store(codes, absmax, codes_ptr, absmax_ptr, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, BITS, ALIGNED)

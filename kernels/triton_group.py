@@ -1,7 +1,7 @@
-"""Grouped Adam(W) steps in Triton: every member of a ``contract.StepGroup`` (low-bit moments) or
-``contract.DenseGroup`` (fp32 moments) stepped by one kernel launch (two where some members cannot take the
-vectorized path), bit for bit as ``backend_torch.adam_step_group`` / ``adam_dense_group`` step them one by
-one.
+"""Grouped steps in Triton: every member of a ``contract.StepGroup`` (Adam(W), low-bit moments),
+``contract.DenseGroup`` (fp32 moments) or ``contract.MomentumGroup`` (one-state: SGD, Lion, Muon) stepped by
+one kernel launch (two where some members cannot take the vectorized path), bit for bit as
+``backend_torch.adam_step_group`` / ``adam_dense_group`` / ``momentum_step_group`` step them one by one.
 
 Like torch's ``multi_tensor_apply`` (aten/src/ATen/native/cuda/MultiTensorApply.cuh), the launch runs over
 a chunk table: program k reads row k, (member, first block, blocks), and steps that tile of that member
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from . import memo
 from . import triton_blocks as tb
-from .contract import DenseGroup, StepGroup, is_flat, layout_rows, num_blocks
+from .contract import DenseGroup, MomentumGroup, StepGroup, is_flat, layout_rows, num_blocks
 
 _TILE = 2048  # elements per program of the dense step
 _KEY = "triton"  # this backend's entry in a group's cache
@@ -298,3 +298,101 @@ def adam_dense_group(group: DenseGroup) -> None:
             TILE=_TILE,
             AMSGRAD=len(group.moments[0]) == 3, MAXIMIZE=group.maximize, ALIGNED=aligned and cache["grads_aligned"],
             num_warps=4, enable_fp_fusion=False)
+
+
+# The one-state step (SGD, Lion, Muon): the same chunk table over members with one state each.
+
+@triton.jit
+def _momentum_group_kernel(
+    chunks,  # int64 [programs, 3]: (member, first block, blocks) of each program's tile
+    members,  # int64 [T, 8]: addresses of p, the state's codes, its absmax (then 4 unused); row_len
+    grads,  # int64 [T]: addresses of the gradients
+    outs,  # int64 [T]: addresses of the fp32 outs (read only when HAS_OUT)
+    hyper,  # fp32 [T, 8]: contract.MOMENTUM_FIELDS per member
+    seeds,  # int64 [T]: uint32 seeds (read only when STOCHASTIC)
+    p_like, g_like,  # a param and a grad of the group: their dtypes
+    qmap, tree, enc,  # fp32 codebooks (backend_triton._momentum_kernel)
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, MAXIMIZE: tl.constexpr, UPDATE: tl.constexpr,
+    HAS_OUT: tl.constexpr, STOCHASTIC: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every param, grad, out and codes address 16-byte aligned, every row_len a multiple of 16
+):
+    chunk = chunks + tl.program_id(0).to(tl.int64) * 3
+    i = tl.load(chunk)
+    row = members + i * 8
+    h = hyper + i * 8
+    seed = 0
+    if STOCHASTIC:
+        seed = tl.load(seeds + i).to(tl.uint32)
+    row_len = tl.load(row + 7)
+    if ALIGNED:
+        row_len = tl.multiple_of(row_len, 16)
+    p_ptr = _pointer(row, p_like.dtype.element_ty, ALIGNED)
+    out_ptr = p_ptr.to(tl.pointer_type(tl.float32))  # never written without HAS_OUT
+    if HAS_OUT:
+        out_ptr = _pointer(outs + i, tl.float32, ALIGNED)
+    tb.momentum_tile(p_ptr, _pointer(grads + i, g_like.dtype.element_ty, ALIGNED), out_ptr,
+                     _pointer(row + 1, tl.uint8, ALIGNED), _pointer(row + 2, tl.float32, False), qmap, tree, enc,
+                     tl.load(h), tl.load(h + 1), tl.load(h + 2), tl.load(h + 3), tl.load(h + 4), tl.load(h + 5),
+                     tl.load(h + 6), tl.load(h + 7), seed, tl.load(chunk + 1), tl.load(chunk + 2), row_len,
+                     BLOCK, ROWS, BITS, MAXIMIZE, UPDATE, HAS_OUT, STOCHASTIC, ALIGNED)
+
+
+def _momentum_cache(group: MomentumGroup) -> dict:
+    """What the launch needs from the members alone, built once per group (as ``_step_cache``)."""
+    cache = group.cache.get(_KEY)
+    if cache is not None:
+        return cache
+    table, blocks, longest = [], [], 1
+    for m in group.members:
+        n = m.p.numel()
+        rows, row_len = layout_rows(n, None if is_flat(n, m.row_len, group.block_size) else m.row_len)
+        table.append([m.p.data_ptr(), m.codes[0].data_ptr(), m.absmax[0].data_ptr(), 0, 0, 0, 0, row_len or 16])
+        blocks.append((rows, row_len))
+        longest = max(longest, row_len)
+    block, per_program, warps = tb.tile_shape(group.block_size, longest)
+    aligned = [all(row[k] % 16 == 0 for k in (0, 1, 7)) for row in table]  # p, codes, row_len
+    cache = _common(table, [rows * num_blocks(length, block) for rows, length in blocks], aligned, per_program,
+                    group.members[0].p.device)
+    device = cache["device"]
+    cache.update(block=block, per_program=per_program, warps=warps, like=_largest(m.p for m in group.members),
+                 seeds=torch.empty(len(table), dtype=torch.int64, device=device),
+                 hyper=torch.empty(len(table), 8, dtype=torch.float32, device=device),
+                 outs=torch.zeros(len(table), dtype=torch.int64, device=device), out_key=None, outs_aligned=True)
+    group.cache[_KEY] = cache
+    return cache
+
+
+def _refresh_outs(cache: dict, outs: tuple) -> None:
+    """The device table of the outs' addresses, rewritten when one changed (not under capture: a captured
+    step writes the outs its eager step wrote)."""
+    key = tuple(o.data_ptr() for o in outs)
+    if key == cache["out_key"]:
+        return
+    if _capturing(cache["device"]):
+        raise RuntimeError("a captured grouped one-state step writes the outs of the eager step before it")
+    _copy_in(cache["outs"], torch.tensor(key, dtype=torch.int64))
+    cache["out_key"] = key
+    cache["outs_aligned"] = all(address % 16 == 0 for address in key)
+
+
+def momentum_step_group(group: MomentumGroup) -> None:
+    """One launch steps every member (two where some rows are not multiples of 16, or an address not
+    16-byte aligned); bit for bit ``backend_torch.momentum_step_group``."""
+    ready = _ready(group, _momentum_cache)
+    if ready is None:
+        return
+    cache, hyper = ready
+    has_out = bool(group.outs)
+    if has_out:
+        _refresh_outs(cache, group.outs)
+    seeds = hyper if group.seeds is None else _readable(group.seeds, cache["seeds"])
+    cb = group.codebooks
+    tree = memo.by_tensor(tb.search_tree, cb.thresholds)
+    for chunks, programs, aligned in cache["launches"]:
+        _momentum_group_kernel[(programs,)](
+            chunks, cache["members"], cache["grads"], cache["outs"], hyper, seeds, group.members[cache["like"]].p,
+            group.grads[cache["like"]], cb.qmap, tree, cb.encode,
+            BLOCK=cache["block"], ROWS=cache["per_program"], BITS=group.bits, MAXIMIZE=group.maximize,
+            UPDATE=group.update, HAS_OUT=has_out, STOCHASTIC=group.seeds is not None,
+            ALIGNED=aligned and cache["grads_aligned"] and (not has_out or cache["outs_aligned"]),
+            num_warps=cache["warps"], enable_fp_fusion=False)
