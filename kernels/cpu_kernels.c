@@ -12,7 +12,7 @@
  *   ckq_dequantize         <-> ckptq.kernels.backend_torch.dequantize
  *   ckq_adam_step_group    <-> ckptq.kernels.backend_torch.adam_step (step_rows) of each member in turn
  *   ckq_adam_dense_group   <-> ckptq.kernels.backend_torch.adam_dense_step (adam_math) of each member
- *   ckq_momentum_step_group <-> ckptq.kernels.backend_torch.momentum_step (SGD, Lion, Muon) of each member
+ *   ckq_momentum_step_group <-> ckptq.kernels.momentum_torch.momentum_step (SGD, Lion, Muon) of each member
  * That is why no FMA contraction is allowed (-ffp-contract=off, and no fma intrinsics): each product and
  * sum is rounded to fp32 on its own, in the order the reference writes it. Division and sqrt are IEEE
  * (correctly rounded), scalar and vector alike.
@@ -1052,7 +1052,7 @@ int ckq_adam_dense_group(const dense_member_t *members, const int64_t *grads, co
     }
 }
 
-/* ---- The one-state step (SGD, Lion, Muon: backend_torch.momentum_step) ----
+/* ---- The one-state step (SGD, Lion, Muon: momentum_torch.momentum_step) ----
  *
  * Per element, fp32, each operation rounded once in this order (ckptq.kernels.contract.MOMENTUM_FIELDS):
  * gi = (maximize ? -g : g) + l2 * p; m = qmap[code] * absmax; m_new = m * keep + take * gi;

@@ -43,8 +43,8 @@ def _put(t: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
 
 
 def _sign(x: torch.Tensor) -> torch.Tensor:
-    """sign(x) in fp32: -1, 0 or 1, NaN for NaN (torch.sign)."""
-    return torch.sign(x)
+    """sign(x) in fp32: -1, 0 or 1, NaN for NaN (torch.sign alone gives 0 for NaN)."""
+    return torch.where(torch.isnan(x), x, torch.sign(x))
 
 
 def momentum_math(p, g, m, h, maximize: bool, update: int):

@@ -377,7 +377,7 @@ def _refresh_outs(cache: dict, outs: tuple) -> None:
 
 def momentum_step_group(group: MomentumGroup) -> None:
     """One launch steps every member (two where some rows are not multiples of 16, or an address not
-    16-byte aligned); bit for bit ``backend_torch.momentum_step_group``."""
+    16-byte aligned); bit for bit ``momentum_torch.momentum_step_group``."""
     ready = _ready(group, _momentum_cache)
     if ready is None:
         return

@@ -1,14 +1,14 @@
 """The one-state step (SGD, Lion, Muon: ``contract.MOMENTUM_FIELDS``) of every backend, bit for bit.
 
-First the PyTorch reference (``backend_torch.momentum_step``) against the math written out plainly here
+First the PyTorch reference (``momentum_torch.momentum_step``) against the math written out plainly here
 (decode, update, blockwise requantization). Then the C kernels (``backend_native``: this CPU's build and
 a portable scalar one) and the Triton kernels (``backend_triton`` / ``triton_group``, the interpreter on
 the CPU) against the reference: params, codes, scales and d, over code widths 8/6/4/2, the flat layout
 and rows with a short last block, fp32/bf16/fp16 params and grads, the three updates, nearest and
 stochastic rounding, maximize, NaN/Inf, all-zero blocks; grouped steps against their members one by one.
 
-sign(NaN): the contract says NaN, and the kernels give NaN; torch.sign gives 0, so the reference
-(``backend_torch._sign``) gives 0 and differs there (``test_reference_sign_of_nan_is_nan``, xfail).
+sign(NaN): the contract says NaN; torch.sign gives 0, so the reference (``momentum_torch._sign``) keeps NaN
+itself (``test_reference_sign_of_nan_is_nan``).
 """
 
 import os
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ckptq.codec import codebooks, policy
-from ckptq.kernels import backend_torch, contract, native
+from ckptq.kernels import backend_torch, contract, momentum_torch, native
 from ckptq.kernels.contract import (UPDATE_LINEAR, UPDATE_NONE, UPDATE_SIGN, GroupMember, MomentumFlags,
                                     MomentumGroup, StepCodebooks, StepState, layout_blocks, layout_bytes)
 from test_native import _assert_same, build  # noqa: F401  (build: the C builds fixture)
@@ -108,7 +108,7 @@ def _nan_direction(p, g, state, update, maximize, block, row_len):
         return None
     out = torch.empty(p.shape, dtype=torch.float32, device=p.device)
     h = torch.tensor(HYPER[update], dtype=torch.float32)
-    backend_torch.momentum_step(p.clone(), g, _clone(state), h, out, MomentumFlags(block, maximize, update, None,
+    momentum_torch.momentum_step(p.clone(), g, _clone(state), h, out, MomentumFlags(block, maximize, update, None,
                                                                                    row_len))
     return torch.isnan(out)
 
@@ -143,7 +143,7 @@ def test_reference_equals_the_plain_math(bits, layout, update, seed):
     p, g, state, (block, row_len) = _case(layout, bits, torch.float32, torch.float32, False, bits + update)
     h = torch.tensor(HYPER[update], dtype=torch.float32)
     want_p, want_d, m_new, col_block = _plain(p, g, state, h, False, update, block, row_len)
-    got_p, codes, absmax, out = _step(backend_torch, p, g, state, update, False, seed, block, row_len)
+    got_p, codes, absmax, out = _step(momentum_torch, p, g, state, update, False, seed, block, row_len)
     assert torch.equal(got_p, want_p)
     if update == UPDATE_NONE:
         assert torch.equal(out, want_d)
@@ -166,7 +166,7 @@ def test_reference_stochastic_rounding_is_unbiased():
     _, _, m_new, _ = _plain(p, g, state, h, False, UPDATE_LINEAR, block, row_len)
 
     def decoded(seed):
-        _, codes, absmax, _ = _step(backend_torch, p, g, state, UPDATE_LINEAR, False, seed, block, row_len)
+        _, codes, absmax, _ = _step(momentum_torch, p, g, state, UPDATE_LINEAR, False, seed, block, row_len)
         return state.qmap[contract.unpack_codes(codes, p.numel(), 2).long()] * absmax.repeat_interleave(block)[:p.numel()]
 
     mean = sum(decoded(seed) for seed in range(64)) / 64
@@ -174,11 +174,9 @@ def test_reference_stochastic_rounding_is_unbiased():
     assert float((mean - m_new.view(-1)).abs().mean()) < 0.3 * float(nearest)
 
 
-@pytest.mark.xfail(strict=True, reason="backend_torch._sign is torch.sign, which maps NaN to 0; the contract "
-                                       "(MOMENTUM_FIELDS) and _sign's docstring say sign(NaN) = NaN")
 def test_reference_sign_of_nan_is_nan():
     d = torch.tensor([float("nan"), 1.0, -1.0, 0.0])
-    assert bool(torch.isnan(backend_torch._sign(d)[0]))
+    assert bool(torch.isnan(momentum_torch._sign(d)[0])) and momentum_torch._sign(d)[1:].tolist() == [1.0, -1.0, 0.0]
 
 
 # ---- the C kernels ----
@@ -198,7 +196,7 @@ def test_native_matches_reference(bits, layout, update, seed):
         maximize, special = k == 1, k == 2
         p, g, state, (block, row_len) = _case(layout, bits, pdtype, gdtype, special, 100 * bits + k)
         skip = _nan_direction(p, g, state, update, maximize, block, row_len) if special else None
-        want = _step(backend_torch, p, g, state, update, maximize, seed, block, row_len)
+        want = _step(momentum_torch, p, g, state, update, maximize, seed, block, row_len)
         got = _step(backend_native, p, g, state, update, maximize, seed, block, row_len)
         _assert_results(got, want, skip)
         if skip is not None and bool(skip.any()):  # the contract's sign(NaN) = NaN: p becomes NaN there
@@ -216,7 +214,7 @@ def test_every_build_matches_reference(bits, update, build):  # noqa: F811
     p, g = torch.randn(n, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen)
     state = _state(n, None, block, bits, gen, "cpu")
     for seed in (None, 7):
-        want = _step(backend_torch, p, g, state, update, False, seed, block, None)
+        want = _step(momentum_torch, p, g, state, update, False, seed, block, None)
         got = _step(backend_native, p, g, state, update, False, seed, block, None)
         _assert_results(got, want)
 
@@ -265,13 +263,13 @@ GROUP_SPECS = ((100, None), (12 * 20, 20), (3 * 150, 150), (1, None), (0, None),
 def test_native_group_matches_members(bits, update, maximize, seeded):
     group = _group(GROUP_SPECS, bits, update, maximize, seeded, pdtype=torch.bfloat16)
     want, got = _clone_group(group), _clone_group(group)
-    backend_torch.momentum_step_group(want)
+    momentum_torch.momentum_step_group(want)
     backend_native.momentum_step_group(got)
     _assert_groups(got, want)
     grads = tuple(g * -0.5 for g in group.grads)  # again, from its cache, with new grads
     want, got = want._replace(grads=grads), got._replace(grads=grads)
     backend_native.momentum_step_group(got)
-    backend_torch.momentum_step_group(want)
+    momentum_torch.momentum_step_group(want)
     _assert_groups(got, want)
 
 
@@ -287,7 +285,7 @@ def test_native_decodes_and_encodes_on_different_codebooks(bits):
     for seed in (None, 11):
         p, g, state, (block, row_len) = _case("rows-short", bits, torch.float32, torch.float32, False, bits)
         state = state._replace(thresholds=contract.midpoints(other), encode=other)
-        want = _step(backend_torch, p, g, state, UPDATE_LINEAR, False, seed, block, row_len)
+        want = _step(momentum_torch, p, g, state, UPDATE_LINEAR, False, seed, block, row_len)
         got = _step(backend_native, p, g, state, UPDATE_LINEAR, False, seed, block, row_len)
         _assert_results(got, want)
 
@@ -329,7 +327,7 @@ def test_triton_matches_reference(bits, layout, dtype, update, seed, maximize, s
 
     p, g, state, (block, row_len) = _case(layout, bits, dtype, dtype, special, bits, DEVICE)
     skip = _nan_direction(p, g, state, update, maximize, block, row_len) if special else None
-    want = _step(backend_torch, p, g, state, update, maximize, seed, block, row_len)
+    want = _step(momentum_torch, p, g, state, update, maximize, seed, block, row_len)
     got = _step(backend_triton, p, g, state, update, maximize, seed, block, row_len)
     _assert_results(got, want, skip)
     if skip is not None and bool(skip.any()):
@@ -344,7 +342,7 @@ def test_triton_group_matches_members(bits, update, maximize, seeded):
 
     group = _group(GROUP_SPECS[:4], bits, update, maximize, seeded, DEVICE, torch.bfloat16)
     want, got = _clone_group(group), _clone_group(group)
-    backend_torch.momentum_step_group(want)
+    momentum_torch.momentum_step_group(want)
     triton_group.momentum_step_group(got)
     _assert_groups(got, want)
 

@@ -1,5 +1,5 @@
 """A quick speed check of the one-state step (SGD / Lion / Muon with 8- or 4-bit state) on the CPU: the C
-kernels (``backend_native.momentum_step``) against the PyTorch reference (``backend_torch.momentum_step``)
+kernels (``backend_native.momentum_step``) against the PyTorch reference (``momentum_torch.momentum_step``)
 and ``torch.optim.SGD(momentum=0.9, foreach=True)`` with its fp32 buffer, on one parameter of ``--n``
 elements (fp32 param and grad). Median wall time (and CPU time of all threads) of ``--rounds`` steps each
 (``--reference-rounds`` for the reference, which is slow), after one warm-up step.
@@ -16,7 +16,7 @@ import time
 import torch
 
 from ckptq.codec import codebooks, policy
-from ckptq.kernels import backend_native, backend_torch, contract
+from ckptq.kernels import backend_native, backend_torch, contract, momentum_torch
 from ckptq.kernels.contract import UPDATE_LINEAR, UPDATE_NONE, UPDATE_SIGN, MomentumFlags, StepState
 
 # (l2, keep, take, c_old, c_new, c_grad, decay, neg_lr)
@@ -83,7 +83,7 @@ def main() -> None:
                 median_ms(lambda: backend_native.momentum_step(p, g, s, h, out, flags), args.rounds))
             if not args.skip_reference and name == "SGD":
                 row(f"{name} {bits}-bit ({rounding}), PyTorch reference",
-                    median_ms(lambda: backend_torch.momentum_step(p, g, s, h, out, flags), args.reference_rounds))
+                    median_ms(lambda: momentum_torch.momentum_step(p, g, s, h, out, flags), args.reference_rounds))
 
 
 if __name__ == "__main__":
