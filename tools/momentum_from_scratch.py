@@ -218,8 +218,14 @@ def family_table(family: str, runs: dict[int, dict[str, list[float]]], state: di
         else:
             each = "yes" if all(abs(x) <= c for x, c in zip(vals, control)) else "no"
             spread = "yes" if max(map(abs, vals)) <= max(control) else "no"
-        rows.append(f"| {v} | " + " | ".join(f"{x:+.2f}%" for x in vals)
-                    + f" | {max(map(abs, vals)):.2f}% | {state[v]:.3f} | {each} | {spread} |")
+        rows.append(f"| {v} | " + " | ".join(f"{x:+.3f}%" for x in vals)
+                    + f" | {max(map(abs, vals)):.3f}% | {state[v]:.3f} | {each} | {spread} |")
+    if "bnb" in rel and "fp32-hb" in rel:  # bitsandbytes SGD8bit runs heavy-ball: its own fp32 reference
+        vals = [100 * rf.window_ratio(runs[s]["bnb"], runs[s]["fp32-hb"], end) for s in seeds]
+        each = "yes" if all(abs(x) <= c for x, c in zip(vals, control)) else "no"
+        spread = "yes" if max(map(abs, vals)) <= max(control) else "no"
+        rows.append("| bnb vs fp32-hb (its own math) | " + " | ".join(f"{x:+.3f}%" for x in vals)
+                    + f" | {max(map(abs, vals)):.3f}% | | {each} | {spread} |")
     fp32 = [statistics.fmean(runs[s]["fp32"][end - rf.LAST_WINDOW:end]) for s in seeds]
     rows.append("| (fp32 last-100 mean loss) | " + " | ".join(f"{x:.4f}" for x in fp32)
                 + f" | | {state['fp32']:.3f} | | |")
@@ -234,7 +240,18 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", help="write every loss curve and state size here (rewritten after each seed)")
+    parser.add_argument("--from-json", nargs="+", metavar="JSON", help="print the tables of earlier --json runs "
+                        "(no training)")
     args = parser.parse_args(argv)
+    if args.from_json:
+        for path in args.from_json:
+            with open(path) as f:
+                saved = json.load(f)
+            print(f"{path}: {saved['args']}")
+            for family, res in saved["results"].items():
+                runs = {int(k): v for k, v in res["runs"].items()}
+                print(f"\n{family_table(family, runs, res['state'], saved['args']['steps'])}\n")
+        return
     args.data, args.warmup = PRESET["data"], PRESET["warmup"]
     if args.steps < rf.LAST_WINDOW:
         parser.error(f"--steps must be at least {rf.LAST_WINDOW}")
