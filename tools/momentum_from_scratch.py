@@ -14,9 +14,11 @@ Families (``--families``) and their variants:
          torch's default lr adjustment) on the blocks' 2-D matrices, AdamW (lr 3e-3, betas (0.9, 0.95), weight
          decay 0.1 on the 2-D embeddings / tied head, 0 on vectors) on the rest.
            fp32         torch.optim.Muon + torch.optim.AdamW
-           noise1       fp32 with 1% relative Gaussian gradient noise (the control)
+           noise1       fp32 with 1% relative Gaussian gradient noise (the control; noise1.1 and noise1.2:
+                        two more draws of it, so that the control is a spread, not one number)
            muon8+adam8  ckptq Muon8bit + ckptq AdamW8bit
            muon8+adam   ckptq Muon8bit + torch AdamW (isolates Muon8bit)
+           muon+adam8   torch Muon + ckptq AdamW8bit (isolates AdamW8bit on the embeddings and vectors)
            muon4+adam   ckptq Muon4bit + torch AdamW (isolates Muon4bit)
   sgd    SGD on every parameter: lr 0.1, momentum 0.9, Nesterov, weight decay 0.
            fp32         torch.optim.SGD
@@ -32,16 +34,19 @@ Families (``--families``) and their variants:
            bnb          bitsandbytes Lion8bit
 
 The control (``noise1``) is resume_fidelity's (``NoisyAdamW``) applied to any optimizer: before each step every
-gradient element is multiplied by 1 + 0.01 N(0, 1) from the run's own generator (seeded seed + 7919), after
-clipping. Its distance from fp32 is what an unbiased perturbation of that size does to the loss; a low-bit run
-whose distance sits within it on every seed is indistinguishable from fp32 at this length.
+gradient element is multiplied by 1 + 0.01 N(0, 1) from the run's own generator (seeded seed + 7919, the k-th
+extra draw ``noise1.k`` seed + 7919 + 1000 k), after clipping. Its distance from fp32 is what an unbiased
+perturbation of that size does to the loss. The verdict columns: a run is "within" on a seed when its |distance|
+is at most the largest |distance| of the noise draws on that seed; "within max" compares its largest |distance|
+over the seeds with the draws' largest over the seeds.
 
 State bytes per parameter: every distinct storage reachable from ``opt.state`` (``bench_optim.state_bytes``),
 after training, over the model's parameters (the tied embedding once).
 
     python tools/momentum_from_scratch.py --threads 2                      # 3 seeds x 3 families x 300 steps
     python tools/momentum_from_scratch.py --threads 1 --families sgd --json /tmp/sgd.json   # one family
-    python tools/momentum_from_scratch.py --families sgd --seeds 0 --steps 100
+    python tools/momentum_from_scratch.py --families muon --variants noise1.1,muon+adam8 --json /tmp/more.json
+    python tools/momentum_from_scratch.py --from-json /tmp/sgd.json /tmp/more.json    # tables, runs merged
 """
 
 from __future__ import annotations
@@ -155,6 +160,7 @@ FAMILIES = {
         "muon8+adam8": lambda m: muon(m, Muon8bit, AdamW8bit),
         "muon8+adam": lambda m: muon(m, Muon8bit, torch.optim.AdamW),
         "muon4+adam": lambda m: muon(m, Muon4bit, torch.optim.AdamW),
+        "muon+adam8": lambda m: muon(m, torch.optim.Muon, AdamW8bit),
     },
     "sgd": {
         "fp32": lambda m: sgd(m, torch.optim.SGD, foreach=True),
@@ -172,14 +178,25 @@ FAMILIES = {
 }
 
 
-def variants(family: str) -> list[str]:
+NOISE_DRAWS = ("noise1", "noise1.1", "noise1.2")
+
+
+def variants(family: str, chosen: str | None = None) -> list[str]:
+    """fp32 first (always), then ``chosen`` (a comma list) or every variant, the noise draws first."""
     names = list(FAMILIES[family])
-    return names[:1] + ["noise1"] + names[1:]
+    every = names[:1] + list(NOISE_DRAWS) + names[1:]
+    if chosen is None:
+        return every
+    unknown = sorted(set(chosen.split(",")) - set(every))
+    if unknown:
+        raise SystemExit(f"unknown {family} variants {unknown}; choose from {', '.join(every)}")
+    return ["fp32"] + [v for v in every[1:] if v in chosen.split(",")]
 
 
 def make(family: str, variant: str, model: torch.nn.Module, seed: int):
-    if variant == "noise1":
-        return Noisy(FAMILIES[family]["fp32"](model), SIGMA, seed)
+    if variant in NOISE_DRAWS:
+        draw = int(variant.partition(".")[2] or 0)
+        return Noisy(FAMILIES[family]["fp32"](model), SIGMA, seed + 1000 * draw)
     return FAMILIES[family][variant](model)
 
 
@@ -188,7 +205,7 @@ def run_seed(args, family: str, seed: int) -> tuple[dict[str, list[float]], dict
     cfg, _ = rf.model_config(args.size)
     data = rf.scratch_data(args, seed)
     curves, state = {}, {}
-    for variant in variants(family):
+    for variant in variants(family, args.variants):
         torch.manual_seed(seed)
         model = mc.GPT(**cfg)
         opt = make(family, variant, model, seed)
@@ -203,17 +220,19 @@ def run_seed(args, family: str, seed: int) -> tuple[dict[str, list[float]], dict
 
 def family_table(family: str, runs: dict[int, dict[str, list[float]]], state: dict[str, float], end: int) -> str:
     """Per variant and seed: last-100 mean loss vs fp32 (%), the largest |.|, the state, and whether it sits within
-    the control's spread: |x| <= |noise1| on every seed (and within max_seeds |noise1|)."""
+    the noise draws' spread: |x| <= max over the draws of |noise| on every seed (and over all seeds)."""
     seeds = sorted(runs)
-    rel = {v: [100 * rf.window_ratio(runs[s][v], runs[s]["fp32"], end) for s in seeds] for v in runs[seeds[0]]}
-    control = [abs(x) for x in rel["noise1"]]
+    names = [v for v in variants(family) if all(v in runs[s] for s in seeds)]
+    rel = {v: [100 * rf.window_ratio(runs[s][v], runs[s]["fp32"], end) for s in seeds] for v in names}
+    draws = [v for v in NOISE_DRAWS if v in rel]
+    control = [max(abs(rel[d][i]) for d in draws) for i in range(len(seeds))]
     head = (f"| {family}: steps {end - rf.LAST_WINDOW + 1}-{end} vs fp32 | " + " | ".join(f"seed {s}" for s in seeds)
-            + " | max abs | state B/param | within noise1, each seed | within max noise1 |")
+            + f" | max abs | state B/param | within noise ({len(draws)} draws), each seed | within max noise |")
     rows = [head, "|---|" + "---:|" * (len(seeds) + 2) + ":---:|:---:|"]
     for v, vals in rel.items():
         if v == "fp32":
             continue
-        if v == "noise1":
+        if v in draws:
             each = spread = "(control)"
         else:
             each = "yes" if all(abs(x) <= c for x, c in zip(vals, control)) else "no"
@@ -232,6 +251,31 @@ def family_table(family: str, runs: dict[int, dict[str, list[float]]], state: di
     return "\n".join(rows)
 
 
+def print_saved(paths: list[str]) -> None:
+    """The tables of ``--json`` files, their runs merged per family and seed (same fp32 curve required: runs of
+    one setting)."""
+    merged: dict = {}
+    steps = set()
+    for path in paths:
+        with open(path) as f:
+            saved = json.load(f)
+        print(f"{path}: {saved['args']}")
+        steps.add(saved["args"]["steps"])
+        for family, res in saved["results"].items():
+            fam = merged.setdefault(family, {"runs": {}, "state": {}})
+            fam["state"].update(res["state"])
+            for seed, curves in res["runs"].items():
+                into = fam["runs"].setdefault(int(seed), {})
+                if "fp32" in into and into["fp32"] != curves["fp32"]:
+                    raise SystemExit(f"{path}: {family} seed {seed}'s fp32 curve differs from an earlier file's")
+                into.update(curves)
+    if len(steps) != 1:
+        raise SystemExit(f"the files have different --steps: {sorted(steps)}")
+    end = steps.pop()
+    for family, res in merged.items():
+        print(f"\n{family_table(family, res['runs'], res['state'], end)}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default="muon,sgd,lion", help="comma list of " + ", ".join(FAMILIES))
@@ -239,18 +283,13 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--variants", help="comma list of variants (fp32 always runs; default: all)")
     parser.add_argument("--json", help="write every loss curve and state size here (rewritten after each seed)")
     parser.add_argument("--from-json", nargs="+", metavar="JSON", help="print the tables of earlier --json runs "
                         "(no training)")
     args = parser.parse_args(argv)
     if args.from_json:
-        for path in args.from_json:
-            with open(path) as f:
-                saved = json.load(f)
-            print(f"{path}: {saved['args']}")
-            for family, res in saved["results"].items():
-                runs = {int(k): v for k, v in res["runs"].items()}
-                print(f"\n{family_table(family, runs, res['state'], saved['args']['steps'])}\n")
+        print_saved(args.from_json)
         return
     args.data, args.warmup = PRESET["data"], PRESET["warmup"]
     if args.steps < rf.LAST_WINDOW:
