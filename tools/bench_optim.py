@@ -14,7 +14,7 @@ Layouts (no weights needed, only shapes):
   llama-1b     Llama-3.2-1B: 146 tensors, 1.24 G parameters (needs ~10 GB per optimizer: GPU)
   flat4        16.8 M parameters in 4 tensors (the old default)
 
-Optimizers (``--only``): torch-fused, torch-foreach, bnb, torchao, torchao4, ckptq (AdamW8bit), ckptq4
+Optimizers (``--only``): torch-fused, torch-foreach, bnb, torchao, torchao4, ckptq (AdamW8bit), ckptq-sr (AdamW8bit rounding="stochastic"), ckptq4
 (AdamW4bit), ckptq-torch (the PyTorch reference backend), ckptq-cap (AdamW8bit capturable=True, eager);
 on CUDA also ckptq-graph and torch-graph: a capturable step captured once in a CUDA graph and replayed.
 
@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-OPTIMIZERS = ("torch-fused", "torch-foreach", "bnb", "torchao", "ckptq", "ckptq4", "torchao4", "ckptq-torch",
+OPTIMIZERS = ("torch-fused", "torch-foreach", "bnb", "torchao", "ckptq", "ckptq4", "torchao4", "ckptq-torch", "ckptq-sr",
               "ckptq-cap", "ckptq-graph", "torch-graph")
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 
@@ -114,6 +114,8 @@ def make_optimizer(name: str, params: list[torch.Tensor]):
 
     if name == "ckptq4":
         return AdamW4bit(params, **HYPER)
+    if name == "ckptq-sr":
+        return AdamW8bit(params, **HYPER, rounding="stochastic")
     if name in ("ckptq-cap", "ckptq-graph"):
         opt = AdamW8bit(params, **HYPER, capturable=True)
         return GraphedStep(opt) if name == "ckptq-graph" else opt
@@ -125,6 +127,7 @@ def label(name: str, gpu: bool) -> str:
     return {"torch-foreach": "torch AdamW foreach", "torch-fused": "torch AdamW fused",
             "bnb": "bitsandbytes AdamW8bit", "torchao": "torchao AdamW8bit", "torchao4": "torchao AdamW4bit",
             "ckptq": f"ckptq AdamW8bit ({kernel})", "ckptq4": f"ckptq AdamW4bit ({kernel})",
+            "ckptq-sr": f"ckptq AdamW8bit rounding=stochastic ({kernel})",
             "ckptq-torch": "ckptq AdamW8bit (PyTorch reference)", "ckptq-cap": f"ckptq AdamW8bit capturable ({kernel})",
             "ckptq-graph": "ckptq AdamW8bit capturable, CUDA graph", "torch-graph": "torch AdamW fused capturable, CUDA graph"}[name]
 
