@@ -1174,7 +1174,7 @@ static inline __attribute__((always_inline)) uint32_t momentum_values(
 }
 
 /* The one-state step on blocks [b0, b1) of one member (grad g, out NULL or fp32 [n], hyper row h, seed
- * NULL: to nearest). Operation order as backend_torch._momentum_span. */
+ * NULL: to nearest). Operation order as momentum_torch._momentum_span. */
 static inline __attribute__((always_inline)) void momentum_blocks_of(
         const momentum_config_t *c, const member_t *mem, const void *g, float *out, const float *h,
         const int64_t *seed, int64_t b0, int64_t b1, int bits, int maximize, int update) {

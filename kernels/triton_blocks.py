@@ -261,7 +261,7 @@ def momentum_tile(p_ptr, g_ptr, out_ptr, codes_ptr, absmax_ptr, qmap_ptr, tree_p
                   l2, keep, take, c_old, c_new, c_grad, decay, neg_lr, seed, first, count, row_len,
                   BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, MAXIMIZE: tl.constexpr,
                   UPDATE: tl.constexpr, HAS_OUT: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr):
-    # One tile of the one-state step (contract.MOMENTUM_FIELDS; backend_torch._momentum_span in the same
+    # One tile of the one-state step (contract.MOMENTUM_FIELDS; momentum_torch._momentum_span in the same
     # op order): blocks first .. first + count - 1 of a param in rows of row_len. p_ptr (updated in place
     # unless UPDATE is 0, UPDATE_NONE), g_ptr; out_ptr: fp32 d (written only when HAS_OUT); the state's
     # codes and scales, its decode map, the search tree of its encode map's midpoints and the encode map;
