@@ -187,9 +187,10 @@ def variants(family: str, chosen: str | None = None) -> list[str]:
     every = names[:1] + list(NOISE_DRAWS) + names[1:]
     if chosen is None:
         return every
-    unknown = sorted(set(chosen.split(",")) - set(every))
+    known = set(NOISE_DRAWS).union(*(FAMILIES[f] for f in FAMILIES))  # a name of another family: not this one's
+    unknown = sorted(set(chosen.split(",")) - known)
     if unknown:
-        raise SystemExit(f"unknown {family} variants {unknown}; choose from {', '.join(every)}")
+        raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(sorted(known))}")
     return ["fp32"] + [v for v in every[1:] if v in chosen.split(",")]
 
 
@@ -225,7 +226,7 @@ def family_table(family: str, runs: dict[int, dict[str, list[float]]], state: di
     names = [v for v in variants(family) if all(v in runs[s] for s in seeds)]
     rel = {v: [100 * rf.window_ratio(runs[s][v], runs[s]["fp32"], end) for s in seeds] for v in names}
     draws = [v for v in NOISE_DRAWS if v in rel]
-    control = [max(abs(rel[d][i]) for d in draws) for i in range(len(seeds))]
+    control = [max(abs(rel[d][i]) for d in draws) for i in range(len(seeds))] if draws else None
     head = (f"| {family}: steps {end - rf.LAST_WINDOW + 1}-{end} vs fp32 | " + " | ".join(f"seed {s}" for s in seeds)
             + f" | max abs | state B/param | within noise ({len(draws)} draws), each seed | within max noise |")
     rows = [head, "|---|" + "---:|" * (len(seeds) + 2) + ":---:|:---:|"]
@@ -234,6 +235,8 @@ def family_table(family: str, runs: dict[int, dict[str, list[float]]], state: di
             continue
         if v in draws:
             each = spread = "(control)"
+        elif control is None:
+            each = spread = "(no control run)"
         else:
             each = "yes" if all(abs(x) <= c for x, c in zip(vals, control)) else "no"
             spread = "yes" if max(map(abs, vals)) <= max(control) else "no"
@@ -241,8 +244,10 @@ def family_table(family: str, runs: dict[int, dict[str, list[float]]], state: di
                     + f" | {max(map(abs, vals)):.3f}% | {state[v]:.3f} | {each} | {spread} |")
     if "bnb" in rel and "fp32-hb" in rel:  # bitsandbytes SGD8bit runs heavy-ball: its own fp32 reference
         vals = [100 * rf.window_ratio(runs[s]["bnb"], runs[s]["fp32-hb"], end) for s in seeds]
-        each = "yes" if all(abs(x) <= c for x, c in zip(vals, control)) else "no"
-        spread = "yes" if max(map(abs, vals)) <= max(control) else "no"
+        each = spread = "(no control run)"
+        if control is not None:
+            each = "yes" if all(abs(x) <= c for x, c in zip(vals, control)) else "no"
+            spread = "yes" if max(map(abs, vals)) <= max(control) else "no"
         rows.append("| bnb vs fp32-hb (its own math) | " + " | ".join(f"{x:+.3f}%" for x in vals)
                     + f" | {max(map(abs, vals)):.3f}% | | {each} | {spread} |")
     fp32 = [statistics.fmean(runs[s]["fp32"][end - rf.LAST_WINDOW:end]) for s in seeds]
