@@ -108,12 +108,12 @@ def dense_group(group: DenseGroup, backend: str = "auto") -> None:
 
 def check_momentum_group(group: contract.MomentumGroup) -> None:
     """``check_group`` for a one-state group: one codes/scales pair per member, one codebook."""
-    as_step = contract.StepGroup(group.members, (), torch.empty(0, 10), None, (group.codebooks,) * 2,
-                                 (group.bits,) * 2, group.block_size, False, group.maximize, {})
-    doubled = tuple(m._replace(codes=m.codes * 2, absmax=m.absmax * 2) for m in group.members)
     if any(len(m.codes) != 1 or len(m.absmax) != 1 for m in group.members):
         raise UsageError("a one-state step group takes one codes/scales pair per member")
-    check_group(as_step._replace(members=doubled))
+    # the Adam group's checks, with the one state standing in for both moments
+    doubled = tuple(m._replace(codes=m.codes * 2, absmax=m.absmax * 2) for m in group.members)
+    check_group(contract.StepGroup(doubled, (), torch.empty(0, 10), None, (group.codebooks,) * 2, (group.bits,) * 2,
+                                   group.block_size, False, group.maximize, {}))
 
 
 def momentum_group(group: contract.MomentumGroup, backend: str = "auto") -> None:

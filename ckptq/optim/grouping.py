@@ -174,7 +174,7 @@ class StepPlan:
             if m.flat is None:
                 self.single.append(m)
             elif isinstance(m.state.get("exp_avg"), dict):
-                key = _quantized_key(m, amsgrad, maximize, capturable, getattr(opt, "rounding", "auto"))
+                key = _quantized_key(m, amsgrad, maximize, capturable, opt.rounding)
                 quantized.setdefault(key, []).append(m)
             else:
                 keys = policy.MOMENT_KEYS[: 3 if amsgrad else 2]
@@ -201,7 +201,7 @@ class StepPlan:
             if p is not m.param:
                 p.grad = torch.view_as_real(m.param.grad)
             adam.step_param(p, m.state, group, self.decoupled, self.backend, salt=m.index,
-                            rounding=getattr(opt, "rounding", "auto"))
+                            rounding=opt.rounding)
         if self.capturable and opt._step_plan is None:
             opt._step_plan_now()
 

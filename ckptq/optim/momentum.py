@@ -73,7 +73,7 @@ class _OneState(LowBitOptimizer):
     # state
 
     def _state_changed(self) -> None:
-        self._members = {}
+        self._members, self._groups = {}, {}
 
     def quantized(self, p: torch.Tensor) -> bool:
         """Low-bit state from ``min_size`` elements; a DTensor's where its rows follow its shards."""
@@ -90,8 +90,9 @@ class _OneState(LowBitOptimizer):
         zeros = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         return {"step": torch.tensor(0.0), self.state_key: self.quantize(zeros) if self.quantized(p) else zeros}
 
-    def _member(self, index: int, p: torch.Tensor) -> contract.GroupMember:
-        """The kernels' view of a quantized parameter (kept until the state changes)."""
+    def _member(self, index: int, p: torch.Tensor) -> tuple:
+        """(the kernels' view of a quantized parameter, its QState, its codebook's bytes), kept until the state
+        changes."""
         key = id(p)
         if key not in self._members:
             q = QState.from_dict(dtensor.unplace(self.state[p][self.state_key]))
@@ -100,7 +101,7 @@ class _OneState(LowBitOptimizer):
                 raise UsageError(f"parameter {index} of {type(self).__name__} is not contiguous; make it contiguous "
                                  "(the step updates it in place)")
             self._members[key] = (contract.GroupMember(flat.view(-1), (q.codes.view(-1),), (q.absmax.view(-1),),
-                                                       q.row_len), q)
+                                                       q.row_len), q, _codebook(q.qmap))
         return self._members[key]
 
     # the step
@@ -133,38 +134,51 @@ class _OneState(LowBitOptimizer):
         dense = []
         for i, p in active:
             if qstate.is_qstate(self.state[p][self.state_key]):
-                member, q = self._member(i, p)
-                key = (member.p.device, member.p.dtype, p.grad.dtype, q.bits, q.block_size, _codebook(q.qmap))
+                member, q, codebook = self._member(i, p)
+                key = (member.p.device, member.p.dtype, p.grad.dtype, q.bits, q.block_size, codebook)
                 buckets.setdefault(key, []).append((i, p, member, q))
             else:
                 dense.append(p)
         directions = {}
-        for members in buckets.values():
-            directions.update(self._step_quantized(group, members, fresh))
+        for key, members in buckets.items():
+            directions.update(self._step_quantized(group, key, members, fresh))
         for p in dense:
             directions[id(p)] = self._step_dense(group, p, id(p) in fresh)
         if self.update == contract.UPDATE_NONE:
             params = [p for _, p in active]
             self._apply(group, params, [directions[id(p)] for p in params])
 
-    def _step_quantized(self, group: dict, members: list, fresh: set) -> dict:
-        q0 = members[0][3]
-        encode = q0.qmap.to(members[0][2].p.device, torch.float32)
-        codebooks = contract.StepCodebooks(encode, contract.midpoints(encode).contiguous(), encode)
+    def _kernel_group(self, group: dict, key: tuple, members: list) -> contract.MomentumGroup:
+        """The members' group as the kernels take it, without this step's gradients and scalars: built and checked
+        once (``grouped.check_momentum_group``), then kept with its codebooks and the backend's cache (pointer
+        tables, launch plans) until the state or the set of parameters with gradients changes."""
+        maximize = bool(group.get("maximize", False))
+        ids = (key, maximize, tuple(id(p) for _, p, _, _ in members))
+        if ids not in self._groups:
+            q0 = members[0][3]
+            encode = q0.qmap.to(members[0][2].p.device, torch.float32).contiguous()
+            codebooks = contract.StepCodebooks(encode, contract.midpoints(encode).contiguous(), encode)
+            kernel_group = contract.MomentumGroup(tuple(m for _, _, m, _ in members), (), (),
+                                                  torch.empty(0, len(contract.MOMENTUM_FIELDS)), None, codebooks,
+                                                  q0.bits, q0.block_size, maximize, self.update, {})
+            grouped.check_momentum_group(kernel_group)
+            self._groups[ids] = kernel_group
+        return self._groups[ids]
+
+    def _step_quantized(self, group: dict, key: tuple, members: list, fresh: set) -> dict:
+        kernel_group = self._kernel_group(group, key, members)
         rows = [self._coefficients(group, id(p) in fresh) for _, p, _, _ in members]
         seeds = None
-        if optim_args.stochastic(self.rounding, q0.bits):
+        if optim_args.stochastic(self.rounding, kernel_group.bits):
             seeds = torch.tensor([ops.step_seed(int(self.state[p]["step"]), i) for i, p, _, _ in members])
         grads = tuple(_flat_grad(p) for _, p, _, _ in members)
         outs = ()
         if self.update == contract.UPDATE_NONE:
-            buffer = torch.empty(sum(m.p.numel() for _, _, m, _ in members), dtype=torch.float32,
-                                 device=members[0][2].p.device)
-            outs = tuple(buffer.split([m.p.numel() for _, _, m, _ in members]))
-        group_ = contract.MomentumGroup(tuple(m for _, _, m, _ in members), grads, outs,
-                                        torch.tensor(rows, dtype=torch.float32), seeds, codebooks, q0.bits,
-                                        q0.block_size, bool(group.get("maximize", False)), self.update, {})
-        grouped.momentum_group(group_, self.backend)
+            sizes = [m.p.numel() for m in kernel_group.members]
+            outs = tuple(torch.empty(sum(sizes), dtype=torch.float32, device=kernel_group.members[0].p.device)
+                         .split(sizes))
+        grouped.momentum_group(kernel_group._replace(grads=grads, outs=outs, seeds=seeds,
+                                                     hyper=torch.tensor(rows, dtype=torch.float32)), self.backend)
         return {id(p): out for (_, p, _, _), out in zip(members, outs)}
 
     def _step_dense(self, group: dict, p: torch.Tensor, fresh: bool):
