@@ -170,6 +170,16 @@ def cast_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def param_and_gradient(p_ptr, g_ptr, offs, mask, l2, MAXIMIZE: tl.constexpr):
+    # Both steps' first lines (contract): p and g of a tile in fp32, g' = (maximize ? -g : g) + l2 * p.
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    return p, g + l2 * p
+
+
+@triton.jit
 def adam_tile(p_ptr, g_ptr, m_codes, m_absmax, v_codes, v_absmax, x_codes, x_absmax,
               m_qmap, m_tree, m_enc, v_qmap, v_tree, v_enc, x_qmap, x_tree, x_enc,
               decay, l2, omb1, beta2, omb2, eps, neg_step, bc2_sqrt, dec_eps, enc_eps, seed,
@@ -184,11 +194,7 @@ def adam_tile(p_ptr, g_ptr, m_codes, m_absmax, v_codes, v_absmax, x_codes, x_abs
     # the fp32 scalars of contract.HYPER_FIELDS; seed: uint32 (read only when STOCHASTIC). ALIGNED: row_len
     # is a multiple of 16 (and the pointers 16-byte aligned).
     b, bmask, r, col0, offs, mask = geometry(first, count, row_len, BLOCK, ROWS)
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
-    g = g + l2 * p
+    p, g = param_and_gradient(p_ptr, g_ptr, offs, mask, l2, MAXIMIZE)
     s = decode(v_codes, v_absmax, v_qmap, b, bmask, r, col0, mask, row_len, BLOCK, V_BITS, ALIGNED)  # sqrt(v) as stored
     m = decode(m_codes, m_absmax, m_qmap, b, bmask, r, col0, mask, row_len, BLOCK, M_BITS, ALIGNED)
     if M_RATIO:
@@ -267,11 +273,7 @@ def momentum_tile(p_ptr, g_ptr, out_ptr, codes_ptr, absmax_ptr, qmap_ptr, tree_p
     # codes and scales, its decode map, the search tree of its encode map's midpoints and the encode map;
     # the fp32 scalars; seed: uint32 (read only when STOCHASTIC: u from the hash's high half).
     b, bmask, r, col0, offs, mask = geometry(first, count, row_len, BLOCK, ROWS)
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
-    g = g + l2 * p
+    p, g = param_and_gradient(p_ptr, g_ptr, offs, mask, l2, MAXIMIZE)
     m = decode(codes_ptr, absmax_ptr, qmap_ptr, b, bmask, r, col0, mask, row_len, BLOCK, BITS, ALIGNED)
     m_new = m * keep + take * g
     d = (m * c_old + m_new * c_new) + g * c_grad

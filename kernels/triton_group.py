@@ -213,27 +213,37 @@ def _common(members_table: list, sizes: list[int], aligned: list[bool], per_prog
             "hyper": torch.empty(len(sizes), 10, dtype=torch.float32, device=device)}
 
 
-def _step_cache(group: StepGroup) -> dict:
-    """What the launch needs from the members alone, built once per group."""
-    cache = group.cache.get(_KEY)
-    if cache is not None:
-        return cache
+def _members_cache(group, pointers, aligned_at: tuple) -> dict:
+    """What every grouped launch needs from its members alone: the member table (``pointers(m)``, then the row
+    length), its chunks and launches, the tile shape, and room for the seeds; a row is aligned where its
+    columns ``aligned_at`` (the param, the codes and the row length) are multiples of 16."""
     table, blocks, longest = [], [], 1
     for m in group.members:
         n = m.p.numel()
         rows, row_len = layout_rows(n, None if is_flat(n, m.row_len, group.block_size) else m.row_len)
-        pairs = tuple(zip(m.codes, m.absmax))
-        pairs += (pairs[1],) * (3 - len(pairs))  # without amsgrad: exp_avg_sq's (never read)
-        table.append([m.p.data_ptr(), *(t.data_ptr() for pair in pairs for t in pair), row_len or 16])
+        table.append([*pointers(m), row_len or 16])
         blocks.append((rows, row_len))
         longest = max(longest, row_len)
     block, per_program, warps = tb.tile_shape(group.block_size, longest)
-    aligned = [all(row[k] % 16 == 0 for k in (0, 1, 3, 5, 7)) for row in table]  # p, codes, row_len
+    aligned = [all(row[k] % 16 == 0 for k in aligned_at) for row in table]
     cache = _common(table, [rows * num_blocks(length, block) for rows, length in blocks], aligned, per_program,
                     group.members[0].p.device)
     cache.update(block=block, per_program=per_program, warps=warps, like=_largest(m.p for m in group.members),
                  seeds=torch.empty(len(table), dtype=torch.int64, device=cache["device"]))
-    group.cache[_KEY] = cache
+    return cache
+
+
+def _adam_pointers(m) -> list:
+    pairs = tuple(zip(m.codes, m.absmax))
+    pairs += (pairs[1],) * (3 - len(pairs))  # without amsgrad: exp_avg_sq's (never read)
+    return [m.p.data_ptr(), *(t.data_ptr() for pair in pairs for t in pair)]
+
+
+def _step_cache(group: StepGroup) -> dict:
+    """What the launch needs from the members alone, built once per group."""
+    cache = group.cache.get(_KEY)
+    if cache is None:
+        cache = group.cache[_KEY] = _members_cache(group, _adam_pointers, (0, 1, 3, 5, 7))  # p, codes, row_len
     return cache
 
 
@@ -342,22 +352,11 @@ def _momentum_cache(group: MomentumGroup) -> dict:
     cache = group.cache.get(_KEY)
     if cache is not None:
         return cache
-    table, blocks, longest = [], [], 1
-    for m in group.members:
-        n = m.p.numel()
-        rows, row_len = layout_rows(n, None if is_flat(n, m.row_len, group.block_size) else m.row_len)
-        table.append([m.p.data_ptr(), m.codes[0].data_ptr(), m.absmax[0].data_ptr(), 0, 0, 0, 0, row_len or 16])
-        blocks.append((rows, row_len))
-        longest = max(longest, row_len)
-    block, per_program, warps = tb.tile_shape(group.block_size, longest)
-    aligned = [all(row[k] % 16 == 0 for k in (0, 1, 7)) for row in table]  # p, codes, row_len
-    cache = _common(table, [rows * num_blocks(length, block) for rows, length in blocks], aligned, per_program,
-                    group.members[0].p.device)
-    device = cache["device"]
-    cache.update(block=block, per_program=per_program, warps=warps, like=_largest(m.p for m in group.members),
-                 seeds=torch.empty(len(table), dtype=torch.int64, device=device),
-                 hyper=torch.empty(len(table), 8, dtype=torch.float32, device=device),
-                 outs=torch.zeros(len(table), dtype=torch.int64, device=device), out_key=None, outs_aligned=True)
+    pointers = lambda m: [m.p.data_ptr(), m.codes[0].data_ptr(), m.absmax[0].data_ptr(), 0, 0, 0, 0]  # noqa: E731
+    cache = _members_cache(group, pointers, (0, 1, 7))  # p, codes, row_len
+    device, n = cache["device"], len(group.members)
+    cache.update(hyper=torch.empty(n, 8, dtype=torch.float32, device=device),
+                 outs=torch.zeros(n, dtype=torch.int64, device=device), out_key=None, outs_aligned=True)
     group.cache[_KEY] = cache
     return cache
 
