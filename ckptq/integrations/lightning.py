@@ -36,10 +36,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ._requires import framework_missing
+
 try:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 except ImportError as e:
-    raise ImportError(f"ckptq.integrations.lightning needs Lightning ({e}); pip install lightning") from e
+    raise framework_missing("ckptq.integrations.lightning", "Lightning", "lightning", e) from e
 
 from ..codec import foreign, policy, quant, signpost
 from ..codec.checkpoint import is_optimizer_state, iter_tensors

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 
+from ._requires import framework_missing
 from .lightning import store_8bit_in_fabric
 
 
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         from litgpt.__main__ import main as litgpt_main
     except ImportError as e:
-        raise SystemExit(f"ckptq.integrations.litgpt needs litgpt ({e}); pip install litgpt") from None
+        raise SystemExit(str(framework_missing("ckptq.integrations.litgpt", "litgpt", "litgpt", e))) from None
     store_8bit_in_fabric()
     sys.argv = ["litgpt", *(sys.argv[1:] if argv is None else argv)]
     litgpt_main()

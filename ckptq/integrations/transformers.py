@@ -35,12 +35,14 @@ import os
 
 import torch
 
+from ._requires import framework_missing
+
 try:
     from transformers import Trainer
     from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
     from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 except ImportError as e:
-    raise ImportError(f"ckptq.integrations.transformers needs transformers ({e}); pip install transformers") from e
+    raise framework_missing("ckptq.integrations.transformers", "transformers", "transformers", e) from e
 
 from ..sources import api
 from ..codec import signpost
