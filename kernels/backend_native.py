@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from . import cpu_runtime, lut, memo, native
+from . import cpu_runtime, legacy_groups, lut, memo, native
 from .contract import (KERNEL_DTYPES, DenseGroup, GroupMember, MomentumFlags, MomentumGroup, StepCodebooks, StepFlags,
                        StepGroup, StepState, layout_blocks, layout_rows)
 
@@ -321,3 +321,32 @@ def momentum_step(p, g, state: StepState, h, out, flags: MomentumFlags) -> None:
     seeds = None if flags.seed is None else np.array([flags.seed], dtype=np.int64)
     h = _host(h, torch.float32)
     _run(plan, (None if outs is None else outs.ctypes.data, h.data_ptr(), None if seeds is None else seeds.ctypes.data))
+
+
+# The one step (contract.Group / Dense, ckptq.kernels.registry): the rules the kernels above implement.
+
+def _takes(members, grads, thresholds) -> bool:
+    dtypes = {m.p.dtype for m in members} | {g.dtype for g in grads}
+    return available() and dtypes <= set(KERNEL_DTYPES) and all(map(usable, thresholds))
+
+
+def accepts_step(group) -> bool:
+    legacy = legacy_groups.adam_group(group) or legacy_groups.momentum_group(group)
+    return legacy is not None and _takes(group.members, group.grads, [s.thresholds for s in group.slots])
+
+
+def step(group) -> None:
+    legacy = legacy_groups.adam_group(group)
+    if legacy is not None:
+        adam_step_group(legacy)
+    else:
+        momentum_step_group(legacy_groups.momentum_group(group))
+
+
+def accepts_dense(group) -> bool:
+    return legacy_groups.adam_dense(group) is not None and available() and \
+        {p.dtype for p in group.params} | {g.dtype for g in group.grads} <= set(KERNEL_DTYPES)
+
+
+def dense(group) -> None:
+    adam_dense_group(legacy_groups.adam_dense(group))

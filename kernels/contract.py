@@ -206,6 +206,72 @@ def member_steps(group: StepGroup):
         yield m.p, g, states, group.hyper[i], StepFlags(group.block_size, group.ratio, group.maximize, seed, m.row_len)
 
 
+# ---- The one step of every optimizer (``rules``): k low-bit states, a parameter, its gradient, a rule ----
+#
+# Per element: decode each state slot (qmap[code] * absmax of its block, then its transform: ``SQRT`` squares
+# the stored value, ``RATIO`` multiplies it by (its divisor slot's stored value + decode_eps)), apply the
+# rule (``rules.RULES[group.rule].math``), encode each slot's new value (``SQRT``: its IEEE square root;
+# ``RATIO``: value / (the divisor's new stored value + encode_eps)), requantize per block: a new scale from
+# the block's largest magnitude, codes to nearest or, for seeded slots of a group with seeds, stochastically.
+# Slot j's uniform: the high half of h = mix32(i mod 2**32 XOR seed) for j = 0, the low half for j = 1, the
+# high half of mix32(h) for j = 2 (the Adam step's two moments keep the draws they always had).
+NONE, SQRT, RATIO = 0, 1, 2  # slot transforms (the C kernels' values)
+TRANSFORM_NAMES = {"none": NONE, "sqrt": SQRT, "ratio": RATIO}
+
+
+class Slot(NamedTuple):
+    """One low-bit state of a ``Group``, as all its members store it (codebooks fp32, on their device)."""
+
+    qmap: torch.Tensor  # [2**bits]: the codebook the stored codes refer to
+    thresholds: torch.Tensor  # [2**bits - 1]: midpoints of ``encode``
+    encode: torch.Tensor  # [2**bits]: the codebook the new codes are written with
+    bits: int
+    decode: int = NONE  # the stored codes' transform
+    encode_as: int = NONE  # the new codes' transform (a plain first moment of an old file becomes a ratio)
+    divisor: int = -1  # RATIO: the slot (a SQRT one) whose stored value it is relative to
+    seeded: bool = True  # rounds stochastically when the group has seeds (Adam's max_exp_avg_sq: never)
+
+
+class Group(NamedTuple):
+    """Parameters stepped in one call by one rule: one device, param dtype, grad dtype, block size, set of
+    slots (code widths, codebooks, transforms) and flag word. Per member: its row of ``hyper``, its seed, and
+    (rules that write a direction) its ``out``. ``cache``: as ``StepGroup``'s."""
+
+    rule: str  # a ``rules.RULES`` key
+    flags: int  # ``rules.MAXIMIZE`` | the rule's switches
+    members: tuple  # GroupMember, one codes/absmax pair per slot
+    grads: tuple  # [n] per member
+    outs: tuple  # fp32 [n] per member where the rule writes its direction (``rules.writes_direction``), else ()
+    hyper: torch.Tensor  # fp32 [len(members), len(rule.fields)], on the host or on the group's device
+    seeds: torch.Tensor | None  # int64 [len(members)] in [0, 2**32); None: every slot to nearest
+    slots: tuple  # Slot
+    block_size: int
+    cache: dict
+
+
+class Dense(NamedTuple):
+    """Parameters whose states are plain fp32 tensors, stepped in one call by one rule (the same math, no
+    codec): one device, param dtype, grad dtype, flag word."""
+
+    rule: str
+    flags: int
+    params: tuple  # [n] each, updated in place (unless the rule writes a direction)
+    grads: tuple
+    states: tuple  # per member: fp32 [n] per state slot, updated in place
+    outs: tuple
+    hyper: torch.Tensor  # fp32 [len(params), len(rule.fields)]
+    cache: dict
+
+
+def slot_uniforms(h, slot: int):
+    """Slot ``slot``'s stochastic rounding uniforms from the hashes h (int64 tensor in [0, 2**32)): fp32 in
+    [0, 1), 16 bits of probability (see above)."""
+    if slot == 2:
+        h = mix32(h)
+    half = (h >> 16) if slot != 1 else (h & 0xFFFF)
+    return half.to(torch.float32) * 2.0**-16
+
+
 MIX32 = (0x7FEB352D, 0x846CA68B)  # the multipliers of mix32
 
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import memo
+from . import legacy_groups, memo
 from . import triton_blocks as tb
 from .contract import DenseGroup, MomentumGroup, StepGroup, is_flat, layout_rows, num_blocks
 
@@ -395,3 +395,25 @@ def momentum_step_group(group: MomentumGroup) -> None:
             UPDATE=group.update, HAS_OUT=has_out, STOCHASTIC=group.seeds is not None,
             ALIGNED=aligned and cache["grads_aligned"] and (not has_out or cache["outs_aligned"]),
             num_warps=cache["warps"], enable_fp_fusion=False)
+
+
+# The one step (contract.Group / Dense, ckptq.kernels.registry): the rules the kernels above implement.
+
+def accepts_step(group) -> bool:
+    return legacy_groups.adam_group(group) is not None or legacy_groups.momentum_group(group) is not None
+
+
+def step(group) -> None:
+    legacy = legacy_groups.adam_group(group)
+    if legacy is not None:
+        adam_step_group(legacy)
+    else:
+        momentum_step_group(legacy_groups.momentum_group(group))
+
+
+def accepts_dense(group) -> bool:
+    return legacy_groups.adam_dense(group) is not None
+
+
+def dense(group) -> None:
+    adam_dense_group(legacy_groups.adam_dense(group))

@@ -18,6 +18,7 @@ import ckptq
 import ckptq.kernels
 from ckptq.codec import ops, policy, quant, scalar_math
 from ckptq.kernels import backend_native
+from ckptq.kernels import rules
 from ckptq.optim import Adam8bit, AdamW4bit, AdamW8bit, adam, scalars
 
 CASES = [(AdamW8bit, {}), (AdamW4bit, {}), (Adam8bit, dict(amsgrad=True, maximize=True))]
@@ -99,14 +100,15 @@ def test_a_capturable_state_dict_resumes_anywhere_bit_for_bit():
 
 
 def test_device_scalars_equal_the_host_scalars_over_many_steps():
-    """20,000 steps of several betas, both weight-decay kinds, two param groups: every hyper field, eps'
-    (float64, as the state dict exports it) and every seed as the host computes them."""
+    """20,000 steps of several betas, both weight-decay kinds: every hyper field and eps' (float64, as the
+    state dict exports it) as the host computes them, and the fp32 rows the kernels read."""
     x = scalar_math.DeviceMath("cpu")
     steps = torch.arange(1, 20001, dtype=torch.float64)
     for beta1, beta2, lr, wd in ((0.9, 0.999, 1e-3, 0.1), (0.95, 0.9999, 3e-4, 0.0), (0.8, 0.99, 0.1, 1e-2)):
         for decoupled in (True, False):
-            *fields, enc = adam.rule(decoupled).formula(x, lr, beta1, beta2, 1e-8, wd, steps)
-            fields = [torch.as_tensor(f, dtype=torch.float64).expand(len(steps)) for f in fields]
+            named = adam.adam_fields(x, lr, beta1, beta2, 1e-8, wd, steps, decoupled)
+            fields = [torch.as_tensor(named[k], dtype=torch.float64).expand(len(steps)) for k in rules.ADAM_FIELDS[:8]]
+            enc = named["encode_eps"]
             for i in range(0, len(steps), 997):  # the host loop is slow: every 997th step, and the last ones
                 host = adam.hyper_values(lr, beta1, beta2, 1e-8, wd, i + 1, decoupled)
                 assert [float(f[i]) for f in fields] == list(host), (beta1, beta2, i + 1)
@@ -183,15 +185,15 @@ def test_steady_steps_read_nothing_back_to_the_host(backend, capturable, start):
     with host_reads() as seen:
         _run(AdamW4bit, params, groups, 4, start=2, opt=opt)  # steps 2..5 (the lr schedule's floats change)
     # capturable=False: the step counts, one tolist per step (docs/optimizers.md)
-    assert dict(seen) == ({} if capturable else {f"tolist at grouping.py:{_TOLIST_LINE}": 4})
+    assert dict(seen) == ({} if capturable else {f"tolist at plan.py:{_TOLIST_LINE}": 4})
 
 
 def _tolist_line() -> int:
     import inspect
 
-    from ckptq.optim import grouping
+    from ckptq.optim import plan
 
-    lines, first = inspect.getsourcelines(grouping.StepPlan.step)
+    lines, first = inspect.getsourcelines(plan.StepPlan.step)
     return first + next(i for i, line in enumerate(lines) if ".tolist()" in line)
 
 

@@ -561,7 +561,7 @@ def test_adamw4bit_resumes_from_fp32_and_converted_4bit_dcp_folders(tmp_path, sh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     import ckptq.dcp
-    from ckptq.optim import AdamW4bit
+    from ckptq.optim import AdamW4bit, spec
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -593,7 +593,8 @@ def test_adamw4bit_resumes_from_fp32_and_converted_4bit_dcp_folders(tmp_path, sh
             assert isinstance(state["exp_avg"]["codes"], DTensor) == sharded
             moments = {k: distribute_tensor(v, mesh, [Shard(0)]) if sharded else v
                        for k, v in dense["optim"]["state"][str(i)].items() if k != "step"}
-            want = opt._quantize_moments(moments, opt.param_groups[0], 3.0)  # what the folder's values give
+            want = spec.quantize_states(moments, opt.STATES[:2], opt._ratio_eps(opt.param_groups[0], 3.0), opt.block_size,
+                                        opt.bits)  # what the folder's values give
             for k, q in want.items():
                 codes = state[k]["codes"].full_tensor() if sharded else state[k]["codes"]
                 assert torch.equal(codes, q["codes"].full_tensor() if sharded else q["codes"]), k

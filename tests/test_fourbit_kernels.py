@@ -266,6 +266,7 @@ def _stepped(bits: int, backend: str, seed: int, device: str):
     from test_kernels_adam import _clone  # the Triton step test's helpers
 
     from ckptq.optim import adam
+    from test_kernels_adam import step_quantized
     gen = torch.Generator().manual_seed(bits + seed % 97)
     n, block = 1000, 128
     p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
@@ -275,7 +276,7 @@ def _stepped(bits: int, backend: str, seed: int, device: str):
     states = [{k: t.to(device) if torch.is_tensor(t) else t for k, t in _clone(q).items()} for q in states]
     p, g = p.to(device), g.to(device)
     hyper = adam.hyper_tensor(1e-2, 0.9, 0.999, 1e-8, 0.1, 3, True, device)
-    adam.step_quantized(p, g, *states, None, hyper, ratio_eps=policy.ratio_eps(1e-8, 0.999, 3), backend=backend,
+    step_quantized(p, g, *states, None, hyper, ratio_eps=policy.ratio_eps(1e-8, 0.999, 3), backend=backend,
                         seed=seed)
     return p.cpu(), [(q["codes"].cpu(), q["absmax"].cpu()) for q in states]
 

@@ -42,7 +42,7 @@ def test_trainer_checkpoints_of_a_one_state_optimizer_resume_exactly(tmp_path, n
     first.train()
     ckpt = tmp_path / "a" / f"checkpoint-{SAVE}"
     saved = torch.load(ckpt / "optimizer.pt", weights_only=True)
-    key = custom[0].state_key
+    key = custom[0].STATES[0].key
     assert any(isinstance(s.get(key), dict) and s[key]["codes"].dtype == torch.uint8 for s in saved["state"].values())
     for trainer in (CkptqTrainer, transformers.Trainer):
         resumed = make_trainer(str(tmp_path / trainer.__name__), custom, trainer=trainer)

@@ -16,11 +16,28 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from ckptq.optim import adam
-from ckptq.codec import policy, quant  # noqa: E402
+from ckptq.codec import ops, policy, quant  # noqa: E402
+from ckptq.codec.qstate import QState  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Irregular sizes around block boundaries (small: the interpreter is slow).
 CASES = [(1, 64), (63, 64), (65, 64), (1000, 256), (257, 256), (300, 128), (4097, 4096)]
+
+
+def step_quantized(param, grad, exp_avg: dict, exp_avg_sq: dict, max_exp_avg_sq: dict | None, hyper, *, ratio_eps: float,
+                   maximize: bool = False, backend: str = "auto", seed: int | None = None) -> None:
+    """One low-bit Adam(W) step of one parameter's qstate dicts through ``ops.adam8bit_step`` (what the
+    optimizer's grouped step equals per member): exp_avg plain or a ratio, written back as a ratio with
+    eps' ``ratio_eps`` on the ratio codebook; ``hyper``: ``adam.hyper_tensor``'s fp32 [8]."""
+    moments = [QState.from_dict(d) for d in (exp_avg, exp_avg_sq, max_exp_avg_sq) if d is not None]
+    m = moments[0]
+    encode = m.qmap if m.is_ratio else policy.ratio_policy(m.bits).qmap().to(m.qmap.device)
+    eps = torch.tensor((m.eps if m.is_ratio else 0.0, ratio_eps), dtype=torch.float32)
+    h = torch.cat((hyper.to("cpu", torch.float32)[:8], eps))
+    inputs = [ops.StepInput(q.codes, q.absmax, q.qmap, encode if i == 0 else q.qmap) for i, q in enumerate(moments)]
+    ops.adam8bit_step(param, grad, inputs, h, block_size=m.block_size, ratio=m.is_ratio, maximize=maximize,
+                      backend=backend, bits=[q.bits for q in moments], seed=seed, row_len=m.row_len)
+    exp_avg.update(qmap=encode, transform=policy.RATIO_TRANSFORM, eps=float(ratio_eps), divisor="exp_avg_sq")
 
 
 def _clone(q):
@@ -53,9 +70,9 @@ def test_kernel_matches_reference(n, block, dtype, amsgrad, maximize, decoupled,
     eps = policy.ratio_eps(1e-8, 0.999, 3)
 
     ref_p, ref_states = p.to(torch.float32, copy=True), [_clone(q) for q in states]
-    adam.step_quantized(ref_p, g, *ref_states, hyper, ratio_eps=eps, maximize=maximize, backend="torch")
+    step_quantized(ref_p, g, *ref_states, hyper, ratio_eps=eps, maximize=maximize, backend="torch")
     out_p, out_states = p.clone(), [_clone(q) for q in states]
-    adam.step_quantized(out_p, g, *out_states, hyper, ratio_eps=eps, maximize=maximize, backend="triton")
+    step_quantized(out_p, g, *out_states, hyper, ratio_eps=eps, maximize=maximize, backend="triton")
 
     assert torch.equal(out_p, ref_p.to(dtype))
     for ref, out in zip(ref_states, out_states):
@@ -74,8 +91,8 @@ def test_kernel_updates_non_contiguous_param():
     states = _states(p.numel(), 64, False, gen)
     hyper = adam.hyper_tensor(1e-2, 0.9, 0.999, 1e-8, 0.0, 1, True, DEVICE)
     ref_p, ref_states = p.contiguous(), [_clone(q) for q in states]
-    adam.step_quantized(ref_p, g, *ref_states, hyper, ratio_eps=1e-8, backend="torch")
-    adam.step_quantized(p, g, *states, hyper, ratio_eps=1e-8, backend="triton")
+    step_quantized(ref_p, g, *ref_states, hyper, ratio_eps=1e-8, backend="torch")
+    step_quantized(p, g, *states, hyper, ratio_eps=1e-8, backend="triton")
     assert torch.equal(p, ref_p)
     assert torch.equal(states[0]["codes"], ref_states[0]["codes"])
 

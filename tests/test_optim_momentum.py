@@ -63,7 +63,7 @@ def test_fp32_state_tracks_the_torch_counterpart(name):
     ref, ours, kw = PAIRS[name]
     w_ref, _, _ = _train(lambda ps: ref(ps, **kw))
     w_ours, _, opt = _train(lambda ps: ours(ps, min_size=10**9, **kw))
-    assert not isinstance(opt.state[opt.param_groups[0]["params"][0]][opt.state_key], dict)
+    assert not isinstance(opt.state[opt.param_groups[0]["params"][0]][opt.STATES[0].key], dict)
     w0 = _problem()[0]
     rel = ((w_ours - w_ref).norm() / (w_ref - w0).norm()).item()
     assert rel < (1e-2 if name.startswith("muon") else 1e-5), rel
@@ -79,7 +79,7 @@ def test_low_bit_state_trains_as_the_counterpart(name, bits):
     ref, ours, kw = PAIRS[name]
     w_ref, loss_ref, _ = _train(lambda ps: ref(ps, **kw))
     w_ours, loss_ours, opt = _train(lambda ps: ours(ps, bits=bits, **kw))
-    q = opt.state[opt.param_groups[0]["params"][0]][opt.state_key]
+    q = opt.state[opt.param_groups[0]["params"][0]][opt.STATES[0].key]
     assert q["bits"] == bits and q["codes"].dtype == torch.uint8
     w0 = _problem()[0]
     rel = ((w_ours - w_ref).norm() / (w_ref - w0).norm()).item()
@@ -129,7 +129,7 @@ def test_the_counterparts_state_loads_quantized_and_expands_back(name):
     p = torch.nn.Parameter(w.clone())
     opt = ours([p], **kw)
     opt.load_state_dict(torch_opt.state_dict())
-    key = opt.state_key
+    key = opt.STATES[0].key
     buf = torch_opt.state_dict()["state"][0][key]
     decoded = to_torch_state_dict(opt.state_dict())["state"][0][key]
     assert ((decoded - buf).norm() / buf.norm()).item() < 0.01
@@ -187,7 +187,7 @@ def test_a_converted_checkpoint_at_4_bits_requantizes_for_the_8bit_optimizer(nam
     src = _checkpoint(tmp_path, torch_opt.state_dict())
     ckptq.convert(str(src), str(tmp_path / "q4.safetensors"), bits=4)
     loaded = ckptq.load(str(tmp_path / "q4.safetensors"))["optimizer"]
-    key = ours.state_key
+    key = ours.STATES[0].key
     opt8 = ours([torch.nn.Parameter(w.clone())], **kw)
     opt8.load_state_dict(loaded)
     assert opt8.state_dict()["state"][0][key]["bits"] == 8
@@ -204,7 +204,7 @@ def test_bitsandbytes_one_state_optimizers_resume_in_ours(cls, ours):
     w, _, theirs = _train(lambda ps: getattr(bnb.optim, cls)(ps, **kw), steps=5)
     opt = ours([torch.nn.Parameter(w.clone())], **kw)
     opt.load_state_dict(theirs.state_dict())
-    q = opt.state_dict()["state"][0][opt.state_key]
+    q = opt.state_dict()["state"][0][opt.STATES[0].key]
     assert q["bits"] == 8 and float(q["absmax"].max()) > 0
     _train(None, steps=2, w=opt.param_groups[0]["params"][0], opt=opt)
 

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from ..errors import UsageError
-from ..kernels import backend_torch, contract
+from ..kernels import backend_torch, contract, registry, rules
 from ..kernels.contract import DenseGroup, StepGroup, is_flat
 from . import ops, policy
 
@@ -20,27 +20,30 @@ from . import ops, policy
 def check_group(group: StepGroup) -> None:
     """UsageError unless every member fits the group: its codes and scales laid out for its elements and
     rows at the group's widths and block size, on one device, contiguous; codebooks of 2**bits entries."""
-    policy.check_block_size(group.block_size)
     if len(group.codebooks) != len(group.bits) or len(group.bits) not in (2, 3):
         raise UsageError("a step group takes 2 or 3 moments, each with its codebooks and code width")
-    for cb, bits in zip(group.codebooks, group.bits):
+    _check_members(group.members, group.codebooks, group.bits, group.block_size)
+
+
+def _check_members(members, codebooks, widths, block_size: int) -> None:
+    policy.check_block_size(block_size)
+    for cb, bits in zip(codebooks, widths):
         ops.check_bits(bits)
         ops.check_codebook(cb.qmap, bits)
         ops.check_codebook(cb.encode, bits)
         if cb.thresholds.shape != (2**bits - 1,) or cb.thresholds.dtype != torch.float32:
             raise UsageError(f"thresholds must be fp32 midpoints of the encode codebook ({2**bits - 1} entries)")
-    devices = {m.p.device for m in group.members}
-    if len(devices) > 1 or len({m.p.dtype for m in group.members}) > 1:
+    if len({m.p.device for m in members}) > 1 or len({m.p.dtype for m in members}) > 1:
         raise UsageError("a step group's parameters must share one device and one dtype")
-    for i, m in enumerate(group.members):
+    for i, m in enumerate(members):
         n = m.p.numel()
-        if not m.p.is_contiguous() or m.p.dim() != 1 or len(m.codes) != len(group.bits) or len(m.absmax) != len(group.bits):
-            raise UsageError(f"member {i} of a step group: a flat contiguous param and one codes/scales pair per moment")
-        for k, (codes, absmax, bits) in enumerate(zip(m.codes, m.absmax, group.bits)):
-            ops.check_quantized(codes, absmax, group.codebooks[k].qmap, group.block_size, bits, n, m.row_len)
+        if not m.p.is_contiguous() or m.p.dim() != 1 or len(m.codes) != len(widths) or len(m.absmax) != len(widths):
+            raise UsageError(f"member {i} of a step group: a flat contiguous param and one codes/scales pair per state")
+        for k, (codes, absmax, bits) in enumerate(zip(m.codes, m.absmax, widths)):
+            ops.check_quantized(codes, absmax, codebooks[k].qmap, block_size, bits, n, m.row_len)
             if codes.device != m.p.device or not codes.is_contiguous() or not absmax.is_contiguous() \
                     or absmax.dtype != torch.float32:
-                raise UsageError(f"member {i}, moment {k}: contiguous codes and fp32 scales on the param's device")
+                raise UsageError(f"member {i}, state {k}: contiguous codes and fp32 scales on the param's device")
 
 
 def _check_call(group: StepGroup) -> None:
@@ -142,3 +145,59 @@ def momentum_group(group: contract.MomentumGroup, backend: str = "auto") -> None
     hyper = group.hyper.to("cpu")
     for i, (p, g, state, _, out, flags) in enumerate(contract.momentum_steps(group)):
         impl.momentum_step(p, g, state, hyper[i], out, flags)
+
+
+# ---- The one step of every rule (``contract.Group`` / ``contract.Dense``; ``ckptq.kernels.rules``) ----
+
+def check(group: contract.Group) -> None:
+    """UsageError unless the group is one its rule can step: as many slots as the rule's flags name, each
+    with codebooks of 2**bits entries and valid transforms, and every member fitting them (``check_group``'s
+    checks per slot)."""
+    rule = rules.RULES.get(group.rule)
+    if rule is None:
+        raise UsageError(f"no rule {group.rule!r}; the rules are {', '.join(rules.RULES)}")
+    names = rule.states(group.flags)
+    if len(group.slots) != len(names):
+        raise UsageError(f"rule {rule.name} with flags {group.flags} steps {len(names)} states ({', '.join(names)}), "
+                         f"got {len(group.slots)}")
+    for j, s in enumerate(group.slots):
+        if s.decode not in (contract.NONE, contract.SQRT, contract.RATIO) or s.encode_as not in (
+                contract.NONE, contract.SQRT, contract.RATIO):
+            raise UsageError(f"slot {j}: unknown transform")
+        for transform in (s.decode, s.encode_as):
+            if transform == contract.RATIO and not (0 <= s.divisor < len(group.slots) and s.divisor != j
+                                                    and group.slots[s.divisor].encode_as == contract.SQRT):
+                raise UsageError(f"slot {j} is a ratio whose divisor {s.divisor} is not a sqrt slot of the group")
+    _check_members(group.members, [contract.StepCodebooks(s.qmap, s.thresholds, s.encode) for s in group.slots],
+                   [s.bits for s in group.slots], group.block_size)
+
+
+def _check_step_call(group: contract.Group, rule, n_states: int) -> None:
+    n = len(group.members)
+    if len(group.grads) != n or group.hyper.shape != (n, len(rule.fields)):
+        raise UsageError(f"a step of {n} parameters needs as many gradients and hyper rows [{n}, {len(rule.fields)}]")
+    wants_outs = rules.writes_direction(rule, group.flags)
+    if len(group.outs) != (n if wants_outs else 0):
+        raise UsageError(f"rule {rule.name} {'writes' if wants_outs else 'does not write'} a direction: pass "
+                         f"{'one fp32 out per member' if wants_outs else 'no outs'}")
+    _check_call(StepGroup(group.members, group.grads, torch.empty(n, len(contract.HYPER_FIELDS)), None, (), (), 0,
+                          False, False, {}))
+
+
+def step(group: contract.Group, backend: str = "auto") -> None:
+    """One step of every member by the group's rule, in place; equal bit for bit to
+    ``kernels.step_torch.step_group``. ``check`` must have passed for these members."""
+    if not group.members:
+        return
+    rule = rules.RULES[group.rule]
+    _check_step_call(group, rule, len(group.slots))
+    name = ops.resolve_backend(backend, group.members[0].p.device)
+    registry.implementation("step", name, group)(group)
+
+
+def dense(group: contract.Dense, backend: str = "auto") -> None:
+    """The rule on plain fp32 states, in place (``kernels.step_torch.dense_group``, bit for bit)."""
+    if not group.params:
+        return
+    name = ops.resolve_backend(backend, group.params[0].device)
+    registry.implementation("dense", name, group)(group)

@@ -20,7 +20,9 @@ correctly rounded on floats and float64 tensors alike, and ``x.pow``, ``x.sqrt``
 
 from __future__ import annotations
 
+import math
 import operator
+import struct
 
 import torch
 
@@ -31,6 +33,14 @@ class HostMath:
     pow = staticmethod(operator.pow)
     div = staticmethod(operator.truediv)
     maximum = staticmethod(max)
+    minimum = staticmethod(min)
+    exp = staticmethod(math.exp)
+    log = staticmethod(math.log)
+
+    @staticmethod
+    def f32(v):
+        """v rounded to fp32 (and back to a float): what an fp32 tensor of it holds."""
+        return struct.unpack("f", struct.pack("f", v))[0]
 
     @staticmethod
     def sqrt(v):
@@ -97,3 +107,24 @@ class DeviceMath:
         if not any(isinstance(v, torch.Tensor) for v in (a, b)):
             return max(a, b)
         return torch.maximum(self.tensor(a), self.tensor(b))
+
+    def minimum(self, a, b):
+        if not any(isinstance(v, torch.Tensor) for v in (a, b)):
+            return min(a, b)
+        return torch.minimum(self.tensor(a), self.tensor(b))
+
+    def _unary(self, fn, host, v):
+        """``fn`` elementwise. Unlike ``pow``, ATen's CPU exp and log differ from libm's in the last bit for
+        ~0.5% of float64 inputs however they are laid out: formulas that use them (AdEMAMix's beta3 schedule)
+        can differ from the host's there, and in the fp32 value only where that bit decides the rounding."""
+        return host(v) if not isinstance(v, torch.Tensor) else fn(self.tensor(v))
+
+    def exp(self, v):
+        return self._unary(torch.exp, math.exp, v)
+
+    def log(self, v):
+        return self._unary(torch.log, math.log, v)
+
+    def f32(self, v):
+        """v rounded to fp32, as float64."""
+        return HostMath.f32(v) if not isinstance(v, torch.Tensor) else v.to(torch.float32).to(torch.float64)

@@ -28,8 +28,7 @@ import torch
 
 from ..codec import checkpoint, foreign, policy, qstate, quant, signpost, tree
 from ..errors import StateMismatchError
-from ..optim.momentum import _OneState
-from ..optim.optimizer import Adam8bit, AdamW8bit
+from ..optim.engine import LowBitOptimizer
 from ..optim.state_io import to_torch_state_dict
 from . import _bnb
 
@@ -79,7 +78,7 @@ def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def is_ckptq_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` (or the one a framework wrapper such as accelerate's holds) is one of ckptq's: it keeps
     low-bit state, and loads any form of its state itself (AdamW8bit, SGD8bit, Lion8bit, Muon8bit...)."""
-    return isinstance(_inner(optimizer), (AdamW8bit, Adam8bit, _OneState))
+    return isinstance(_inner(optimizer), LowBitOptimizer)
 
 
 def is_torchao_optimizer(optimizer: torch.optim.Optimizer) -> bool:

@@ -1,11 +1,15 @@
-"""8-bit and 4-bit Adam/AdamW (``optimizer``) and SGD, Lion, Muon (``momentum``) that keep their torch
-counterparts' state keys and resume from ``ckptq`` checkpoints, their argument checks (``args``), state-dict import and export (``state_io``) and the
-step (``adam``)."""
+"""ckptq's low-bit optimizers, one engine (``engine``: state, step plans, state dicts, validation) and one file
+per optimizer, each keeping its torch counterpart's arguments and state keys and resuming from ``ckptq``
+checkpoints: Adam/AdamW (``adam``), SGD (``sgd``), Lion (``lion``), Muon (``muon``). docs/optimizers.md
+says how to add one."""
 
 from ..errors import StateMismatchError
-from .momentum import Lion4bit, Lion8bit, Muon4bit, Muon8bit, SGD4bit, SGD8bit
-from .optimizer import Adam4bit, Adam8bit, AdamW4bit, AdamW8bit
+from .adam import Adam4bit, Adam8bit, AdamW4bit, AdamW8bit
+from .engine import LowBitOptimizer
+from .lion import Lion4bit, Lion8bit
+from .muon import Muon4bit, Muon8bit
+from .sgd import SGD4bit, SGD8bit
 from .state_io import expand_on_load, to_torch_state_dict
 
 __all__ = ["AdamW8bit", "Adam8bit", "AdamW4bit", "Adam4bit", "SGD8bit", "SGD4bit", "Lion8bit", "Lion4bit",
-           "Muon8bit", "Muon4bit", "StateMismatchError", "expand_on_load", "to_torch_state_dict"]
+           "Muon8bit", "Muon4bit", "LowBitOptimizer", "StateMismatchError", "expand_on_load", "to_torch_state_dict"]

@@ -163,3 +163,24 @@ def check_params(params, where: str) -> None:
                 f"{where} has a parameter on the meta device (shape {tuple(p.shape)}); materialize the model "
                 "(e.g. module.to_empty(device=...)) and build the optimizer on its parameters before loading"
             )
+
+
+def number(x, name: str, low: float = 0.0, high: float = math.inf, closed: bool = True, shown: str | None = None) -> float:
+    """A real number (or 1-element float tensor) in [low, high] (``closed``) or [low, high), finite; torch's
+    message openings ("Invalid learning rate: ...") under ``shown``, ``name`` for tensors ("Tensor lr ...")."""
+    value = _scalar(x, name)
+    shown = shown or name
+    if math.isnan(value) or not (low <= value <= high if closed else low <= value < high):
+        raise ArgumentError(f"Invalid {shown}: {x} (must lie in [{low}, {high}{']' if closed else ')'})")
+    if value == math.inf:
+        raise ArgumentError(f"Invalid {shown}: inf (must be finite)")
+    return value
+
+
+def check_fp32(**named) -> None:
+    """The step's derived scalars (lr * weight_decay, lr / (1 - momentum), ...) finite in fp32, which the
+    kernels take them in: a group whose step would make every parameter inf or NaN is refused up front."""
+    for name, value in named.items():
+        if not abs(value) <= FP32_MAX:
+            raise ArgumentError(f"Invalid hyperparameters: {name} = {value:.3g} overflows fp32 in the step (the "
+                                "parameters would become inf or NaN); use a smaller lr or weight_decay")

@@ -1,12 +1,14 @@
-"""Import an optimizer state dict into ``ckptq.optim``'s 8-bit Adam: validate everything first, then
-build the new state (qstates copied as stored, fp32 moments quantized as ``ckptq convert`` does:
-``quant.quantize_state``, exp_avg as a ratio by ``quant.quantize_ratio``).
+"""Import an optimizer state dict into any ``ckptq.optim`` optimizer (the engine's one ``load_state_dict``):
+validate everything first, then build the new state: qstates copied as stored where the optimizer steps them
+as they are, any other qstate decoded and requantized, fp32 states (its torch counterpart's) quantized as
+``ckptq convert`` does (ratio states relative to their exact divisor), bitsandbytes' and torchao's 8-bit forms
+decoded first (``ckptq.codec.foreign``).
 
 ``torch.optim.Optimizer.load_state_dict`` cannot be reused: it casts every floating tensor to the
 parameter's dtype (uint8 codes would become floats) and turns strings nested in state dicts into
 generator reprs.
 
-The way back: ``to_torch_state_dict`` decodes an 8-bit state dict for ``torch.optim.Adam(W)``, and
+The way back: ``to_torch_state_dict`` decodes a low-bit state dict for the torch optimizer, and
 ``expand_on_load`` makes a torch optimizer's ``load_state_dict`` do it itself.
 """
 
@@ -17,39 +19,74 @@ import warnings
 
 import torch
 
-from ..codec import dtensor, ops, plan, qstate, quant
-from . import args as optim_args
+from ..codec import dtensor, foreign, ops, plan, qstate, quant, roles
 from ..codec.policy import MOMENT_KEYS
-from ..errors import ArgumentError, FormatError, StateMismatchError, UsageError
-from .args import GROUP_FLAGS, IMPL_FLAGS
+from ..errors import ArgumentError, FormatError, InputError, StateMismatchError, UsageError
+from .args import IMPL_FLAGS
 from .validate import check_param_state, step_value
 
-def import_state_dict(opt, state_dict: dict):
+
+def import_state_dict(opt, state_dict) -> tuple[dict, list]:
     """Return ``(state {param: dict}, param_groups)`` for ``opt``; raises before ``opt`` changes."""
-    saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-    if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
+    groups_saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(groups_saved, list) or not isinstance(state_dict.get("state"), dict):
         raise StateMismatchError("not an optimizer state dict: expected keys 'state' (a dict) and 'param_groups'")
-    if len(saved_groups) != len(opt.param_groups):
-        raise StateMismatchError(
-            f"state dict has {len(saved_groups)} param groups but the optimizer has {len(opt.param_groups)}; "
-            "build the optimizer with the same groups as the one that was saved"
-        )
-    groups = [_import_group(i, group, saved) for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups))]
-    id_map, group_of = {}, {}
-    for group, saved in zip(groups, saved_groups):
+    if len(groups_saved) != len(opt.param_groups):
+        raise StateMismatchError(f"state dict has {len(groups_saved)} param groups but the optimizer has "
+                                 f"{len(opt.param_groups)}; build the optimizer with the same groups as the one saved")
+    saved_groups = [dict(g) if isinstance(g, dict) else g for g in groups_saved]  # foreign state may add entries
+    for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        check_saved_group(i, group, saved)
+    state_in = _decoded_foreign(state_dict["state"], saved_groups)
+    _check_keys(opt, state_in)
+    groups, id_map, group_of = [], {}, {}
+    for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        new = _import_group(opt, i, group, saved)
+        groups.append(new)
         id_map.update(zip(saved["params"], group["params"]))
-        group_of.update((pid, group) for pid in saved["params"])
+        group_of.update((pid, new) for pid in saved["params"])
     state = {}
-    for pid, saved_state in state_dict["state"].items():
-        if pid not in id_map and not isinstance(pid, int):
-            state[pid] = saved_state  # state not assigned to a parameter travels as-is, as in torch
-            continue
+    for pid, saved in state_in.items():
         if pid not in id_map:
-            raise StateMismatchError(f"state dict has state for parameter id {pid!r}, which no param group lists")
-        if not isinstance(saved_state, dict):
-            raise StateMismatchError(f"state of parameter {pid} is a {type(saved_state).__name__}, not a dict")
-        state[id_map[pid]] = _import_param_state(opt, id_map[pid], pid, saved_state, group_of[pid])
+            if isinstance(pid, int):
+                raise StateMismatchError(f"state dict has state for parameter id {pid!r}, which no param group lists")
+            state[pid] = saved  # state not assigned to a parameter travels as-is, as in torch
+            continue
+        if not isinstance(saved, dict):
+            raise StateMismatchError(f"state of parameter {pid} is a {type(saved).__name__}, not a dict")
+        imported = _import_param_state(opt, id_map[pid], pid, saved, group_of[pid])
+        if imported:
+            state[id_map[pid]] = imported
     return state, groups
+
+
+def _check_keys(opt, state: dict) -> None:
+    """Another optimizer's state is refused by its keys first (before its param groups are found lacking)."""
+    known = {"step", *(s.key for s in opt.STATES), *opt.SCALAR_STATES}
+    for pid, saved in state.items():
+        if isinstance(saved, dict) and isinstance(pid, int):
+            unknown = {k for k, v in saved.items() if v is not None} - known
+            if unknown:
+                raise StateMismatchError(
+                    f"state of parameter {pid} has keys {sorted(map(str, saved))}, expected {'/'.join(sorted(known))} "
+                    f"as {type(opt).__name__}'s torch counterpart writes them; is this another optimizer's state? "
+                    "(convert other optimizers' state first)")
+
+
+def _decoded_foreign(state: dict, groups: list) -> dict:
+    """bitsandbytes' and torchao's 8-bit forms decoded to the torch counterpart's fp32 form (entries the
+    groups lack added to them)."""
+    group_of = {pid: g for g in groups if isinstance(g, dict) and isinstance(g.get("params"), (list, tuple))
+                for pid in g["params"]}
+    out = dict(state)
+    for pid, pstate in state.items():
+        if foreign.kind(pstate) is None:
+            continue
+        try:
+            out[pid] = foreign.to_torch_state(pstate, group_of.get(pid, {}))
+        except InputError as e:
+            raise StateMismatchError(f"state of parameter {pid}: {e}") from None
+    return out
 
 
 def check_saved_group(i: int, group: dict, saved) -> str:
@@ -72,50 +109,162 @@ def check_saved_group(i: int, group: dict, saved) -> str:
     return where
 
 
-def _import_group(i: int, group: dict, saved) -> dict:
-    """The group to install for saved group ``i``: saved values, flags an older torch did not save filled
-    as torch fills them, torch's implementation flags and ``params`` (and ``param_names`` when the saved
-    group has none) kept from the optimizer's group ``group``. Checked like a constructor argument."""
-    where = check_saved_group(i, group, saved)
-    new = {**GROUP_FLAGS, **saved, "params": group["params"]}
+def _import_group(opt, i: int, group: dict, saved: dict) -> dict:
+    """The group to install for saved group ``i``: saved values over the optimizer's defaults (what an older
+    torch did not save filled in as torch fills it), torch's implementation flags and ``params`` (and
+    ``param_names`` when the saved group has none) kept from the optimizer's group ``group``. Checked like a
+    constructor argument."""
+    where = f"param group {i} of the state dict"
+    flags = {k: v for k, v in _signature_defaults(type(opt)).items()  # flags an older torch did not save,
+             if k in opt.defaults and (v is None or isinstance(v, bool))}  # filled as torch fills them
+    missing = [k for k in ("params", *opt.defaults) if k not in saved and k not in flags]
+    if missing:
+        raise StateMismatchError(f"{where} has no {', '.join(map(repr, missing))}; every param group needs them")
+    new = {**flags, **saved, "params": group["params"]}
     new.update({k: group[k] for k in IMPL_FLAGS if k in group})
     if "param_names" in group and "param_names" not in saved:
         new["param_names"] = group["param_names"]
+    for key, value in list(new.items()):
+        if key == "betas" and isinstance(value, list):
+            new[key] = tuple(value)
     try:
-        optim_args.check_group(new, where)
-        optim_args.check_params(group["params"], f"param group {i}")
+        opt._check_group(new, where)
+        _check_params(group["params"], f"param group {i}")
     except ArgumentError as e:
         raise StateMismatchError(str(e)) from None
     return new
 
 
+def _signature_defaults(cls) -> dict:
+    """The defaults of the optimizer class's constructor arguments (what torch's ``__setstate__`` fills in)."""
+    import inspect
+
+    out = {}
+    for klass in cls.__mro__:  # subclasses pass some on as **kwargs
+        if "__init__" in vars(klass) and klass is not torch.optim.Optimizer:
+            for name, p in inspect.signature(klass.__init__).parameters.items():
+                if p.default is not inspect.Parameter.empty:
+                    out.setdefault(name, p.default)
+    return out
+
+
+def _check_params(params, where: str) -> None:
+    """Parameters must have storage (not be on ``meta``) to load state for them."""
+    for p in params:
+        if isinstance(p, torch.Tensor) and p.is_meta:
+            raise ArgumentError(
+                f"{where} has a parameter on the meta device (shape {tuple(p.shape)}); materialize the model "
+                "(e.g. module.to_empty(device=...)) and build the optimizer on its parameters before loading"
+            )
+
+
 def _import_param_state(opt, p: torch.Tensor, pid, saved: dict, group: dict) -> dict:
-    unknown = set(saved) - {"step", *MOMENT_KEYS}
-    if unknown or "exp_avg" not in saved or "exp_avg_sq" not in saved:
+    declared = opt._declared(group)
+    keys = [s.key for s in declared]
+    saved = {k: v for k, v in saved.items() if v is not None}  # torch's SGD without momentum keeps None
+    extra = opt.SCALAR_STATES
+    unknown = set(saved) - {"step", *keys, *extra}
+    if unknown:
         raise StateMismatchError(
-            f"state of parameter {pid} has keys {sorted(saved)}, expected step/exp_avg/exp_avg_sq"
-            "[/max_exp_avg_sq] as torch.optim.Adam(W) writes them; convert other optimizers' state first"
-        )
+            f"state of parameter {pid} has keys {sorted(map(str, saved))}, expected {'/'.join(['step', *keys])} as "
+            f"{type(opt).__name__}'s torch counterpart writes them; is this another optimizer's state? (convert "
+            "other optimizers' state first)")
     check_param_state(pid, saved)
     p = torch.view_as_real(p) if p.is_complex() else p  # complex parameters keep real-view state, as step does
-    moments = {k: _float_eps(_real_view(saved[k])) for k in MOMENT_KEYS if k in saved}
-    for key, value in moments.items():
+    values = {k: _float_eps(_real_view(saved[k])) for k in keys if k in saved}
+    if not values:
+        return {}
+    by_key = {s.key: s for s in declared}
+    always = set(opt.RULE.states(0))  # the states every flag word keeps: present whenever any state is
+    lacking = [s.key for s in declared if s.slot_name in always and s.key not in values]
+    if lacking:
+        raise StateMismatchError(f"state of parameter {pid} has keys {sorted(map(str, saved))} but no "
+                                 f"{', '.join(map(repr, lacking))}, which {type(opt).__name__} keeps beside them; load "
+                                 f"a complete state dict (or delete state[{pid!r}])")
+    for key, value in values.items():
         _check_shape(p, pid, key, value)
+        divisor = by_key[key].divisor
+        if divisor and divisor not in values:
+            raise StateMismatchError(f"state of parameter {pid} has {key!r} but not {divisor!r}, which it is kept "
+                                     f"relative to; load a complete state dict (or delete state[{pid!r}])")
     step = step_value(pid, saved.get("step", 0))
     out = {"step": step_tensor(step, p, group)}
+    for name, initial in dict(extra).items():  # scalar states (NAdam's mu_product): as saved, else initial
+        value = _scalar(pid, name, saved[name]) if name in saved else initial
+        out[name] = step_tensor(value, p, group)
     rows_fit = not dtensor.is_dtensor(p) or dtensor.shardable(p)  # else this rank's part is no whole rows: fp32
-    if rows_fit and _steppable(moments, getattr(opt, "bits", 8), dtensor.is_dtensor(p)):
-        out.update({k: _copy_qstate(v, p) for k, v in moments.items()})
+    if rows_fit and _steppable(opt, values, by_key, dtensor.is_dtensor(p)):
+        out.update({k: _copy_qstate(v, p) for k, v in values.items()})
         return out
-    quantized = opt._quantized(p) or (rows_fit and any(qstate.is_qstate(v) for v in moments.values()))
-    dense = {k: dtensor.distribute_like(v.to(device=p.device, dtype=torch.float32, memory_format=torch.contiguous_format),
-                                        p) for k, v in _decoded(moments, pid).items()}
-    unsafe = plan.unsafe_moments(dense) if quantized else None
-    if unsafe:  # 8 bits would turn finite values into NaN/Inf: keep this parameter's state fp32, and say so
+    quantized = opt._quantized(p) or (rows_fit and any(qstate.is_qstate(v) for v in values.values()))
+    dense = {k: dtensor.distribute_like(v.to(device=dtensor.local(p).device, dtype=torch.float32,
+                                             memory_format=torch.contiguous_format), p)
+             for k, v in _decoded(values, pid).items()}
+    unsafe = _unsafe(dense, by_key) if quantized else None
+    if unsafe:  # low-bit codes would turn finite values into NaN/Inf: keep this parameter's state fp32, and say so
         warnings.warn(f"ckptq: state of parameter {pid}: {unsafe}; kept in fp32", RuntimeWarning, stacklevel=4)
-    out.update(opt._quantize_moments(dense, group, step) if quantized and not unsafe
-               else {k: v.clone(memory_format=torch.contiguous_format) for k, v in dense.items()})
+    if quantized and not unsafe:
+        from .spec import quantize_states
+
+        out.update(quantize_states(dense, declared, opt._ratio_eps(group, step), opt.block_size, opt.bits))
+    else:
+        out.update({k: v.clone(memory_format=torch.contiguous_format) for k, v in dense.items()})
     return out
+
+
+def _scalar(pid, name: str, value) -> float:
+    """A per-parameter scalar state (NAdam's mu_product): a finite number or 1-element real tensor."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point() and not value.is_meta:
+        value = float(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise StateMismatchError(f"state {name!r} of parameter {pid} is {value!r:.40}; expected a finite number")
+    return float(value)
+
+
+def _unsafe(dense: dict, by_key: dict) -> str | None:
+    """Why fp32 states cannot be stored low-bit without damage, or None (``codec.plan.exact_reason``)."""
+    for key, t in dense.items():
+        local = dtensor.local(t)
+        role = by_key[key].role
+        if local.numel():
+            reason = plan.exact_reason(key if role == roles.ADAM else key, local, role, 1, set())
+            if reason and reason != plan.NOT_A_MOMENT:
+                return f"{key} {reason}"
+    return None
+
+
+def _steppable(opt, values: dict, by_key: dict, is_dtensor: bool = False) -> bool:
+    """Whether qstates can be stepped as stored: the optimizer's code width, one block size and one layout
+    (one fused step; a DTensor parameter's in rows, which follow its shards), each state's declared
+    transform (a ratio's divisor named, its eps' a float), or a plain first moment where a ratio is declared
+    (the step re-encodes it). States of other roles than Adam's also need the optimizer's block size and the
+    codebook it writes (else they are requantized onto it once). Anything else is requantized (so an 8-bit
+    state loads into a 4-bit optimizer and the other way round, and a ``convert --bits 4`` file's 6 + 2
+    layout into the 4-bit optimizer's 4 + 4: ``policy.convert_width``)."""
+    if not all(qstate.is_qstate(v) for v in values.values()):
+        return False
+    layouts = {v.get("layout", "flat") for v in values.values()}
+    if len(layouts) != 1 or (is_dtensor and layouts != {"rows"}) or len({v["block_size"] for v in values.values()}) != 1:
+        return False
+    for key, v in values.items():
+        s = by_key[key]
+        if v["bits"] != opt.bits:
+            return False
+        if s.transform == "ratio":
+            if not (v["transform"] == "none" or (v.get("divisor") == s.divisor and isinstance(v.get("eps"), float))):
+                return False
+        elif v["transform"] != s.transform:
+            return False
+        if s.role != roles.ADAM and not _own_codec(opt, s, v):
+            return False
+    return True
+
+
+def _own_codec(opt, s, v: dict) -> bool:
+    codebook = opt._codebook(s)
+    qmap = v["qmap"]
+    return (v["block_size"] == opt.block_size and v.get("layout", "flat") == "rows" and isinstance(qmap, torch.Tensor)
+            and qmap.shape == codebook.shape and torch.equal(qmap.detach().cpu().float(), codebook))
 
 
 def step_tensor(step: float, p: torch.Tensor, group: dict) -> torch.Tensor:
@@ -149,25 +298,6 @@ def _float_eps(value):
 def _real_view(value):
     """torch's Adam(W) keeps complex moments for complex parameters; ckptq keeps their real view."""
     return torch.view_as_real(value) if isinstance(value, torch.Tensor) and value.is_complex() else value
-
-
-def _steppable(moments: dict, bits: int, dtensor: bool = False) -> bool:
-    """Whether qstates can be stepped as stored: the optimizer's code width, one block size and one layout
-    (one fused step; a DTensor parameter's in rows, which follow its shards), sqrt second moments, a plain
-    or ratio first moment whose divisor is exp_avg_sq. Anything else is requantized (so an 8-bit state
-    loads into a 4-bit optimizer and the other way round, and a ``convert --bits 4`` file's 6 + 2 layout
-    into the 4-bit optimizer's 4 + 4: ``policy.convert_width``)."""
-    if not all(qstate.is_qstate(v) for v in moments.values()):
-        return False
-    m = moments["exp_avg"]
-    layouts = {v.get("layout", "flat") for v in moments.values()}
-    return (
-        len(layouts) == 1 and (not dtensor or layouts == {"rows"})
-        and all(v["bits"] == bits for v in moments.values())
-        and len({v["block_size"] for v in moments.values()}) == 1
-        and all(v["transform"] == "sqrt" for k, v in moments.items() if k != "exp_avg")
-        and (m["transform"] == "none" or (m.get("divisor") == "exp_avg_sq" and isinstance(m.get("eps"), float)))
-    )
 
 
 def _decoded(moments: dict, pid) -> dict:
