@@ -106,7 +106,8 @@ def momentum(p, g, s, h, flags):
 
 def rmsprop(p, g, s, h, flags):
     """RMSprop (torch.optim.RMSprop): gi = g + l2 * p; v = v * alpha + oma * gi^2; CENTERED: ga += oma (gi - ga),
-    avg = sqrt(v - ga^2), else sqrt(v); avg += eps; HEAVY (momentum > 0): buf = buf * momentum + gi / avg,
+    avg = sqrt(v - ga^2) (a negative v - ga^2 taken as 0: where(var < 0, 0, var), NaN kept), else sqrt(v);
+    avg += eps; HEAVY (momentum > 0): buf = buf * momentum + gi / avg,
     p += neg_lr * buf; else p += neg_lr * (gi / avg). States: v[, buf][, ga]."""
     v, *rest = s
     heavy, centered = RMSPROP.has(flags, "heavy"), RMSPROP.has(flags, "centered")
@@ -116,7 +117,8 @@ def rmsprop(p, g, s, h, flags):
     if centered:
         ga = rest[-1]
         ga = ga + h[2] * (gi - ga)
-        avg = ieee_sqrt(v - ga * ga) + h[3]
+        var = v - ga * ga
+        avg = ieee_sqrt(torch.where(var < 0, 0.0, var)) + h[3]  # >= 0 in exact math; low-bit v and ga can cross
     else:
         avg = ieee_sqrt(v) + h[3]
     if heavy:

@@ -1,7 +1,8 @@
 """``RMSprop8bit`` (and ``RMSprop4bit``): ``torch.optim.RMSprop`` (alpha, eps, weight_decay, momentum, centered,
 maximize) with its states blockwise low-bit in the form ``ckptq convert`` writes: ``square_avg`` as sqrt
 (role ``second``), ``momentum_buffer`` (momentum > 0) and ``grad_avg`` (centered) signed (role ``first``).
-Rule: ``ckptq.kernels.rules.rmsprop``."""
+Rule: ``ckptq.kernels.rules.rmsprop``. ``centered=True`` takes 8 bits only: the centered denominator
+sqrt(square_avg - grad_avg^2) is the difference of two rounded states, which 4-bit codes cannot resolve."""
 
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ class RMSprop8bit(LowBitOptimizer):
             optim_args.number(group["alpha"], "alpha", high=1.0, shown="alpha value")
             if not isinstance(group["centered"], bool):
                 raise ArgumentError(f"centered must be True or False, got {group['centered']!r:.40}")
+            if group["centered"] and self.bits < 8:
+                raise ArgumentError("centered=True needs 8-bit state: at 4 bits square_avg - grad_avg^2 is mostly "
+                                    "rounding error and the steps diverge (tests/test_optim_breadth.py); use "
+                                    "RMSprop8bit")
             optim_args.check_flags(group)
             optim_args.check_fp32(**{"lr * weight_decay": lr * wd,
                                      "lr / (1 - momentum)": lr / (1.0 - mom) if mom < 1 else lr})
