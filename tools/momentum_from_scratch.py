@@ -1,5 +1,6 @@
-"""Do ckptq's one-state low-bit optimizers (SGD8bit, Lion8bit, Muon8bit and the 4-bit variants) train a tiny GPT
-from scratch as their fp32 counterparts do? Issue 29's figures, with a 1% gradient-noise control beside each.
+"""Do ckptq's low-bit optimizers beyond Adam (SGD8bit, Lion8bit, Muon8bit, RMSprop8bit, Adagrad8bit, NAdam8bit,
+RAdam8bit, AdEMAMix8bit and the 4-bit variants) train a tiny GPT from scratch as their fp32 counterparts do?
+Issues 29's and 35's figures, with a 1% gradient-noise control beside each.
 
 Setting: ``tools/resume_fidelity.py``'s ``--preset issue23`` at half its width and context (``--size byte64``: a
 byte-level GPT-2, n_embd 64, 2 layers, 4 heads, 0.12 M parameters, on 16 x 64 bytes of English text, every
@@ -32,6 +33,9 @@ Families (``--families``) and their variants:
            noise1       the control
            lion8, lion4 ckptq Lion8bit / Lion4bit
            bnb          bitsandbytes Lion8bit
+  rmsprop, adagrad, nadam, radam, ademamix   torch's class (ademamix: bitsandbytes' 32-bit AdEMAMix) as fp32,
+         ckptq's 8-bit and 4-bit classes, bitsandbytes' 8-bit class where it has one (RMSprop8bit, Adagrad8bit,
+         AdEMAMix8bit); arguments in RMSPROP, ADAGRAD, NADAM, RADAM, ADEMAMIX below
 
 The control (``noise1``) is resume_fidelity's (``NoisyAdamW``) applied to any optimizer: before each step every
 gradient element is multiplied by 1 + 0.01 N(0, 1) from the run's own generator (seeded seed + 7919, the k-th
@@ -65,7 +69,9 @@ import bench_optim  # noqa: E402  (tools/ is not a package)
 import make_checkpoint as mc  # noqa: E402
 import resume_fidelity as rf  # noqa: E402
 
-from ckptq.optim import AdamW8bit, Lion4bit, Lion8bit, Muon4bit, Muon8bit, SGD4bit, SGD8bit  # noqa: E402
+from ckptq.optim import (AdamW8bit, AdEMAMix4bit, AdEMAMix8bit, Adagrad4bit, Adagrad8bit, Lion4bit,  # noqa: E402
+                         Lion8bit, Muon4bit, Muon8bit, NAdam4bit, NAdam8bit, RAdam4bit, RAdam8bit, RMSprop4bit,
+                         RMSprop8bit, SGD4bit, SGD8bit)
 
 PRESET = rf.PRESETS["issue23"]  # English text, warm-up 30 (size: --size)
 # issue 23's byte-level GPT-2 at half width and context: 2 CPU cores shared by four jobs run ckptq's PyTorch
@@ -76,6 +82,12 @@ ADAMW = dict(lr=3e-3, betas=mc.BETAS)  # the Muon hybrid's AdamW part (weight de
 MUON = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0)
 SGD = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.0)
 LION = dict(lr=3e-4, betas=(0.9, 0.99))  # weight decay 0.1 on >= 2-D tensors (nanoGPT's groups)
+# The engine's optimizers (issue 35), each on every parameter with nanoGPT's weight-decay groups where it decays:
+RMSPROP = dict(lr=1e-3, alpha=0.99, momentum=0.9)
+ADAGRAD = dict(lr=3e-2)
+NADAM = dict(lr=3e-3, betas=mc.BETAS, decoupled_weight_decay=True)
+RADAM = dict(lr=3e-3, betas=mc.BETAS, decoupled_weight_decay=True)
+ADEMAMIX = dict(lr=3e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0)  # t_alpha = t_beta3 = --steps (the paper's)
 
 
 class Combined:
@@ -141,6 +153,19 @@ def lion(model, cls):
     return cls(decay_groups(list(model.parameters()), mc.WEIGHT_DECAY), **LION)
 
 
+def grouped(model, cls, wd: float = 0.0, **kw):
+    """``cls`` on every parameter, weight decay ``wd`` on >= 2-D tensors where it decays."""
+    params = list(model.parameters())
+    return cls(decay_groups(params, wd) if wd else params, **kw)
+
+
+def ademamix(model, cls):
+    return grouped(model, cls, mc.WEIGHT_DECAY, **ADEMAMIX, t_alpha=STEPS[0], t_beta3=STEPS[0])
+
+
+STEPS = [300]  # --steps, for AdEMAMix's schedules
+
+
 def _bnb(name: str):
     import bitsandbytes.optim
 
@@ -174,6 +199,35 @@ FAMILIES = {
         "lion8": lambda m: lion(m, Lion8bit),
         "lion4": lambda m: lion(m, Lion4bit),
         "bnb": lambda m: lion(m, _bnb("Lion8bit")),
+    },
+    "rmsprop": {
+        "fp32": lambda m: grouped(m, torch.optim.RMSprop, foreach=True, **RMSPROP),
+        "rmsprop8": lambda m: grouped(m, RMSprop8bit, **RMSPROP),
+        "rmsprop4": lambda m: grouped(m, RMSprop4bit, **RMSPROP),
+        "bnb": lambda m: grouped(m, _bnb("RMSprop8bit"), **RMSPROP),
+    },
+    "adagrad": {
+        "fp32": lambda m: grouped(m, torch.optim.Adagrad, foreach=True, **ADAGRAD),
+        "adagrad8": lambda m: grouped(m, Adagrad8bit, **ADAGRAD),
+        "adagrad4": lambda m: grouped(m, Adagrad4bit, **ADAGRAD),
+        "adagrad8-sr": lambda m: grouped(m, Adagrad8bit, rounding="stochastic", **ADAGRAD),
+        "bnb": lambda m: grouped(m, _bnb("Adagrad8bit"), **ADAGRAD),
+    },
+    "nadam": {
+        "fp32": lambda m: grouped(m, torch.optim.NAdam, mc.WEIGHT_DECAY, foreach=True, **NADAM),
+        "nadam8": lambda m: grouped(m, NAdam8bit, mc.WEIGHT_DECAY, **NADAM),
+        "nadam4": lambda m: grouped(m, NAdam4bit, mc.WEIGHT_DECAY, **NADAM),
+    },
+    "radam": {
+        "fp32": lambda m: grouped(m, torch.optim.RAdam, mc.WEIGHT_DECAY, foreach=True, **RADAM),
+        "radam8": lambda m: grouped(m, RAdam8bit, mc.WEIGHT_DECAY, **RADAM),
+        "radam4": lambda m: grouped(m, RAdam4bit, mc.WEIGHT_DECAY, **RADAM),
+    },
+    "ademamix": {
+        "fp32": lambda m: ademamix(m, _bnb("AdEMAMix")),  # bitsandbytes' 32-bit AdEMAMix
+        "ademamix8": lambda m: ademamix(m, AdEMAMix8bit),
+        "ademamix4": lambda m: ademamix(m, AdEMAMix4bit),
+        "bnb": lambda m: ademamix(m, _bnb("AdEMAMix8bit")),
     },
 }
 
@@ -305,6 +359,7 @@ def main(argv=None) -> None:
         parser.error(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    STEPS[0] = args.steps
     seeds = [int(s) for s in args.seeds.split(",")]
     results: dict = {}
     for family in families:
@@ -320,7 +375,8 @@ def main(argv=None) -> None:
     n = sum(p.numel() for p in mc.GPT(**cfg).parameters())
     print(f"{args.size} ({n / 1e6:.2f} M params, {args.data} data), from scratch, {args.steps} steps, warm-up "
           f"{args.warmup}, seeds {args.seeds}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"Muon {MUON} + AdamW {ADAMW}; SGD {SGD}; Lion {LION}; noise control {SIGMA:g} relative")
+    print(f"Muon {MUON} + AdamW {ADAMW}; SGD {SGD}; Lion {LION}; RMSprop {RMSPROP}; Adagrad {ADAGRAD}; NAdam {NADAM}; "
+          f"RAdam {RADAM}; AdEMAMix {ADEMAMIX}; noise control {SIGMA:g} relative")
     for family in families:
         print(f"\n{results[family]['table']}")
     if args.json:
