@@ -21,7 +21,6 @@ Run as a script for figures: ``python tests/hostile_roles.py [trials] [seed]``.
 from __future__ import annotations
 
 import collections
-import copy
 import json
 import os
 import random
