@@ -224,3 +224,35 @@ def test_a_kill_at_every_rename_and_unlink_of_replace_leaves_a_complete_checkpoi
         ops = counts.pop("operations")
         assert ops >= 3 and sum(counts.values()) == ops * len(whens), (scenario, counts)
         assert set(counts) <= {"handled (old)", "handled (new)"} and len(counts) == 2, (scenario, counts)
+
+
+@pytest.mark.parametrize("folder", [False, True])
+def test_swap_in_keeps_what_its_check_refuses_and_never_journals_it_for_removal(tmp_path, folder, monkeypatch):
+    """What is at the name is not the file that was converted (a trainer rewrote it): kept where it was, the
+    replacement left to its caller, and nothing of it in the journal that a later run would delete."""
+    from ckptq.format import atomic
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    work = tmp_path / "w"
+    work.mkdir()
+    dst, new = work / "name", work / ".name.ckptq-tmp-x"
+    for p, text in ((dst, "the trainer's"), (new, "ckptq's")):
+        if folder:
+            p.mkdir()
+            (p / "f").write_text(text)
+        else:
+            p.write_text(text)
+
+    def changed(path):
+        raise atomic.InputError("changed")
+
+    def journaled():
+        return [e for e in journal.JOURNAL.entries if e["path"].startswith(str(work))]
+
+    with pytest.raises(atomic.InputError):
+        atomic.swap_in(str(new), str(dst), changed)
+    read = (lambda p: (p / "f").read_text()) if folder else (lambda p: p.read_text())
+    assert read(dst) == "the trainer's" and read(new) == "ckptq's"
+    assert sorted(os.listdir(work)) == [".name.ckptq-tmp-x", "name"] and journaled() == []
+    atomic.swap_in(str(new), str(dst), lambda path: None)
+    assert read(dst) == "ckptq's" and os.listdir(work) == ["name"] and journaled() == []

@@ -51,6 +51,12 @@ def new_temp(final: str, suffix: str = ".tmp") -> str:
     return tmp
 
 
+def discard(tmp: str) -> None:
+    """A temp of this run's (``new_temp``) that is done with: removed if it is still there, and forgotten."""
+    files.remove_path(tmp)
+    journal.JOURNAL.forget([tmp])
+
+
 def check_replaceable(path: str, force: bool, kind: str) -> None:
     """OutputExistsError unless nothing is at ``path``, or ``force`` is given and it is a regular file of
     ``kind`` by its structure (``identify.kind_of``: an output ckptq could have written there) or empty:
@@ -150,20 +156,22 @@ def swap_in(new: str, dst: str, check: Callable[[str], None]) -> None:
     st = os.lstat(dst)
     folder = stat.S_ISDIR(st.st_mode)
     if not folder and _linked_aside(new, dst, st, check):
+        journal.JOURNAL.forget([new])  # it has dst's name now
         return
     entry = journal.JOURNAL.add(new, (st.st_dev, st.st_ino), folder)  # new's name will hold dst's old version
     if exchange(new, dst):
         try:
             check(new)
         except BaseException:
+            journal.JOURNAL.drop(entry)  # not the file that was converted: never a later run's to delete
             exchange(new, dst)  # put it back as it was
-            journal.JOURNAL.drop(entry)
             raise
         remove_aside(new, dst)
         return
     journal.JOURNAL.drop(entry)
     aside = renamed_aside(dst, check)
     os.replace(new, dst)
+    journal.JOURNAL.forget([new])
     remove_aside(aside, dst)
 
 
@@ -199,8 +207,8 @@ def renamed_aside(path: str, check: Callable[[str], None]) -> str:
     try:
         check(aside)
     except BaseException:
+        journal.JOURNAL.forget([aside])  # not the file that was converted: never a later run's to delete
         os.rename(aside, path)
-        journal.JOURNAL.forget([aside])
         raise
     return aside
 

@@ -18,7 +18,7 @@ import torch
 
 from ..codec import checkpoint, signpost
 from ..errors import InputError, NothingToConvertError, UsageError
-from ..format import atomic, files
+from ..format import atomic
 from . import folders, inplace
 from .original import Original, refuse_link
 from .base import Source
@@ -72,7 +72,7 @@ class FrameworkFolder(Source):
                 report.signposts += part.signposts
         finally:
             for p in pending.values():  # written, never committed: a failure on the way
-                files.remove_path(p.tmp)
+                atomic.discard(p.tmp)
         report.seconds = time.perf_counter() - t0
         return report
 
@@ -104,8 +104,8 @@ class FrameworkFolder(Source):
                 report.removed += originals[job.src].remove([job.dst], also=folders.parts_of(job.src)[1:])
         finally:
             for job in moved:
-                if written[job.src] != job.dst and os.path.exists(written[job.src]):
-                    os.unlink(written[job.src])
+                if written[job.src] != job.dst:
+                    atomic.discard(written[job.src])
         report.outputs = [p for part in report.parts for p in part.outputs]
         report.seconds = time.perf_counter() - t0
         return report
@@ -142,7 +142,7 @@ def _signpost(folder: str, job: folders.Job, stored: str) -> str | None:
     try:
         torch.save(signpost.make(found[0].state_dict, message), tmp)
     except BaseException:
-        files.remove_path(tmp)
+        atomic.discard(tmp)
         raise
     return tmp
 

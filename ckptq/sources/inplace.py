@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass
 
 from ..codec import checkpoint, foreign, quant, signpost
-from ..format import atomic, files, torch_stream, torch_zip
+from ..format import atomic, torch_stream, torch_zip
 from . import folders, readback
 from .options import ConvertOptions, ExpandOptions
 from .original import Original
@@ -76,7 +76,7 @@ def write(source, opts: ConvertOptions) -> Pending:
     try:
         torch_stream.save(obj, tmp, opts.progress)
     except BaseException:
-        files.remove_path(tmp)
+        atomic.discard(tmp)
         raise
     report.outputs, report.output_bytes = [source.path], os.path.getsize(tmp)
     report.seconds = time.perf_counter() - t0
@@ -101,7 +101,7 @@ def commit(p: Pending) -> list[str]:
     try:
         p.original.remove([p.tmp], stand_in=p.tmp)
     except BaseException:
-        files.remove_path(p.tmp)
+        atomic.discard(p.tmp)
         raise
     return [p.src]
 
@@ -109,7 +109,11 @@ def commit(p: Pending) -> list[str]:
 def convert(source, opts: ConvertOptions) -> ConvertReport:
     """``convert FILE --replace`` of a framework file: in place, checked before it takes the name."""
     p = write(source, opts)
-    check(p, opts.trust)
+    try:
+        check(p, opts.trust)
+    except BaseException:
+        atomic.discard(p.tmp)
+        raise
     p.report.removed = commit(p)
     return p.report
 
@@ -125,7 +129,6 @@ def expand(source, opts: ExpandOptions) -> ExpandReport:
         source.check_expanded([tmp], opts.trust)
         original.remove([tmp], stand_in=tmp)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        atomic.discard(tmp)
     part.outputs = [source.path]
     return part
