@@ -106,7 +106,7 @@ class Original:
         finally:
             os.close(self._fd)
             if mine is not None and _same(stand_in, mine):
-                files.remove_path(stand_in)  # this run's own, never put in place: a failure on the way
+                atomic.discard(stand_in)  # this run's own, never put in place: a failure on the way
 
 
 def _same(path: str, st: os.stat_result) -> bool:
