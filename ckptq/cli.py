@@ -308,7 +308,7 @@ _OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon", "sgd": "SGD", "lion": "Lio
 def _format_estimate(r: dict) -> str:
     s, d, t, c = r["setup"], r["per_device"], r["totals"], r["checkpoint"]
     tokens = f"batch {s['batch_size']} x {s['seq_len']} tokens" if s["seq_len"] else f"batch {s['batch_size']}"
-    lines = [f"{r['model']}: {r['params']:,} parameters; {s['precision']}, {tokens}, {s['attention']} attention, "
+    lines = [f"{_shown(r['model'])}: {r['params']:,} parameters; {s['precision']}, {tokens}, {s['attention']} attention, "
              f"{s['world_size']} device(s), ZeRO stage {s['zero_stage']}",
              f"per device{'':<24}{_OPTIMIZER_NAMES[s['optimizer']] + ' fp32':>14}{'ckptq 8-bit':>14}{'4-bit':>14}"]
     opts = (f"{s['optimizer']}_fp32", "ckptq_8bit", "ckptq_4bit")
@@ -327,4 +327,4 @@ def _format_estimate(r: dict) -> str:
         lines.append(f"  {label:<32}" + "".join(f"{_gib(t[o][key]):>14}" for o in opts))
     lines.append(f"checkpoint on disk (all ranks): fp32 {_gib(c['fp32'])}, ckptq 8-bit {_gib(c['ckptq_8bit'])} "
                  f"({_gib(c['ckptq_8bit_compressed'])} with --compress), 4-bit {_gib(c['ckptq_4bit'])}")
-    return "\n".join(lines + [f"note: {n}" for n in r["notes"]])
+    return "\n".join(lines + [f"note: {_shown(n)}" for n in r["notes"]])

@@ -114,6 +114,23 @@ class Found:
     state_dict: dict
 
 
+def groups_by_param(state_dict: dict, where: str) -> dict:
+    """{parameter id: its param group} of an optimizer state dict (groups that are not dicts with a ``params``
+    list are the planner's to refuse); InputError for an id that cannot key a state dict (a list, a dict)."""
+    out = {}
+    for i, g in enumerate(state_dict["param_groups"]):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), (list, tuple)):
+            continue
+        for pid in g["params"]:
+            try:
+                out[pid] = g
+            except TypeError:
+                raise InputError(f"optimizer at {where}: param group {i} lists a parameter id that is a "
+                                 f"{type(pid).__name__} ({str(pid)[:40]}), not a number or a name; the state dict is "
+                                 "damaged") from None
+    return out
+
+
 def find_optimizers(obj: Any, key: str | None = None) -> list[Found]:
     """Optimizer state dicts in ``obj``: found by shape (``state`` + ``param_groups``), or at the
     '/'-separated key path ``key``."""

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from . import checkpoint, policy, qstate
+from .views import unbacked
 from ..errors import InputError
 
 BNB_NESTED = "__bnb_optimizer_quant_state__"
@@ -52,22 +53,55 @@ def _dense(t) -> bool:
     return isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta
 
 
+def _backed(t: torch.Tensor, name: str) -> None:
+    """InputError unless each element of ``t`` (bitsandbytes' ``name``) has bytes of its own: a zero-stride
+    or overlapping view claims elements that no input bytes back (3 KB claiming 2**32 codes), and decoding
+    it would allocate in proportion to the claim. Checked before anything is allocated for it."""
+    why = unbacked(t)
+    if why is not None:
+        raise InputError(f"bitsandbytes {name} is {why}: {t.numel()} values in {t.untyped_storage().nbytes()} bytes; "
+                         "bitsandbytes saves no such tensor, the state dict is damaged or crafted")
+
+
 def _bnb_moment(q: dict, i: int, numel: int) -> torch.Tensor:
+    """bitsandbytes' state{i} decoded to fp32 (``numel`` values, as state1); every tensor it reads is checked
+    first (dense, its own bytes, its shape), so that what is allocated is in proportion to the input's bytes."""
     codes = q.get(f"state{i}")
     if not _dense(codes) or codes.numel() != numel:
         got = f"a {codes.layout} tensor of {codes.numel()}" if isinstance(codes, torch.Tensor) else type(codes).__name__
         raise InputError(f"bitsandbytes state{i} is not a dense tensor of {max(numel, 1)} values as state1 (got {got}); "
                          "the state dict is damaged")
+    _backed(codes, f"state{i}")
     if codes.dtype != torch.uint8:
         return _checked(codes.float(), i)
     qmap, absmax = q.get(f"qmap{i}"), q.get(f"absmax{i}", q.get(f"max{i}"))
     if not _dense(qmap) or qmap.numel() != 256 or not _dense(absmax) or absmax.numel() < 1:
         raise InputError(f"bitsandbytes 8-bit state{i} lacks its qmap{i}/absmax{i} (dense, 256 entries and one scale "
                          "per block); the state dict is damaged")
+    if qmap.dim() != 1:
+        raise InputError(f"bitsandbytes qmap{i} has shape {tuple(qmap.shape)}; it is one row of 256 values (the "
+                         "codebook), the state dict is damaged")
+    _backed(absmax, f"absmax{i}")
     block = _block_size(numel, absmax.numel(), i)
-    flat = codes.reshape(-1).long()
-    scale = absmax.float().reshape(-1).repeat_interleave(block)[: flat.numel()]
-    return _checked(qmap.float()[flat] * scale, i)
+    return _checked(_decoded(codes.reshape(-1), qmap.float(), absmax.float().reshape(-1), block), i)
+
+
+_CHUNK = 1 << 22  # codes decoded at a time: a multiple of every block size but a whole tensor's (one scale)
+
+
+def _decoded(codes: torch.Tensor, qmap: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """qmap[code] * scales[i // block] for every code, fp32, a chunk at a time: the output and one chunk's
+    indices are all that is allocated."""
+    out = torch.empty(codes.numel(), dtype=torch.float32)
+    for start in range(0, codes.numel(), _CHUNK):
+        end = min(start + _CHUNK, codes.numel())
+        values = qmap[codes[start:end].long()]
+        first, last = start // block, (end - 1) // block
+        whole = (last - first) * block  # the chunk's full blocks; the last one may be cut short
+        values[:whole].view(-1, block).mul_(scales[first:last, None])
+        values[whole:].mul_(scales[last])
+        out[start:end] = values
+    return out
 
 
 def _checked(values: torch.Tensor, i: int) -> torch.Tensor:
@@ -106,8 +140,9 @@ def _one_state(group: dict) -> tuple[str, dict]:
     ``betas`` and ``eps``: (momentum, dampening) and 0 for SGD8bit (which requires momentum; its kernel
     ignores dampening), (beta1, beta2) and 0 for Lion, (alpha, momentum) and eps for RMSprop8bit (which
     requires momentum 0), (0, 0) and eps for Adagrad8bit."""
-    betas, eps = group.get("betas", (0.0, 0.0)), float(group.get("eps", 0.0))
-    b1, b2 = (float(b) for b in betas) if isinstance(betas, (list, tuple)) and len(betas) == 2 else (0.0, 0.0)
+    betas, eps = group.get("betas", (0.0, 0.0)), _group_number(group, "eps", group.get("eps", 0.0))
+    b1, b2 = (_group_number(group, "betas", b) for b in betas) if isinstance(betas, (list, tuple)) and len(betas) == 2 \
+        else (0.0, 0.0)
     if eps == 0.0:
         if b2 == 0.0:
             return "momentum_buffer", {"momentum": b1, "dampening": 0.0, "nesterov": False}
@@ -115,6 +150,18 @@ def _one_state(group: dict) -> tuple[str, dict]:
     if b1 == 0.0 and b2 == 0.0:
         return "sum", {"lr_decay": 0.0, "initial_accumulator_value": 0.0}
     return "square_avg", {"alpha": b1, "momentum": b2, "centered": False}
+
+
+def _group_number(group: dict, name: str, value) -> float:
+    """A param group's number as bitsandbytes saves it (a float, an int, a one-element tensor); InputError
+    naming it for anything else."""
+    try:
+        if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.numel() != 1):
+            raise TypeError
+        return float(value.item() if isinstance(value, torch.Tensor) else value)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise InputError(f"bitsandbytes param group has {name} {type(value).__name__} {str(value)[:40]}, not a "
+                         "number; the state dict is damaged") from None
 
 
 def _from_bnb(pstate: dict, group: dict) -> dict:
@@ -138,8 +185,40 @@ def _from_bnb(pstate: dict, group: dict) -> dict:
 def _from_torchao(pstate: dict) -> dict:
     out = {}
     for k, v in pstate.items():
-        out[k] = v.dequantize().float() if is_torchao(v) else v
+        out[k] = _torchao_decoded(v, k) if is_torchao(v) else v
     return out
+
+
+def _torchao_parts(t: torch.Tensor, key: str) -> dict:
+    """The tensors a torchao state is made of (codes, scale, qmap), each checked to hold bytes of its own, the
+    codes as many values as the state claims (two per byte at 4 bits): what its ``dequantize`` allocates is
+    then in proportion to them. InputError otherwise."""
+    try:
+        names = t.__tensor_flatten__()[0]
+        parts = {n: getattr(t, n) for n in names}
+    except Exception:  # noqa: BLE001 -- a subclass of another make: said in one line
+        raise InputError(f"torchao state {key} ({type(t).__name__}) does not list its parts") from None
+    for name, part in parts.items():
+        why = unbacked(part) if _dense(part) else "not a dense tensor"
+        if why is not None:
+            raise InputError(f"torchao state {key}: its {name} is {why}; torchao saves no such tensor, the state "
+                             "dict is damaged or crafted")
+    codes = parts.get("codes")
+    per_byte = 2 if type(t).__name__ == "OptimState4bit" else 1
+    if codes is None or codes.numel() * per_byte != t.numel():
+        held = "no codes" if codes is None else f"{codes.numel() * per_byte} codes"
+        raise InputError(f"torchao state {key} ({type(t).__name__}) claims {t.numel()} values and holds {held}; "
+                         "the state dict is damaged or crafted")
+    return parts
+
+
+def _torchao_decoded(t: torch.Tensor, key: str) -> torch.Tensor:
+    _torchao_parts(t, key)
+    try:
+        return t.dequantize().float()
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:  # torchao's code, on parts that do not fit
+        raise InputError(f"torchao state {key} ({type(t).__name__}) does not decode ({str(e)[:120]}); the state "
+                         "dict is damaged or crafted") from None
 
 
 def to_torch_state(pstate: Any, group: dict | None = None) -> dict | None:
@@ -159,10 +238,13 @@ def to_torch(obj: Any) -> int:
     n = 0
     for found in checkpoint.find_optimizers(obj):
         state = found.state_dict["state"]
-        groups = {pid: g for g in found.state_dict["param_groups"] if isinstance(g, dict)
-                  for pid in (g.get("params") if isinstance(g.get("params"), (list, tuple)) else ())}
+        groups = checkpoint.groups_by_param(found.state_dict, "/".join(map(str, found.path)) or "<root>")
         for pid, pstate in list(state.items()):
-            converted = to_torch_state(pstate, groups.get(pid, {}))
+            try:
+                converted = to_torch_state(pstate, groups.get(pid, {}))
+            except InputError as e:
+                raise InputError(f"optimizer at {'/'.join(map(str, found.path)) or '<root>'}, parameter {str(pid)[:40]}: "
+                                 f"{e}") from None
             if converted is not None:
                 state[pid] = converted
                 n += 1
@@ -191,6 +273,7 @@ def torchao_qstate(t: Any) -> dict | None:
     bits = _TORCHAO_BITS.get(type(t).__name__) if is_torchao(t) else None
     if bits is None or t.block_size not in policy.BLOCK_SIZES:
         return None
+    _torchao_parts(t, "state")
     codes = t.codes.reshape(-1)
     codes = _swap_nibbles(codes) if bits == 4 else codes
     return qstate.QState(codes, t.scale.float(), t.qmap, t.block_size, "none", tuple(t.shape),

@@ -210,12 +210,13 @@ def make_plan(obj: Any, key: str | None, min_size: int, block_size: int | None =
     for f in plan.optimizers:
         kind = _check_groups(f)
         plan.kinds.append(kind)
-        groups = {pid: g for g in f.state_dict["param_groups"] for pid in g["params"]}
+        where = "/".join(map(str, f.path)) or "<root>"
+        groups = checkpoint.groups_by_param(f.state_dict, where)
         for pid, pstate in f.state_dict["state"].items():
             if not isinstance(pstate, dict):
                 continue
             decisions = decide(f.path + ("state", pid), pstate, groups.get(pid, {}), min_size, kind, shared)
-            if groups.get(pid, {}).get("centered") and kind.role("grad_avg"):
+            if kind.role("grad_avg") and roles.flag(groups.get(pid, {}), "centered", where):
                 _keep_centered(decisions, block_size or policy.default_block_size(bits), bits)
             plan.decisions += decisions
     return plan
@@ -257,6 +258,10 @@ def _keep_centered(decisions: list[Decision], block_size: int, bits: int) -> Non
     pair = {d.key: d for d in decisions if d.exact is None and d.key in ("square_avg", "grad_avg")}
     if len(pair) < 2:
         return
+    s, a = pair["square_avg"].tensor, pair["grad_avg"].tensor
+    if s.shape != a.shape:  # both have the parameter's shape in torch's RMSprop
+        raise InputError(f"{pair['grad_avg'].name} has shape {tuple(a.shape)} where square_avg has {tuple(s.shape)}; "
+                         "centered RMSprop keeps both in the parameter's shape, the state dict is damaged")
     s, a = (quant.dequantize_state(quant.quantize_state(d.tensor, d.key, block_size, bits=convert_width(d, bits),
                                                         role=d.role)).double() for d in pair.values())
     if bool((s < a.square()).any()):

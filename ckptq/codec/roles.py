@@ -49,12 +49,23 @@ _ADAM_ROLES = {"exp_avg": ADAM, "exp_avg_sq": ADAM, "max_exp_avg_sq": ADAM}
 UNKNOWN = Kind("an optimizer ckptq does not recognise")
 
 
-def _adam_name(groups: list) -> str:
+def flag(group: dict, name: str, where: str) -> bool:
+    """A param group's on/off setting (RMSprop's ``centered``, Adam's ``decoupled_weight_decay``): a bool, or
+    0 / 1 / None as an older or hand-made state dict may hold; InputError naming it for anything else (a
+    tensor, whose truth value is not one)."""
+    value = group.get(name)
+    if value is None or isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+        return bool(value)
+    raise InputError(f"optimizer at {where}: a param group has {name} = {type(value).__name__} {str(value)[:40]}; "
+                     "it is True or False, the state dict is damaged")
+
+
+def _adam_name(groups: list, where: str) -> str:
     g = groups[0] if groups else {}
     if "momentum_decay" in g:
         return "torch.optim.NAdam"
     if "amsgrad" in g:
-        return "torch.optim.AdamW" if g.get("decoupled_weight_decay") else "torch.optim.Adam"
+        return "torch.optim.AdamW" if flag(g, "decoupled_weight_decay", where) else "torch.optim.Adam"
     if "decoupled_weight_decay" in g:
         return "torch.optim.RAdam"
     return "Adam (betas, exp_avg, exp_avg_sq)"
@@ -98,7 +109,7 @@ def recognise(state_dict: dict, where: str = "<root>") -> Kind:
     if "exp_inf" in keys:
         return Kind("torch.optim.Adamax", {"exp_avg": FIRST, "exp_inf": MAX_NORM})
     if keys & {"exp_avg_sq", "max_exp_avg_sq"} or not keys:
-        return Kind(_adam_name(groups), dict(_ADAM_ROLES))
+        return Kind(_adam_name(groups, where), dict(_ADAM_ROLES))
     if keys <= {"exp_avg", "step"}:
         return Kind("Lion (lion-pytorch, bitsandbytes)", {"exp_avg": FIRST})
     return UNKNOWN

@@ -177,7 +177,16 @@ def in_place_message(name: str) -> str:
 # unpickles ``.metadata`` fully, so a signpost folder's ``.metadata`` is a pickle of one call that stops with
 # the message, ``int(MESSAGE)``: ``ValueError: invalid literal for int() with base 10: 'ckptq: ...'``. No code
 # of ckptq's runs there and no data is read; ckptq itself never unpickles it (``is_signpost_folder`` first).
+#
+# A folder is a signpost only while it holds exactly what ckptq wrote into it: its marker lists the files
+# (``.metadata``, its size and SHA-256), and nothing was added, removed or changed since. Only then may ckptq
+# replace it without --force (``expand`` writing the folder back). A folder that ``dcp.save`` wrote into
+# afterwards (accelerate saving into ``optimizer_0/`` again keeps the old ``.ckptq``), or any folder whose
+# marker merely says "signpost", is not one, and is never removed. Markers written before the list (by earlier
+# versions): recognised only if the folder holds nothing but ``.metadata`` and the marker, and ``.metadata`` holds
+# byte for byte the pickle ckptq writes for the marker's message (which decides every byte of it).
 FOLDER_MARKER = ".ckptq"  # as in every folder ckptq writes (ckptq.dcp.writer.MARKER), here with kind "signpost"
+_METADATA = ".metadata"
 
 
 class _Stop:
@@ -188,28 +197,58 @@ class _Stop:
         return int, (self.message,)
 
 
-def write_folder(path: str, message: str) -> None:
-    """A new folder ``path`` (it must not exist) holding a DCP signpost saying ``message``."""
-    import json
+def _pickled(message: str) -> bytes:
     import pickle
 
+    return pickle.dumps(_Stop(message), protocol=2)
+
+
+def write_folder(path: str, message: str) -> None:
+    """A new folder ``path`` (it must not exist) holding a DCP signpost saying ``message``."""
     os.mkdir(path)
-    with open(os.path.join(path, ".metadata"), "wb") as f:
-        pickle.dump(_Stop(message), f, protocol=2)
+    _fill(path, message)
+
+
+def _fill(path: str, message: str) -> None:
+    """An empty folder made a signpost: ``.metadata``, then the marker listing it."""
+    import hashlib
+    import json
+
+    data = _pickled(message)
+    with open(os.path.join(path, _METADATA), "wb") as f:
+        f.write(data)
+    marker = {"created_by": "ckptq", "kind": "signpost", "message": message, "files": {_METADATA: len(data)},
+              "sha256": {_METADATA: hashlib.sha256(data).hexdigest()}}
     with open(os.path.join(path, FOLDER_MARKER), "w") as f:
-        json.dump({"created_by": "ckptq", "kind": "signpost", "message": message}, f)
+        json.dump(marker, f)
 
 
 def folder_beside(path: str, stored: str) -> str:
     """A DCP signpost folder for ``path`` (whose state went to the folder ``stored``), written under a temp name
-    beside it, to take its name once it goes (``Original.remove``'s stand-in)."""
-    tmp = f"{path.rstrip('/')}.ckptq-signpost-{os.getpid()}"
-    if is_signpost_folder(tmp):  # one this process left
+    beside it (journaled: a killed run's is removed by the next), to take its name once it goes
+    (``Original.remove``'s stand-in)."""
+    import tempfile
+
+    from ..format import journal
+
+    parent, name = os.path.split(os.path.abspath(path.rstrip("/")))
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}{journal.TMP_MARK}signpost-")
+    journal.JOURNAL.add(tmp)
+    os.chmod(tmp, 0o777 & ~_umask())
+    try:
+        _fill(tmp, dcp_message(name, os.path.basename(stored.rstrip("/"))))
+    except BaseException:
         import shutil
 
-        shutil.rmtree(tmp)
-    write_folder(tmp, dcp_message(os.path.basename(path.rstrip("/")), os.path.basename(stored.rstrip("/"))))
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return tmp
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def is_signpost_folder(path: str) -> bool:
@@ -217,19 +256,61 @@ def is_signpost_folder(path: str) -> bool:
 
 
 def folder_message(path: str) -> str | None:
-    """The message of the DCP signpost folder ``path``; None for any other path."""
+    """The message of the DCP signpost folder ``path``; None for any other path, a folder whose marker says
+    "signpost" but that holds anything else than what ckptq wrote there included."""
+    found = _marker(path)
+    return found["message"] if found is not None and _holds_only_what_ckptq_wrote(path, found) is None else None
+
+
+def not_a_signpost(path: str) -> str | None:
+    """Why the folder ``path``, whose ``.ckptq`` marker says it is a signpost, is not one (what is in it that
+    ckptq did not write there); None if it is one, or has no signpost marker."""
+    found = _marker(path)
+    return None if found is None else _holds_only_what_ckptq_wrote(path, found)
+
+
+def _marker(path: str) -> dict | None:
+    """A folder's signpost marker (JSON with kind "signpost" and a message), read without following links."""
     import json
 
     marker = os.path.join(path, FOLDER_MARKER)
-    if not (os.path.isdir(path) and os.path.isfile(marker) and os.path.getsize(marker) < 65536):
+    if os.path.islink(path) or not os.path.isdir(path) or os.path.islink(marker) or not os.path.isfile(marker):
         return None
     try:
+        if os.path.getsize(marker) >= 65536:
+            return None
         with open(marker) as f:
             found = json.load(f)
     except (OSError, ValueError):
         return None
     ok = isinstance(found, dict) and found.get("kind") == "signpost" and isinstance(found.get("message"), str)
-    return found["message"] if ok else None
+    return found if ok else None
+
+
+def _holds_only_what_ckptq_wrote(path: str, marker: dict) -> str | None:
+    """None if the folder holds exactly the marker and the ``.metadata`` ckptq wrote; else what differs."""
+    import hashlib
+
+    try:
+        entries = {e.name: e for e in os.scandir(path)}
+    except OSError as e:
+        return f"it cannot be listed ({e.strerror})"
+    others = sorted(set(entries) - {FOLDER_MARKER, _METADATA})
+    if others:
+        return f"it also holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}"
+    meta = entries.get(_METADATA)
+    if meta is None or not meta.is_file(follow_symlinks=False):
+        return f"its {_METADATA} is missing or not a regular file"
+    if meta.stat(follow_symlinks=False).st_size > 65536:
+        return f"its {_METADATA} is not the one ckptq wrote"
+    with open(meta.path, "rb") as f:
+        data = f.read()
+    if "files" not in marker:  # an older signpost: .metadata is what ckptq writes for the message, byte for byte
+        same = data == _pickled(marker["message"])
+    else:
+        same = marker.get("files") == {_METADATA: len(data)} and \
+            marker.get("sha256") == {_METADATA: hashlib.sha256(data).hexdigest()}
+    return None if same else f"its {_METADATA} is not the one ckptq wrote"
 
 
 def dcp_message(name: str, stored: str) -> str:

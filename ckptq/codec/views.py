@@ -16,3 +16,18 @@ def repeats_bytes(t: torch.Tensor) -> bool:
             return True
         span += stride * (size - 1)
     return False
+
+
+def unbacked(t: torch.Tensor) -> str | None:
+    """Why the elements of ``t`` are not each backed by bytes of their own in its storage, or None when they
+    are: a view that repeats its bytes (``repeats_bytes``), or one that reaches past its storage. Checked
+    before a tensor of someone else's making is read element by element, so that what is allocated for it
+    stays in proportion to the bytes it holds."""
+    if t.numel() == 0:
+        return None
+    if repeats_bytes(t):
+        return "a view that repeats its bytes (stride 0 or overlapping strides)"
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    if (last + 1) * t.element_size() > t.untyped_storage().nbytes():
+        return "a view that reaches past its storage"
+    return None

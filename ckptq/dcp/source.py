@@ -153,4 +153,8 @@ class DcpFolder(Source):
             if role in policy.MOMENT_KEYS and isinstance(m, TensorStorageMetadata) and key not in low:
                 r.count(role, None, m.size.numel(), m.size.numel() * m.properties.dtype.itemsize)
         predict.predict(r, p, opts, md)
+        stale = signpost.not_a_signpost(self.path)
+        if stale is not None:
+            r.notes.append(f"its {writer.MARKER} marker says it is ckptq's signpost, but {stale}: a program wrote "
+                           "into it since (a DCP save keeps the old marker), so it is read as the DCP folder it is")
         return r

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .. import __version__
 from ..codec import signpost
 from ..errors import InputError, OutputExistsError
-from ..format import atomic, files
+from ..format import atomic, files, journal
 from . import safe_reader
 
 MARKER = ".ckptq"  # in every folder ckptq writes: {"created_by": ..., "kind": "dcp"}
@@ -113,12 +113,21 @@ def written_by_ckptq(path: str) -> bool:
     return all(n == ".metadata" or n.endswith(".distcp") for n in listing)
 
 
-def _check_replaceable(dst: str, force: bool) -> None:
-    if not os.path.lexists(dst) or (not os.path.islink(dst) and signpost.is_signpost_folder(dst)):
+def _check_replaceable(path: str, force: bool, dst: str | None = None) -> None:
+    """OutputExistsError unless the output folder ``dst`` may replace what is at ``path`` (``dst`` itself, or
+    where its old version was moved to be checked again): nothing, ckptq's signpost exactly as ckptq left it,
+    or with ``force`` a folder ckptq wrote, exactly as it wrote it."""
+    dst = dst or path
+    if not os.path.lexists(path) or (not os.path.islink(path) and signpost.is_signpost_folder(path)):
         return  # nothing there, or ckptq's signpost standing in for the folder written now
+    changed = None if os.path.islink(path) else signpost.not_a_signpost(path)
+    if changed is not None:  # never ckptq's to replace, with or without --force
+        raise OutputExistsError(f"{dst} holds a ckptq signpost marker ({MARKER}) but {changed}: it is not a signpost as "
+                                "ckptq writes them (something else wrote into it), so it was kept and nothing was written; "
+                                "choose another output path, or move it away yourself")
     if not force:
         raise OutputExistsError(f"{dst} exists; pass --force to overwrite it")
-    if not written_by_ckptq(dst):
+    if not written_by_ckptq(path):
         raise OutputExistsError(f"{dst} exists and is not a folder ckptq wrote, as it wrote it (its {MARKER} must list "
                                 "everything in it); --force replaces only ckptq's own outputs, so nothing was written: "
                                 "choose another output path or remove it yourself")
@@ -144,7 +153,8 @@ def write_folder(dst: str, state: dict, producers: dict, force: bool, src: str |
     tmp = None
     if _rank0():  # a folder of this run's own: no other run's, and no user's, has its name
         parent, name = os.path.split(os.path.abspath(dst.rstrip("/")))
-        tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}.ckptq-tmp-")
+        tmp = tempfile.mkdtemp(dir=parent, prefix=f".{name}{journal.TMP_MARK}")
+        journal.JOURNAL.add(tmp)  # a run killed while writing leaves it to the next run to remove
         os.chmod(tmp, 0o777 & ~_umask())
         try:
             _copy_companions(src, tmp) if src else None
@@ -172,14 +182,19 @@ def write_folder(dst: str, state: dict, producers: dict, force: bool, src: str |
     if _rank0():
         try:
             _write_marker(tmp)
-            if os.path.lexists(dst):  # checked again now: a folder ckptq wrote, unchanged since
+            if os.path.lexists(dst) and not os.path.islink(dst) and os.path.isdir(dst):
+                # swapped in, then what was there checked again where it now lies: a folder ckptq wrote (or
+                # its signpost), unchanged since; else swapped back and kept. The name never goes missing.
+                atomic.swap_in(tmp, dst, lambda old: _check_replaceable(old, force, dst))
+            else:
                 _check_replaceable(dst, force)
-                files.remove_path(dst)
-            os.replace(tmp, dst)
+                os.replace(tmp, dst)
             atomic.WRITTEN.append(dst)
         except BaseException:
             files.remove_path(tmp)
             raise
+        finally:
+            journal.JOURNAL.forget([tmp])
 
 
 def join_torchrun() -> None:

@@ -15,16 +15,21 @@ removed by hand.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import secrets
 import socket
+import stat
+import sys
 import tempfile
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ..errors import InputError, OutputExistsError
-from . import journal
+from . import files, journal
 from .identify import kind_of
-from .journal import TMP_MARK, remove_stale_temps  # noqa: F401  (the names tests and callers use)
+from .journal import ASIDE_MARK, TMP_MARK, remove_stale_temps  # noqa: F401  (the names tests and callers use)
 WRITTEN: list[str] = []  # outputs put in place by this process (``atomic_outputs``, DCP folders), in order
 
 
@@ -44,6 +49,12 @@ def new_temp(final: str, suffix: str = ".tmp") -> str:
     os.umask(mask)
     os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600
     return tmp
+
+
+def discard(tmp: str) -> None:
+    """A temp of this run's (``new_temp``) that is done with: removed if it is still there, and forgotten."""
+    files.remove_path(tmp)
+    journal.JOURNAL.forget([tmp])
 
 
 def check_replaceable(path: str, force: bool, kind: str) -> None:
@@ -83,18 +94,133 @@ def atomic_outputs(finals: list[str], force: bool, kind: str) -> Iterator[list[s
             tmps.append(new_temp(p))
         yield tmps
         for tmp, p in zip(tmps, finals):
+            if journal.JOURNAL.recorded(p) is not None:  # a temp of this run's own (an in-place expand writes into
+                st = os.lstat(tmp)  # one): recorded as the file about to take its name, or a kill leaves it for good
+                journal.JOURNAL.add(p, (st.st_dev, st.st_ino), False)
             os.replace(tmp, p)
             WRITTEN.append(p)
     except BaseException:
         for tmp in tmps:
             for leftover in (tmp, tmp + ".r"):
-                if os.path.lexists(leftover) and journal.ours({"path": leftover, **_recorded(leftover)}):
+                entry = journal.JOURNAL.recorded(leftover)
+                if os.path.lexists(leftover) and entry is not None and journal.ours(entry):
                     os.unlink(leftover)
         raise
     finally:
         journal.JOURNAL.forget(tmps + [t + ".r" for t in tmps])
 
 
-def _recorded(path: str) -> dict:
-    dev_ino = journal.JOURNAL.entries.get(os.path.abspath(path))
-    return {"dev": dev_ino[0], "ino": dev_ino[1]} if dev_ino else {"dev": None, "ino": None}
+# --- Replacing and removing an existing name (``--replace``, a DCP folder written over ckptq's own) --------------
+
+def aside_name(path: str) -> str:
+    """A name beside ``path`` for its old version on its way out: one no other run and no user file has."""
+    return f"{path.rstrip(os.sep)}{journal.ASIDE_MARK}{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _renameat2(a: str, b: str, flags: int) -> bool:
+    """Linux ``renameat2``; False where the C library or the file system lacks it (the caller falls back)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(None, use_errno=True).renameat2
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC is False:
+        return False
+    if _LIBC(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+_LIBC = None
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def exchange(a: str, b: str) -> bool:
+    """Swap the names ``a`` and ``b`` (files or folders) in one step: each name exists at every instant.
+    False where the system cannot (not Linux, or a file system without ``RENAME_EXCHANGE``)."""
+    return sys.platform.startswith("linux") and _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def swap_in(new: str, dst: str, check: Callable[[str], None]) -> None:
+    """Put ``new`` (this run's file or folder, beside ``dst``) in ``dst``'s place and delete what was there,
+    ``dst`` naming one or the other at every instant: a file is hard-linked aside, checked, replaced, then
+    its aside unlinked; a folder (or a file where links fail) swapped with ``new`` in one step
+    (``exchange``), then checked at ``new``'s name and deleted. ``check(path)`` raises (before anything is
+    replaced, or swapping back) to keep what is at ``dst``: the file that was converted must still be there.
+    The aside is journaled first, so a killed run's is removed by the next run. Where neither links nor
+    swaps work, the old version is renamed aside and ``new`` renamed in: the name is missing for that moment."""
+    st = os.lstat(dst)
+    folder = stat.S_ISDIR(st.st_mode)
+    if not folder and _linked_aside(new, dst, st, check):
+        journal.JOURNAL.forget([new])  # it has dst's name now
+        return
+    entry = journal.JOURNAL.add(new, (st.st_dev, st.st_ino), folder)  # new's name will hold dst's old version
+    if exchange(new, dst):
+        try:
+            check(new)
+        except BaseException:
+            journal.JOURNAL.drop(entry)  # not the file that was converted: never a later run's to delete
+            exchange(new, dst)  # put it back as it was
+            raise
+        remove_aside(new, dst)
+        return
+    journal.JOURNAL.drop(entry)
+    aside = renamed_aside(dst, check)
+    os.replace(new, dst)
+    journal.JOURNAL.forget([new])
+    remove_aside(aside, dst)
+
+
+def _linked_aside(new: str, dst: str, st: os.stat_result, check: Callable[[str], None]) -> bool:
+    """``swap_in`` of a file through a hard link; False where the file system has no hard links."""
+    aside = aside_name(dst)
+    journal.JOURNAL.add(aside, (st.st_dev, st.st_ino), False)
+    try:
+        os.link(dst, aside, follow_symlinks=False)
+    except OSError as e:
+        journal.JOURNAL.forget([aside])
+        if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
+            return False
+        raise
+    try:
+        check(aside)
+    except BaseException:
+        remove_aside(aside)
+        raise
+    os.replace(new, dst)
+    remove_aside(aside, dst)
+    return True
+
+
+def renamed_aside(path: str, check: Callable[[str], None]) -> str:
+    """Rename ``path`` aside (journaled first) and ``check`` what moved; if it raises, rename it back."""
+    st = os.lstat(path)
+    aside = aside_name(path)
+    if os.path.lexists(aside):  # a rename would replace it; the name is random, so this is not ours
+        raise InputError(f"{aside} exists; it was not removed and {path} was kept (remove or rename it)")
+    journal.JOURNAL.add(aside, (st.st_dev, st.st_ino), stat.S_ISDIR(st.st_mode))
+    os.rename(path, aside)
+    try:
+        check(aside)
+    except BaseException:
+        journal.JOURNAL.forget([aside])  # not the file that was converted: never a later run's to delete
+        os.rename(aside, path)
+        raise
+    return aside
+
+
+def remove_aside(aside: str, replaced: str | None = None) -> None:
+    """Delete an aside (a file, a link to one, or a folder) and forget it; ``replaced``: the name whose old
+    version it is, replaced already (InputError saying where the old version is if it cannot go)."""
+    try:
+        files.remove_path(aside)
+    except OSError as e:
+        if replaced is None:
+            raise
+        raise InputError(f"{replaced} was replaced, but its old version could not be deleted ({e.strerror}); it is "
+                         f"at {aside}") from None
+    journal.JOURNAL.forget([aside])

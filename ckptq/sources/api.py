@@ -9,6 +9,7 @@ from typing import Any
 import os
 
 from .. import format
+from ..format import journal
 from ..format.identify import kind_of
 from ..codec import checkpoint, policy, quant, signpost, tree
 from ..errors import InputError, NothingToConvertError
@@ -38,6 +39,7 @@ def convert(src: str, dst: str | None = None, *, bits: int | None = None, block_
     if it is still the file that was converted."""
     opts = ConvertOptions(dst, bits, block_size, min_size, key, device, backend, compress_level, compress_threads,
                           max_shard_size, force, trust, replace, keep_last, progress).checked()
+    journal.remove_stale_temps()  # what a killed run left beside its inputs and outputs, before this one looks
     return detect(src, run=all).convert(opts)
 
 
@@ -49,6 +51,7 @@ def expand(src: str, dst: str | None = None, *, force: bool = False, verify: boo
     a DCP folder or a DeepSpeed checkpoint: back to what they were. ``replace``: the source is deleted once
     the output was written, synced, read back and checked."""
     opts = ExpandOptions(dst, force, verify, trust, replace, progress).checked()
+    journal.remove_stale_temps()
     return detect(src).expand(opts)
 
 

@@ -17,10 +17,10 @@ import time
 import torch
 
 from ..codec import checkpoint, signpost
-from ..errors import NothingToConvertError, UsageError
-from ..format import atomic, files
+from ..errors import InputError, NothingToConvertError, UsageError
+from ..format import atomic
 from . import folders, inplace
-from .original import Original
+from .original import Original, refuse_link
 from .base import Source
 from .options import ConvertOptions, ExpandOptions, InfoOptions
 from .reports import ConvertReport, ExpandReport, InfoReport
@@ -45,6 +45,8 @@ class FrameworkFolder(Source):
         _no_output_path(opts.output, "convert")
         layout = folders.for_convert(self.path, opts.bits, opts.replace, opts.force)
         report = ConvertReport(self.path, f"{layout.framework} {self.kind}", bits=opts.bits)
+        for job in layout.jobs if opts.replace else ():
+            refuse_link(job.src)  # before anything is written
         one = _replace_off(opts.with_output(None))
         sources = [self._detect(job.src) for job in layout.jobs]
         originals = [Original(job.src) if opts.replace and not job.in_place else None for job in layout.jobs]
@@ -70,7 +72,7 @@ class FrameworkFolder(Source):
                 report.signposts += part.signposts
         finally:
             for p in pending.values():  # written, never committed: a failure on the way
-                files.remove_path(p.tmp)
+                atomic.discard(p.tmp)
         report.seconds = time.perf_counter() - t0
         return report
 
@@ -80,6 +82,8 @@ class FrameworkFolder(Source):
         layout = folders.for_expand(self.path, opts.replace)
         report = ExpandReport(self.path, f"{layout.framework} {self.kind}")
         moved = [job for job in layout.jobs if not job.in_place]
+        for job in layout.jobs if opts.replace else ():
+            refuse_link(job.src)  # before anything is written
         originals = {job.src: Original(job.src) for job in moved} if opts.replace else {}
         # a signpost stays until the file that replaces it is checked: its name is never missing
         written = {job.src: atomic.new_temp(job.dst) if opts.replace and job.over_signpost and not os.path.isdir(job.dst)
@@ -95,13 +99,13 @@ class FrameworkFolder(Source):
             for job in moved if opts.replace else ():
                 self._detect(job.src).check_expanded([written[job.src]], opts.trust)
             for job in moved if opts.replace else ():
-                if written[job.src] != job.dst:
-                    os.replace(written[job.src], job.dst)
+                if written[job.src] != job.dst:  # over the signpost, if it is still the signpost
+                    atomic.swap_in(written[job.src], job.dst, _still_a_signpost(job.dst))
                 report.removed += originals[job.src].remove([job.dst], also=folders.parts_of(job.src)[1:])
         finally:
             for job in moved:
-                if written[job.src] != job.dst and os.path.exists(written[job.src]):
-                    os.unlink(written[job.src])
+                if written[job.src] != job.dst:
+                    atomic.discard(written[job.src])
         report.outputs = [p for part in report.parts for p in part.outputs]
         report.seconds = time.perf_counter() - t0
         return report
@@ -138,9 +142,17 @@ def _signpost(folder: str, job: folders.Job, stored: str) -> str | None:
     try:
         torch.save(signpost.make(found[0].state_dict, message), tmp)
     except BaseException:
-        files.remove_path(tmp)
+        atomic.discard(tmp)
         raise
     return tmp
+
+
+def _still_a_signpost(name: str):
+    def check(old: str) -> None:
+        if not signpost.is_signpost_file(old):
+            raise InputError(f"{name} is no longer ckptq's signpost (another program wrote it while ckptq expanded); "
+                             "it was kept, and the expanded state was not put in its place")
+    return check
 
 
 def _replace_off(opts):

@@ -8,18 +8,23 @@ Fabric fail to unpickle a safetensors file; ``CkptqCheckpointIO`` resumes from i
 so the file shrinks by what the moments save (a ``.q8.safetensors`` beside it would have held the weights a
 second time).
 
-Both directions write a temp file beside the original, read it back against the original, and only then
-rename it over the original (``Original.remove``'s stand-in): the name never goes missing.
+Both directions write a temp file beside the original, check every zip record of the original against its
+CRC-32 (a damaged original is refused, never replaced), read the temp file back against the original, and
+only then rename it over the original (``Original.remove``'s stand-in, through a hard link to the original
+first: the name names the old file or the new one at every instant). A symlinked original is refused by
+name before anything is written; what a killed run leaves beside it (the temp, the old file's link) is
+journaled and removed by the next run (``ckptq.format.journal``).
 """
 
 from __future__ import annotations
 
 import os
 import time
+import zipfile
 from dataclasses import dataclass
 
 from ..codec import checkpoint, foreign, quant, signpost
-from ..format import atomic, files, torch_stream
+from ..format import atomic, torch_stream, torch_zip
 from . import folders, readback
 from .options import ConvertOptions, ExpandOptions
 from .original import Original
@@ -71,7 +76,7 @@ def write(source, opts: ConvertOptions) -> Pending:
     try:
         torch_stream.save(obj, tmp, opts.progress)
     except BaseException:
-        files.remove_path(tmp)
+        atomic.discard(tmp)
         raise
     report.outputs, report.output_bytes = [source.path], os.path.getsize(tmp)
     report.seconds = time.perf_counter() - t0
@@ -79,11 +84,14 @@ def write(source, opts: ConvertOptions) -> Pending:
 
 
 def check(p: Pending, trust: bool) -> None:
-    """ReadbackError (and the temp file removed) unless it holds what convert meant to write."""
-    want = checkpoint.load_torch(p.src, trust=trust)
-    want = signpost.unwrapped(want)[0]
-    foreign.to_torch(want)
+    """ReadbackError (and the temp file removed) unless it holds what convert meant to write; InputError
+    (the same) if a record of the original does not match its CRC-32: a damaged original is never replaced."""
     with readback.discarding([p.tmp]):
+        if zipfile.is_zipfile(p.src):
+            torch_zip.verify_crcs(p.src)  # no torch.load checks them: the comparison below cannot see such damage
+        want = checkpoint.load_torch(p.src, trust=trust)
+        want = signpost.unwrapped(want)[0]
+        foreign.to_torch(want)
         got = signpost.unwrapped(checkpoint.load_torch(p.tmp))[0]
         readback.check_converted(want, got, p.tmp)
 
@@ -93,7 +101,7 @@ def commit(p: Pending) -> list[str]:
     try:
         p.original.remove([p.tmp], stand_in=p.tmp)
     except BaseException:
-        files.remove_path(p.tmp)
+        atomic.discard(p.tmp)
         raise
     return [p.src]
 
@@ -101,7 +109,11 @@ def commit(p: Pending) -> list[str]:
 def convert(source, opts: ConvertOptions) -> ConvertReport:
     """``convert FILE --replace`` of a framework file: in place, checked before it takes the name."""
     p = write(source, opts)
-    check(p, opts.trust)
+    try:
+        check(p, opts.trust)
+    except BaseException:
+        atomic.discard(p.tmp)
+        raise
     p.report.removed = commit(p)
     return p.report
 
@@ -117,7 +129,6 @@ def expand(source, opts: ExpandOptions) -> ExpandReport:
         source.check_expanded([tmp], opts.trust)
         original.remove([tmp], stand_in=tmp)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        atomic.discard(tmp)
     part.outputs = [source.path]
     return part

@@ -45,6 +45,8 @@ def check_expanded(src: str, dst: str, trust: bool = False) -> None:
     with readback.discarding([dst]):
         got = checkpoint.load_torch(dst)
         if checkpoint.is_torch_file(src):
+            if zipfile.is_zipfile(src):  # --replace deletes it: not if it is damaged (no torch.load checks CRCs)
+                torch_zip.verify_crcs(src)
             want = signpost.unwrapped(checkpoint.load_torch(src, trust=trust))[0]
             foreign.to_torch(want)
             quant.decode_qstates(want)
