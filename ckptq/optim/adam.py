@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..codec import policy, roles, scalar_math
+from ..errors import ArgumentError
 from ..kernels import rules
 from . import args as optim_args
 from .args import GROUP_FLAGS
@@ -72,6 +73,11 @@ class _Adam(LowBitOptimizer):
 
     def _check_group(self, group: dict, where: str) -> None:
         optim_args.check_group(group, where)
+        if self.decoupled:
+            try:
+                optim_args.check_decay(float(group["lr"]), float(group["weight_decay"]))
+            except ArgumentError as e:
+                raise ArgumentError(f"{where}: {e}") from None
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

@@ -53,6 +53,7 @@ class AdEMAMix8bit(LowBitOptimizer):
             optim_args.check_flags(group)
             optim_args.check_fp32(**{"lr * weight_decay": lr * wd, "lr / (1 - beta1)": lr / (1.0 - betas[0]),
                                      "lr * alpha": lr * group["alpha"]})
+            optim_args.check_decay(lr, wd)
         except (ArgumentError, KeyError, TypeError) as e:
             raise ArgumentError(f"{where}: {e}") from None
 

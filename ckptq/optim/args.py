@@ -177,6 +177,16 @@ def number(x, name: str, low: float = 0.0, high: float = math.inf, closed: bool 
     return value
 
 
+def check_decay(lr: float, weight_decay: float) -> None:
+    """A decay that shrinks the weights: lr * weight_decay above 2 makes the factor 1 - lr * weight_decay (or
+    SGD's) below -1, so every step multiplies the weights by more than their size whatever the gradients (torch
+    accepts it; the parameters are inf within a few dozen steps)."""
+    if lr * weight_decay > 2.0:
+        raise ArgumentError(f"Invalid weight_decay value: {weight_decay:.3g} with lr {lr:.3g} (lr * weight_decay = "
+                            f"{lr * weight_decay:.3g} > 2 makes the decay factor 1 - lr * weight_decay < -1: the weights "
+                            "grow without bound whatever the gradients); use a smaller weight_decay or lr")
+
+
 def check_fp32(**named) -> None:
     """The step's derived scalars (lr * weight_decay, lr / (1 - momentum), ...) finite in fp32, which the
     kernels take them in: a group whose step would make every parameter inf or NaN is refused up front."""
@@ -184,3 +194,17 @@ def check_fp32(**named) -> None:
         if not abs(value) <= FP32_MAX:
             raise ArgumentError(f"Invalid hyperparameters: {name} = {value:.3g} overflows fp32 in the step (the "
                                 "parameters would become inf or NaN); use a smaller lr or weight_decay")
+
+
+def signature_defaults(cls) -> dict:
+    """The defaults of an optimizer class's constructor arguments, through its bases (subclasses pass some on as
+    ``**kwargs``): what torch's ``__setstate__`` fills in for a flag an older torch did not save."""
+    import inspect
+
+    out = {}
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass) and klass.__module__.startswith("ckptq."):
+            for name, p in inspect.signature(klass.__init__).parameters.items():
+                if p.default is not inspect.Parameter.empty:
+                    out.setdefault(name, p.default)
+    return out

@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from ..codec import dtensor, ops, policy, qstate, scalar_math
-from ..errors import UsageError
+from ..errors import ArgumentError, UsageError
 from . import args as optim_args, plan, spec, state_io
 
 OPTIONS = {"block_size": 256, "min_size": 4096, "backend": "auto", "bits": 8, "rounding": "auto"}
@@ -47,7 +47,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self.block_size = optim_args.check_options(block_size, min_size, backend, bits)
         self.min_size, self.backend, self.bits = int(min_size), backend, bits
         self.rounding = optim_args.check_rounding(rounding)
-        self._check_group({**defaults, "params": []}, "the arguments")
+        self._checked({**defaults, "params": []}, "the arguments")
         super().__init__(params, defaults)
 
     # what each optimizer declares
@@ -83,6 +83,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return policy.ratio_eps_for(group, step)
 
     # the engine's own
+
+    def _checked(self, group: dict, where: str) -> None:
+        """The optimizer's checks of a param group, after the engine's own: every switch whose constructor
+        default is a bool (nesterov, centered, amsgrad, ...) a bool, as torch's optimizers assume."""
+        for key, default in optim_args.signature_defaults(type(self)).items():
+            if isinstance(default, bool) and key in group and not isinstance(group[key], bool):
+                raise ArgumentError(f"{where}: {key} must be True or False, got {group[key]!r:.40}")
+        self._check_group(group, where)
 
     def _rule_flags(self, group: dict) -> int:
         from ..kernels.rules import MAXIMIZE
@@ -228,7 +236,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 param_group = {**param_group, "params": [params]}
             elif params is not None and not isinstance(params, (set, list)):
                 param_group = {**param_group, "params": list(params)}  # a generator is read once, here
-            self._check_group({**self.defaults, **param_group}, f"param group {len(self.param_groups)}")
+            self._checked({**self.defaults, **param_group}, f"param group {len(self.param_groups)}")
         super().add_param_group(param_group)
         self._state_changed()
 

@@ -46,6 +46,7 @@ class Lion8bit(LowBitOptimizer):
                     raise ArgumentError("decoupled_weight_decay divides weight_decay by the initial lr, which is 0")
                 wd = wd / self._init_lr
             optim_args.check_fp32(**{"lr * weight_decay": lr * wd, "weight_decay / initial lr": wd})
+            optim_args.check_decay(lr, wd)
         except (ArgumentError, KeyError) as e:
             raise ArgumentError(f"{where}: {e}") from None
 

@@ -53,6 +53,7 @@ class Muon8bit(LowBitOptimizer):
             largest = max((_adjusted(1.0, group["adjust_lr_fn"], p.shape) for p in group.get("params", ())
                            if isinstance(p, torch.Tensor)), default=1.0)
             optim_args.check_fp32(**{"lr * weight_decay": lr * wd, "the adjusted lr": lr * largest})
+            optim_args.check_decay(lr, wd)
         except (ArgumentError, KeyError, TypeError) as e:
             raise ArgumentError(f"{where}: {e}") from None
 

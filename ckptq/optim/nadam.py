@@ -36,6 +36,8 @@ class NAdam8bit(LowBitOptimizer):
                 raise ArgumentError(f"decoupled_weight_decay must be True or False, got "
                                     f"{group['decoupled_weight_decay']!r:.40}")
             optim_args.check_flags(group)
+            if group["decoupled_weight_decay"]:
+                optim_args.check_decay(float(group["lr"]), float(group["weight_decay"]))
         except (ArgumentError, KeyError) as e:
             raise ArgumentError(f"{where}: {e}") from None
 

@@ -35,6 +35,7 @@ class SGD8bit(LowBitOptimizer):
             if group["nesterov"] and (mom <= 0 or group["dampening"] != 0):
                 raise ArgumentError("Nesterov momentum requires a momentum and zero dampening")
             optim_args.check_flags(group)
+            optim_args.check_decay(lr, wd)
             optim_args.check_fp32(**{"lr * weight_decay": lr * wd,
                                      "lr / (1 - momentum)": lr / (1.0 - mom) if mom < 1 else lr})
         except (ArgumentError, KeyError) as e:

@@ -22,6 +22,7 @@ import torch
 from ..codec import dtensor, foreign, ops, plan, qstate, quant, roles
 from ..codec.policy import MOMENT_KEYS
 from ..errors import ArgumentError, FormatError, InputError, StateMismatchError, UsageError
+from . import args as optim_args
 from .args import IMPL_FLAGS
 from .validate import check_param_state, step_value
 
@@ -115,7 +116,7 @@ def _import_group(opt, i: int, group: dict, saved: dict) -> dict:
     ``param_names`` when the saved group has none) kept from the optimizer's group ``group``. Checked like a
     constructor argument."""
     where = f"param group {i} of the state dict"
-    flags = {k: v for k, v in _signature_defaults(type(opt)).items()  # flags an older torch did not save,
+    flags = {k: v for k, v in optim_args.signature_defaults(type(opt)).items()  # flags an older torch did not save,
              if k in opt.defaults and (v is None or isinstance(v, bool))}  # filled as torch fills them
     missing = [k for k in ("params", *opt.defaults) if k not in saved and k not in flags]
     if missing:
@@ -128,24 +129,11 @@ def _import_group(opt, i: int, group: dict, saved: dict) -> dict:
         if key == "betas" and isinstance(value, list):
             new[key] = tuple(value)
     try:
-        opt._check_group(new, where)
+        opt._checked(new, where)
         _check_params(group["params"], f"param group {i}")
     except ArgumentError as e:
         raise StateMismatchError(str(e)) from None
     return new
-
-
-def _signature_defaults(cls) -> dict:
-    """The defaults of the optimizer class's constructor arguments (what torch's ``__setstate__`` fills in)."""
-    import inspect
-
-    out = {}
-    for klass in cls.__mro__:  # subclasses pass some on as **kwargs
-        if "__init__" in vars(klass) and klass is not torch.optim.Optimizer:
-            for name, p in inspect.signature(klass.__init__).parameters.items():
-                if p.default is not inspect.Parameter.empty:
-                    out.setdefault(name, p.default)
-    return out
 
 
 def _check_params(params, where: str) -> None:
