@@ -138,3 +138,51 @@ def test_a_converted_checkpoint_of_the_counterpart_resumes_as_stored(name, tmp_p
         assert isinstance(q, dict) and torch.equal(q["codes"], stored["state"][0][s.key]["codes"]), s.key
     _train(None, steps=3, w=p, opt=opt)
     assert torch.isfinite(p).all()
+
+
+def _bnb_trained(cls_name: str, steps: int = 3, **kw):
+    bnb = pytest.importorskip("bitsandbytes")
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(64, 300, generator=gen))
+    opt = getattr(bnb.optim, cls_name)([w], lr=1e-3, **kw)
+    for _ in range(steps):
+        w.grad = torch.randn(w.shape, generator=gen)
+        opt.step()
+    return w, opt
+
+
+@pytest.mark.parametrize("cls_name,ours", [("AdEMAMix", AdEMAMix8bit), ("AdEMAMix8bit", AdEMAMix8bit),
+                                           ("RMSprop8bit", RMSprop8bit), ("Adagrad8bit", Adagrad8bit)])
+def test_bitsandbytes_state_loads_as_its_fp32_values(cls_name, ours):
+    """bitsandbytes' own state dicts load as they are: decoded (its 8-bit codes, or AdEMAMix's [2, ...] stacked
+    EMAs, each half with its own scales), then quantized as ckptq's. Against the same run's fp32 states
+    (bitsandbytes' 32-bit class on the same gradients) within the two codecs' error."""
+    w, opt = _bnb_trained(cls_name)
+    base = cls_name.removesuffix("8bit")
+    _, fp32 = _bnb_trained(base, optim_bits=32) if base != cls_name else (w, opt)
+    q = fp32.state_dict()["state"][0]
+    q = q.get("__bnb_optimizer_quant_state__", q)
+    if base == "AdEMAMix":
+        want = {"exp_avg": q["state1"][0], "exp_avg_slow": q["state1"][1], "exp_avg_sq": q["state2"]}
+    else:
+        want = {{"RMSprop": "square_avg", "Adagrad": "sum"}[base]: q["state1"]}
+    mine = ours([torch.nn.Parameter(w.detach().clone())], lr=1e-3)
+    mine.load_state_dict(opt.state_dict())
+    got = to_torch_state_dict(mine.state_dict())["state"][0]
+    for key, ref in want.items():
+        assert ((got[key] - ref).norm() / ref.norm()).item() < (0.01 if base == cls_name else 0.05), key
+
+
+def test_a_converted_bitsandbytes_ademamix_checkpoint_resumes_as_stored(tmp_path):
+    """``ckptq convert`` stores bitsandbytes' 32-bit AdEMAMix state by role (two signed EMAs, a second moment as
+    sqrt), and AdEMAMix8bit resumes the file as stored."""
+    w, opt = _bnb_trained("AdEMAMix")
+    torch.save({"model": {"w": w.detach()}, "optimizer": opt.state_dict()}, tmp_path / "ckpt.pt")
+    ckptq.convert(str(tmp_path / "ckpt.pt"))
+    stored = ckptq.load(str(tmp_path / "ckpt.q8.safetensors"))["optimizer"]
+    assert {k for k, v in stored["state"][0].items() if isinstance(v, dict)} == {"exp_avg", "exp_avg_slow", "exp_avg_sq"}
+    p = torch.nn.Parameter(w.detach().clone())
+    mine = AdEMAMix8bit([p], lr=1e-3)
+    mine.load_state_dict(stored)
+    for key in ("exp_avg", "exp_avg_slow", "exp_avg_sq"):
+        assert torch.equal(mine.state[p][key]["codes"], stored["state"][0][key]["codes"]), key

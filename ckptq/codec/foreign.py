@@ -177,9 +177,30 @@ def _from_bnb(pstate: dict, group: dict) -> dict:
             group.setdefault(name, value)
         out[key] = _bnb_moment(q, 1, numel).reshape(q["state1"].shape)
         return out
+    if _dense(q.get("state2")) and q["state1"].dim() >= 1 and q["state1"].shape[0] == 2 \
+            and q["state1"].shape[1:] == q["state2"].shape:
+        return {**out, **_from_ademamix(q)}
     out["exp_avg"] = _bnb_moment(q, 1, numel).reshape(q["state1"].shape)
     out["exp_avg_sq"] = _bnb_moment(q, 2, numel).reshape(q["state1"].shape)
     return out
+
+
+def _from_ademamix(q: dict) -> dict:
+    """bitsandbytes' AdEMAMix: ``state1`` stacks the fast and the slow EMA ([2, *shape], each half with its own
+    row of ``absmax1`` at 8 bits), ``state2`` the second moment; as AdEMAMix8bit's keys."""
+    shape, n = q["state2"].shape, q["state2"].numel()
+    halves = []
+    for k in range(2):
+        half = {"state1": q["state1"][k], "qmap1": q.get("qmap1")}
+        for name in ("absmax1", "max1"):
+            scales = q.get(name)
+            if _dense(scales) and scales.dim() >= 1 and scales.shape[0] == 2:
+                half[name] = scales[k]
+            elif scales is not None and q["state1"].dtype == torch.uint8:
+                raise InputError(f"bitsandbytes AdEMAMix {name} has shape {tuple(getattr(scales, 'shape', ()))}, not "
+                                 "one row of scales per EMA ([2, blocks]); the state dict is damaged")
+        halves.append(_bnb_moment(half, 1, n).reshape(shape).clone())  # fp32 halves: views of one storage
+    return {"exp_avg": halves[0], "exp_avg_slow": halves[1], "exp_avg_sq": _bnb_moment(q, 2, n).reshape(shape)}
 
 
 def _from_torchao(pstate: dict) -> dict:

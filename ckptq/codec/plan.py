@@ -120,16 +120,17 @@ def _check_groups(found: checkpoint.Found) -> roles.Kind:
             raise InputError(f"optimizer at {where}: param group {i} has no 'params' list; the state dict is damaged")
     kind = roles.recognise(found.state_dict, where)
     if groups and all("betas" in g for g in groups):
+        count = 3 if "exp_avg_slow" in kind.roles else 2  # AdEMAMix: (beta1, beta2, beta3)
         for i, g in enumerate(groups):
-            _check_betas(g, i, where)
+            _check_betas(g, i, where, count)
     return kind
 
 
-def _check_betas(g: dict, i: int, where: str) -> None:
+def _check_betas(g: dict, i: int, where: str, count: int = 2) -> None:
     betas, eps = g["betas"], _number(g.get("eps", 1e-8))
     b = [_number(x) for x in betas] if isinstance(betas, (list, tuple)) else []
-    if len(b) != 2 or any(x is None or not 0.0 <= x < 1.0 for x in b):
-        raise InputError(f"optimizer at {where}: param group {i} has betas {betas!r}; they are two numbers "
+    if len(b) != count or any(x is None or not 0.0 <= x < 1.0 for x in b):
+        raise InputError(f"optimizer at {where}: param group {i} has betas {betas!r}; they are {count} numbers "
                          "in [0, 1). Fix the checkpoint's param_groups or pass --key to pick another optimizer")
     if eps is None or not math.isfinite(eps) or eps < 0:
         raise InputError(f"optimizer at {where}: param group {i} has eps {g.get('eps')!r}; it is a finite "
