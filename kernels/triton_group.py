@@ -21,7 +21,6 @@ caller updates them there between replays).
 from __future__ import annotations
 
 import torch
-import triton
 
 from . import rules
 from . import triton_blocks as tb
