@@ -1,23 +1,26 @@
-"""The Triton backend (CUDA): blockwise quantize, dequantize and the fused low-bit Adam step, one parameter
-per call or a group of them in one launch (``triton_group``).
+"""The Triton backend (CUDA): blockwise quantize and dequantize, and the per-parameter steps of the older
+contract (``adam_step``, ``momentum_step``) as groups of one of the one step's template (``triton_step``,
+launched by ``triton_group``).
 
 Signatures and contract in ``contract``; results equal ``backend_torch`` bit for bit, NaN and Inf
 included, in the row layout (``ROWS``: rows of any length, blocks that never cross a row). Each program
 handles ``ROWS`` consecutive quantization blocks as a ``[ROWS, BLOCK]`` tile (``triton_blocks``), so small
 block sizes still give every program ~2048 contiguous elements (coalesced, vectorized loads); a block's
-row, column, code bytes and scale come from its index. The step takes a width per moment; its scalars
-are kernel arguments here and come from a per-member table in the grouped kernels.
+row, column, code bytes and scale come from its index.
 Importing this module imports triton: ``ckptq.ops`` does so only on the Triton path.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from . import memo
 from . import triton_blocks as tb
-from .contract import MomentumFlags, StepFlags, StepState, is_flat, layout_rows, num_blocks
+from . import triton_group
+from .contract import (NONE, RATIO, SQRT, UPDATE_LINEAR, UPDATE_SIGN, Group, GroupMember, MomentumFlags, Slot,
+                       StepFlags, StepState, is_flat, layout_rows, num_blocks)
+from .rules import ADAM, MAXIMIZE, MOMENTUM
 
 ROWS = True  # quantize, dequantize, adam_step and momentum_step take rows that are not whole blocks
 __all__ = ["ROWS", "quantize", "dequantize", "adam_step", "momentum_step"]
@@ -59,48 +62,6 @@ def _dequantize_kernel(
     tl.store(out_ptr + offs, vals, mask=mask)
 
 
-@triton.jit(do_not_specialize=["seed"])
-def _adam_kernel(
-    p_ptr, g_ptr,  # param [n] (updated in place), grad [n]
-    decay, l2, omb1, beta2, omb2, eps, neg_step, bc2_sqrt, dec_eps, enc_eps,  # fp32 (contract.HYPER_FIELDS)
-    m_codes, m_absmax, m_qmap, m_tree, m_enc,  # exp_avg: uint8 codes, fp32 scales (row layout), fp32 [2**M_BITS]
-    #               decode map, [2**M_BITS] the encode map's midpoints as a search tree, [2**M_BITS] encode map
-    v_codes, v_absmax, v_qmap, v_tree, v_enc,  # exp_avg_sq (sqrt transform), same layout
-    x_codes, x_absmax, x_qmap, x_tree, x_enc,  # max_exp_avg_sq (sqrt transform; read only when AMSGRAD)
-    seed,  # int32: the bits of the uint32 seed of stochastic rounding (read only when STOCHASTIC)
-    n_blocks, row_len,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr,
-    M_RATIO: tl.constexpr,  # exp_avg's codes are ratios (else plain values); new codes always are
-    AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
-    M_BITS: tl.constexpr, V_BITS: tl.constexpr, X_BITS: tl.constexpr,  # each moment's code width
-    STOCHASTIC: tl.constexpr,  # exp_avg's and exp_avg_sq's new codes round stochastically (else to nearest)
-    ALIGNED: tl.constexpr,  # row_len is a multiple of 16 (triton_blocks.geometry)
-):
-    first = tl.program_id(0).to(tl.int64) * ROWS
-    tb.adam_tile(p_ptr, g_ptr, m_codes, m_absmax, v_codes, v_absmax, x_codes, x_absmax,
-                 m_qmap, m_tree, m_enc, v_qmap, v_tree, v_enc, x_qmap, x_tree, x_enc,
-                 decay, l2, omb1, beta2, omb2, eps, neg_step, bc2_sqrt, dec_eps, enc_eps,
-                 seed.to(tl.uint32, bitcast=True), first, n_blocks - first, row_len,
-                 BLOCK, ROWS, M_RATIO, AMSGRAD, MAXIMIZE, M_BITS, V_BITS, X_BITS, STOCHASTIC, ALIGNED)
-
-
-@triton.jit(do_not_specialize=["seed"])
-def _momentum_kernel(
-    p_ptr, g_ptr, out_ptr,  # param [n] (updated in place unless UPDATE_NONE), grad [n], fp32 d [n] (HAS_OUT)
-    codes, absmax, qmap, tree, enc,  # the state (as _adam_kernel's moments)
-    l2, keep, take, c_old, c_new, c_grad, decay, neg_lr,  # fp32 (contract.MOMENTUM_FIELDS)
-    seed,  # int32: the bits of the uint32 seed (read only when STOCHASTIC)
-    n_blocks, row_len,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, MAXIMIZE: tl.constexpr,
-    UPDATE: tl.constexpr, HAS_OUT: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
-):
-    first = tl.program_id(0).to(tl.int64) * ROWS
-    tb.momentum_tile(p_ptr, g_ptr, out_ptr, codes, absmax, qmap, tree, enc,
-                     l2, keep, take, c_old, c_new, c_grad, decay, neg_lr, seed.to(tl.uint32, bitcast=True),
-                     first, n_blocks - first, row_len, BLOCK, ROWS, BITS, MAXIMIZE, UPDATE, HAS_OUT, STOCHASTIC,
-                     ALIGNED)
-
-
 def _launch(kernel, n: int, row_len, block_size: int, *args, **constexprs) -> None:
     """Run a kernel over the blocks of n elements in rows of ``row_len`` (None: one row; a layout that is
     the flat one runs as one row), tiles as ``triton_blocks.tile_shape`` cuts them."""
@@ -113,15 +74,6 @@ def _launch(kernel, n: int, row_len, block_size: int, *args, **constexprs) -> No
                                             num_warps=warps, **constexprs)
 
 
-def _tree(thresholds):
-    return memo.by_tensor(tb.search_tree, thresholds)
-
-
-def _moment(state: StepState) -> tuple:
-    """A moment's five kernel arguments (codes, scales, decode map, search tree, encode map)."""
-    return state.codes, state.absmax, state.qmap, _tree(state.thresholds), state.encode
-
-
 def quantize(src, thresholds, block_size: int, sqrt: bool, codes, absmax, bits: int = 8, row_len=None) -> None:
     _launch(_quantize_kernel, src.numel(), row_len, block_size, src, tb.search_tree(thresholds), codes, absmax, SQRT=sqrt,
             BITS=bits)
@@ -132,19 +84,32 @@ def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: boo
     _launch(_dequantize_kernel, out.numel(), row_len, block_size, codes, absmax, qmap, out, SQRT=sqrt, BITS=bits)
 
 
+def _one(rule, flags: int, p, g, states: tuple, slots: tuple, h, seed, out, block_size: int, row_len) -> None:
+    """One parameter as a group of one of the template (``triton_group``; its tables made for this call)."""
+    member = GroupMember(p, tuple(s.codes for s in states), tuple(s.absmax for s in states), row_len)
+    seeds = None if seed is None else torch.tensor([seed], dtype=torch.int64)
+    outs = () if out is None else (out,)
+    triton_group.step(Group(rule.name, flags, (member,), (g,), outs, h.view(1, -1), seeds, slots, block_size, {}))
+
+
+def _slot(state: StepState, decode: int, encode: int, divisor: int = -1, seeded: bool = True) -> Slot:
+    return Slot(state.qmap, state.thresholds, state.encode, state.bits, decode, encode, divisor, seeded)
+
+
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
+    """``contract``'s adam_step: the rule ``adam`` on exp_avg (a ratio to exp_avg_sq, or plain where its codes
+    are not yet ratios), exp_avg_sq and max_exp_avg_sq (square roots; the last to nearest)."""
     m, v, *x = states
-    seed = flags.seed or 0
-    # the scalars as kernel arguments (fp32, exact: h holds fp32 values), not a tensor the GPU must be sent
-    _launch(_adam_kernel, p.numel(), flags.row_len, flags.block_size, p, g, *h.tolist(), *_moment(m), *_moment(v),
-            *_moment(x[0] if x else v), seed - (1 << 32) if seed >= 1 << 31 else seed, M_RATIO=flags.ratio,
-            AMSGRAD=bool(x), MAXIMIZE=flags.maximize, M_BITS=m.bits, V_BITS=v.bits, X_BITS=(x[0] if x else v).bits,
-            STOCHASTIC=flags.seed is not None, enable_fp_fusion=False)
+    slots = (_slot(m, RATIO if flags.ratio else NONE, RATIO, 1), _slot(v, SQRT, SQRT))
+    slots += tuple(_slot(s, SQRT, SQRT, seeded=False) for s in x)
+    rule_flags = (MAXIMIZE if flags.maximize else 0) | (ADAM.flag("amsgrad") if x else 0)
+    _one(ADAM, rule_flags, p, g, states, slots, h, flags.seed, None, flags.block_size, flags.row_len)
 
 
 def momentum_step(p, g, state: StepState, h, out, flags: MomentumFlags) -> None:
-    seed = flags.seed or 0
-    _launch(_momentum_kernel, p.numel(), flags.row_len, flags.block_size, p, g, p if out is None else out,
-            *_moment(state), *h.tolist(), seed - (1 << 32) if seed >= 1 << 31 else seed, BITS=state.bits,
-            MAXIMIZE=flags.maximize, UPDATE=flags.update, HAS_OUT=out is not None,
-            STOCHASTIC=flags.seed is not None, enable_fp_fusion=False)
+    """``contract``'s momentum_step: the rule ``momentum``, its update as the rule's switch."""
+    update = {UPDATE_LINEAR: MOMENTUM.flag("linear"), UPDATE_SIGN: MOMENTUM.flag("sign")}.get(flags.update, 0)
+    if not update and out is None:  # the direction goes nowhere, but the rule writes it
+        out = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+    _one(MOMENTUM, (MAXIMIZE if flags.maximize else 0) | update, p, g, (state,), (_slot(state, NONE, NONE),), h,
+         flags.seed, out if not update else None, flags.block_size, flags.row_len)

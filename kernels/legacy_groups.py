@@ -1,6 +1,7 @@
-"""The one step's groups (``contract.Group`` / ``Dense``) as the two grouped kernels the C and Triton backends
-had before it (``StepGroup``: Adam(W); ``MomentumGroup``: SGD, Lion, Muon), for the rules and slot shapes
-those kernels implement; None for anything else (the reference takes it)."""
+"""The one step's groups (``contract.Group`` / ``Dense``) as the two grouped kernels the C backend had before
+it (``StepGroup``: Adam(W); ``MomentumGroup``: SGD, Lion, Muon), for the rules and slot shapes those kernels
+implement; None for anything else (the reference takes it). Triton runs every rule on its template
+(``triton_step``) and needs none of this."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The Triton building blocks every kernel of ``backend_triton`` and ``triton_group`` is made of: a tile of
+"""The Triton building blocks every kernel of ``backend_triton`` and ``triton_step`` is made of: a tile of
 ``ROWS`` quantization blocks of the row layout (``contract``, "Rows"), its codes read and written, its
-values encoded and decoded, the fused Adam update of one tile and the one-state (SGD, Lion, Muon) one.
+values encoded (to nearest or stochastically) and decoded.
 
 A tile is ``[ROWS, BLOCK]``: ``ROWS`` consecutive blocks of one parameter (block b is the b-th scale of
 its absmax, row-major), one block per tile row, lane c of it the block's c-th element. Block b lies in
@@ -78,7 +78,7 @@ def encode(x, mask, tree_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _mix32(x):
+def mix32(x):
     # contract.mix32 on uint32 lanes (products wrap mod 2**32)
     x = x ^ (x >> 16)
     x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
@@ -88,23 +88,29 @@ def _mix32(x):
 
 
 @triton.jit
-def stochastic(pos, x, absmax, enc_ptr, offs, seed, BITS: tl.constexpr, HIGH: tl.constexpr):
+def stochastic(pos, x, absmax, enc_ptr, u, BITS: tl.constexpr):
     # Stochastic rounding (contract) of x [ROWS, BLOCK] given encode's nearest codes pos and block scales
-    # absmax; enc_ptr: the codebook [2**BITS]; offs: the elements' indices in the parameter; seed: uint32;
-    # HIGH: the hash's high 16 bits (the first moment) or its low 16 (the second).
+    # absmax; enc_ptr: the codebook [2**BITS]; u: fp32 [ROWS, BLOCK] uniforms in [0, 1) (``uniform``).
     top = (1 << BITS) - 1
     safe = tl.where(absmax > 0, absmax, 1.0)
     y = tl.math.div_rn(x, safe[:, None])
     lo = tl.maximum(pos - (y < tl.load(enc_ptr + pos)).to(tl.int32), 0)
     q_lo = tl.load(enc_ptr + lo)
-    h = _mix32(offs.to(tl.uint32) ^ seed)
-    if HIGH:
-        h = h >> 16
-    else:
-        h = h & 0xFFFF
-    u = h.to(tl.float32) * (1.0 / 65536.0)  # a 16-bit integer: exact
     up = u * (tl.load(enc_ptr + tl.minimum(lo + 1, top)) - q_lo) < y - q_lo
     return tl.where(lo >= top, top, lo + up.to(tl.int32))
+
+
+@triton.jit
+def uniform(hashes, SLOT: tl.constexpr):
+    # contract.slot_uniforms: slot SLOT's uniforms from the hashes mix32(i mod 2**32 XOR seed) (uint32): the
+    # high half for slot 0, the low half for slot 1, the high half of mix32(hash) for slot 2; 16 bits each
+    if SLOT == 2:
+        hashes = mix32(hashes)
+    if SLOT == 1:
+        half = hashes & 0xFFFF
+    else:
+        half = hashes >> 16
+    return half.to(tl.float32) * (1.0 / 65536.0)  # a 16-bit integer: exact
 
 
 @triton.jit
@@ -140,8 +146,8 @@ def store(codes, absmax, codes_ptr, absmax_ptr, b, bmask, r, col0, mask, row_len
     base = _code_base(r, col0, row_len, BITS, ALIGNED)[:, None]
     if ALIGNED:  # whole bytes, written so that the compiler sees a multiple of 2 * BITS
         nbytes = ((row_len.to(tl.int64) - col0) * BITS)[:, None] // 8
-    else:  # >= the block's bytes when it is whole
-        nbytes = ((row_len.to(tl.int64) - col0) * BITS + 7)[:, None] // 8
+    else:  # the block's bytes: its elements (at most BLOCK, so int32) times BITS / 8, rounded up
+        nbytes = ((tl.minimum(row_len.to(tl.int64) - col0, BLOCK).to(tl.int32) * BITS + 7) // 8)[:, None]
     codes = tl.where(mask, codes, 0)
     if BITS == 8:
         tl.store(codes_ptr + base + tl.arange(0, BLOCK)[None, :], codes.to(tl.uint8), mask=mask)
@@ -167,60 +173,6 @@ def cast_to(x, DTYPE: tl.constexpr):
         bits = tl.where(x != x, 0x7FC0, bits)
         return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(DTYPE)
-
-
-@triton.jit
-def param_and_gradient(p_ptr, g_ptr, offs, mask, l2, MAXIMIZE: tl.constexpr):
-    # Both steps' first lines (contract): p and g of a tile in fp32, g' = (maximize ? -g : g) + l2 * p.
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
-    return p, g + l2 * p
-
-
-@triton.jit
-def adam_tile(p_ptr, g_ptr, m_codes, m_absmax, v_codes, v_absmax, x_codes, x_absmax,
-              m_qmap, m_tree, m_enc, v_qmap, v_tree, v_enc, x_qmap, x_tree, x_enc,
-              decay, l2, omb1, beta2, omb2, eps, neg_step, bc2_sqrt, dec_eps, enc_eps, seed,
-              first, count, row_len,
-              BLOCK: tl.constexpr, ROWS: tl.constexpr, M_RATIO: tl.constexpr, AMSGRAD: tl.constexpr,
-              MAXIMIZE: tl.constexpr, M_BITS: tl.constexpr, V_BITS: tl.constexpr, X_BITS: tl.constexpr,
-              STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr):
-    # One tile of the fused step (contract; backend_torch.step_rows in the same op order): the blocks
-    # first .. first + count - 1 of a param in rows of row_len. p_ptr/g_ptr: the param (updated in place)
-    # and its grad; per moment its codes, scales and codebooks (decode map, search_tree of the encode map's
-    # midpoints, encode map);
-    # the fp32 scalars of contract.HYPER_FIELDS; seed: uint32 (read only when STOCHASTIC). ALIGNED: row_len
-    # is a multiple of 16 (and the pointers 16-byte aligned).
-    b, bmask, r, col0, offs, mask = geometry(first, count, row_len, BLOCK, ROWS)
-    p, g = param_and_gradient(p_ptr, g_ptr, offs, mask, l2, MAXIMIZE)
-    s = decode(v_codes, v_absmax, v_qmap, b, bmask, r, col0, mask, row_len, BLOCK, V_BITS, ALIGNED)  # sqrt(v) as stored
-    m = decode(m_codes, m_absmax, m_qmap, b, bmask, r, col0, mask, row_len, BLOCK, M_BITS, ALIGNED)
-    if M_RATIO:
-        m = m * (s + dec_eps)  # m = r * (s_q + eps')
-    m = m + omb1 * (g - m)
-    v = (s * s) * beta2 + omb2 * (g * g)
-    s = tl.math.sqrt_rn(v)
-    if AMSGRAD:
-        x = decode(x_codes, x_absmax, x_qmap, b, bmask, r, col0, mask, row_len, BLOCK, X_BITS, ALIGNED)
-        sx = tl.math.sqrt_rn(tl.maximum(x * x, v, propagate_nan=tl.PropagateNan.ALL))  # NaN wins, as torch.maximum
-        denom = tl.math.div_rn(sx, bc2_sqrt) + eps
-        codes, absmax = encode(sx, mask, x_tree, X_BITS)
-        store(codes, absmax, x_codes, x_absmax, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, X_BITS, ALIGNED)
-    else:
-        denom = tl.math.div_rn(s, bc2_sqrt) + eps
-    p = p * decay + neg_step * tl.math.div_rn(m, denom)
-    tl.store(p_ptr + offs, cast_to(p, p_ptr.dtype.element_ty), mask=mask)
-    ratio = tl.math.div_rn(m, s + enc_eps)  # the new ratio
-    codes, absmax = encode(ratio, mask, m_tree, M_BITS)
-    if STOCHASTIC:
-        codes = stochastic(codes, ratio, absmax, m_enc, offs, seed, M_BITS, True)
-    store(codes, absmax, m_codes, m_absmax, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, M_BITS, ALIGNED)
-    codes, absmax = encode(s, mask, v_tree, V_BITS)
-    if STOCHASTIC:
-        codes = stochastic(codes, s, absmax, v_enc, offs, seed, V_BITS, False)
-    store(codes, absmax, v_codes, v_absmax, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, V_BITS, ALIGNED)
 
 
 _TREE_ORDER: dict = {}  # (bits, device) -> int64 [2**bits]: 0, then the midpoint index of each node
@@ -260,32 +212,3 @@ def sign_of(d):
     # the contract's sign: -1, +0 or 1, NaN for NaN
     s = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
     return tl.where(d != d, d, s)
-
-
-@triton.jit
-def momentum_tile(p_ptr, g_ptr, out_ptr, codes_ptr, absmax_ptr, qmap_ptr, tree_ptr, enc_ptr,
-                  l2, keep, take, c_old, c_new, c_grad, decay, neg_lr, seed, first, count, row_len,
-                  BLOCK: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, MAXIMIZE: tl.constexpr,
-                  UPDATE: tl.constexpr, HAS_OUT: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr):
-    # One tile of the one-state step (contract.MOMENTUM_FIELDS; momentum_torch._momentum_span in the same
-    # op order): blocks first .. first + count - 1 of a param in rows of row_len. p_ptr (updated in place
-    # unless UPDATE is 0, UPDATE_NONE), g_ptr; out_ptr: fp32 d (written only when HAS_OUT); the state's
-    # codes and scales, its decode map, the search tree of its encode map's midpoints and the encode map;
-    # the fp32 scalars; seed: uint32 (read only when STOCHASTIC: u from the hash's high half).
-    b, bmask, r, col0, offs, mask = geometry(first, count, row_len, BLOCK, ROWS)
-    p, g = param_and_gradient(p_ptr, g_ptr, offs, mask, l2, MAXIMIZE)
-    m = decode(codes_ptr, absmax_ptr, qmap_ptr, b, bmask, r, col0, mask, row_len, BLOCK, BITS, ALIGNED)
-    m_new = m * keep + take * g
-    d = (m * c_old + m_new * c_new) + g * c_grad
-    if UPDATE == 1:  # UPDATE_LINEAR
-        p = p * decay + neg_lr * d
-        tl.store(p_ptr + offs, cast_to(p, p_ptr.dtype.element_ty), mask=mask)
-    elif UPDATE == 2:  # UPDATE_SIGN
-        p = p * decay + neg_lr * sign_of(d)
-        tl.store(p_ptr + offs, cast_to(p, p_ptr.dtype.element_ty), mask=mask)
-    if HAS_OUT:
-        tl.store(out_ptr + offs, d, mask=mask)
-    codes, absmax = encode(m_new, mask, tree_ptr, BITS)
-    if STOCHASTIC:
-        codes = stochastic(codes, m_new, absmax, enc_ptr, offs, seed, BITS, True)
-    store(codes, absmax, codes_ptr, absmax_ptr, b, bmask, r, col0, mask, row_len, BLOCK, ROWS, BITS, ALIGNED)

@@ -2,7 +2,7 @@
 
 First the PyTorch reference (``momentum_torch.momentum_step``) against the math written out plainly here
 (decode, update, blockwise requantization). Then the C kernels (``backend_native``: this CPU's build and
-a portable scalar one) and the Triton kernels (``backend_triton`` / ``triton_group``, the interpreter on
+a portable scalar one) and the Triton kernels (``backend_triton``: the one step's template, the interpreter on
 the CPU) against the reference: params, codes, scales and d, over code widths 8/6/4/2, the flat layout
 and rows with a short last block, fp32/bf16/fp16 params and grads, the three updates, nearest and
 stochastic rounding, maximize, NaN/Inf, all-zero blocks; grouped steps against their members one by one.
@@ -338,12 +338,14 @@ def test_triton_matches_reference(bits, layout, dtype, update, seed, maximize, s
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("bits,update,maximize,seeded", [(8, UPDATE_SIGN, False, True), (4, UPDATE_NONE, True, False)])
 def test_triton_group_matches_members(bits, update, maximize, seeded):
-    from ckptq.kernels import triton_group
+    """The older grouped contract (``grouped.momentum_group``) on the Triton backend: each member through
+    ``backend_triton.momentum_step``, a group of one of the one step's template."""
+    from ckptq.codec import grouped
 
     group = _group(GROUP_SPECS[:4], bits, update, maximize, seeded, DEVICE, torch.bfloat16)
     want, got = _clone_group(group), _clone_group(group)
     momentum_torch.momentum_step_group(want)
-    triton_group.momentum_step_group(got)
+    grouped.momentum_group(got, "triton")
     _assert_groups(got, want)
 
 
@@ -351,21 +353,14 @@ _COMPILE = """
 import sys
 sys.path.insert(0, "tools")
 import triton_compile_check as t  # clears TRITON_INTERPRET before importing triton
-from ckptq.kernels import backend_triton, triton_group
-hyper = ("l2", "keep", "take", "c_old", "c_new", "c_grad", "decay", "neg_lr")
-single = {**{h: "fp32" for h in hyper}, "p_ptr": "*bf16", "g_ptr": "*fp32", "codes": "*u8", "seed": "i32",
-          "n_blocks": "i64", "row_len": "i64"}
-group = {"chunks": "*i64", "members": "*i64", "grads": "*i64", "outs": "*i64", "hyper": "*fp32", "seeds": "*i64",
-         "p_like": "*bf16"}
-cases = [("step 8-bit sign seeded", backend_triton._momentum_kernel, single,
-          dict(BLOCK=256, ROWS=8, BITS=8, MAXIMIZE=False, UPDATE=2, HAS_OUT=False, STOCHASTIC=True, ALIGNED=True)),
-         ("group 4-bit none seeded", triton_group._momentum_group_kernel, group,
-          dict(BLOCK=128, ROWS=16, BITS=4, MAXIMIZE=True, UPDATE=0, HAS_OUT=True, STOCHASTIC=True, ALIGNED=True)),
-         ("group 6-bit linear unaligned", triton_group._momentum_group_kernel, group,
-          dict(BLOCK=64, ROWS=32, BITS=6, MAXIMIZE=False, UPDATE=1, HAS_OUT=False, STOCHASTIC=False, ALIGNED=False))]
+from ckptq.kernels import triton_step
+types = {**t._STEP_TYPES, "p_like": "*bf16"}
+cases = [("sgd 8-bit seeded", t.step_constexprs("momentum", 2, (t._slot(8, stochastic=True),))),
+         ("lion 4-bit maximize seeded", t.step_constexprs("momentum", 5, (t._slot(4, stochastic=True),), 128)),
+         ("muon 6-bit unaligned", t.step_constexprs("momentum", 0, (t._slot(6),), 64, aligned=False))]
 failures = []
-for name, kernel, types, constexprs in cases:
-    r = t.compile_case(kernel, types, constexprs, 90)
+for name, constexprs in cases:
+    r = t.compile_case(triton_step._step_kernel, types, constexprs, 90)
     print(name, r)
     failures += t.check(name, constexprs, r) + ([name + ": no IEEE division"] if r["div.rn"] == 0 else [])
 print(*failures, sep="\\n")
@@ -383,27 +378,11 @@ def _has_ptxas() -> bool:
 
 @pytest.mark.skipif(not _has_ptxas(), reason="this Triton build ships no ptxas to compile for CUDA")
 def test_triton_kernels_compile_for_sm90_exact_and_without_spills():
-    """What the interpreter cannot check (tools/triton_compile_check.py): the one-state kernels compile for
-    an H100/H200, with no FMA or approximate op, IEEE division, no spills, 128-bit loads where aligned."""
+    """What the interpreter cannot check (tools/triton_compile_check.py): the one step's template with the
+    momentum rule (SGD, Lion, Muon) compiles for an H100/H200, with no FMA or approximate op, IEEE division,
+    no spills, 128-bit loads where aligned."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=root,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-
-
-@needs_triton
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_grouped_step_dispatches_to_the_triton_group_kernel(monkeypatch):
-    from ckptq.codec import grouped
-    from ckptq.kernels import triton_group
-
-    calls = []
-    real = triton_group.momentum_step_group
-    monkeypatch.setattr(triton_group, "momentum_step_group", lambda group: calls.append(1) or real(group))
-    group = _group(GROUP_SPECS[:3], 2, UPDATE_LINEAR, False, True, DEVICE)
-    want, got = _clone_group(group), _clone_group(group)
-    grouped.momentum_group(want, "torch")
-    grouped.momentum_group(got, "triton")
-    assert calls == [1]
-    _assert_groups(got, want)

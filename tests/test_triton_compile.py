@@ -15,7 +15,8 @@ import pytest
 triton = pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-KERNELS = ("group 4-bit seeded", "dense group", "step 8-bit", "quantize 8-bit sqrt", "dequantize 6-bit")
+KERNELS = ("step adam 4-bit seeded", "step rmsprop heavy centered 8-bit", "dense adam", "quantize 8-bit sqrt",
+           "dequantize 6-bit")
 ROW = re.compile(r"^\| (?P<name>[^|]+) \| (?P<regs>\d+) \| (?P<stack>\d+) \| (?P<local>\d+) \| (?P<fma>\d+) \| "
                  r"(?P<approx>\d+) \| (?P<div>\d+) \| (?P<sqrt>\d+) \| (?P<v4>\d+) \|$")
 

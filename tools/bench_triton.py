@@ -2,14 +2,14 @@
 must move, beside torch's fused AdamW and a device copy (the bandwidth anchor), in one run.
 
 Each layout is a model's tensor shapes (no weights): tensors of at least 4,096 elements get low-bit state
-(the optimizer's min_size), the others fp32 moments (``adam_dense_group``). Rows, interleaved round by
+(the optimizer's min_size), the others fp32 moments (``triton_group.dense``). Rows, interleaved round by
 round so that clocks and other processes hit all alike, timed with CUDA events:
 
     torch fused     torch.optim.AdamW(fused=True).step(): fp32 moments, 28 B/param at fp32 params
-    8-bit group     adam_step_group (8-bit ratio + 8-bit sqrt(v), block 256) + adam_dense_group, eager
+    8-bit group     triton_group.step, rule adam (8-bit ratio + 8-bit sqrt(v), block 256) + triton_group.dense, eager
     8-bit graph     the same two calls captured in one CUDA graph and replayed (no host work at all)
     4-bit group     6-bit ratio + 2-bit sqrt(v), block 128, seeded (stochastic) rounding, eager
-    8-bit per-param adam_step on each parameter in turn: what grouping saves
+    8-bit per-param backend_triton.adam_step on each parameter in turn (a group of one): what grouping saves
     copy            dst.copy_(src) of 1 GiB: read + write, the reachable bandwidth
 
 Bytes per parameter: param read + write, grad read, and per moment its codes and block scales read and
@@ -68,7 +68,7 @@ class Setup:
 
     def _step_group(self, bits: int, device):
         from ckptq.codec import ops, policy
-        from ckptq.kernels.contract import GroupMember, StepCodebooks, StepGroup
+        from ckptq.kernels.contract import RATIO, SQRT, Group, GroupMember, Slot
 
         widths, block = ((8, 8), 256) if bits == 8 else ((6, 2), 128)
         maps = (policy.ratio_policy(widths[0]).qmap().to(device), policy.policy_for("exp_avg_sq", widths[1]).qmap().to(device))
@@ -81,18 +81,19 @@ class Setup:
             v = ops.quantize_blockwise(torch.rand_like(p, dtype=torch.float32) * 1e-6, maps[1], block, "sqrt",
                                        bits=widths[1], row_len=row_len)
             members.append(GroupMember(p.view(-1), (m[0], v[0]), (m[1], v[1]), row_len or p.numel()))
-        books = tuple(StepCodebooks(q, ops.midpoints(q).contiguous(), q) for q in maps)
+        slots = (Slot(maps[0], ops.midpoints(maps[0]).contiguous(), maps[0], widths[0], RATIO, RATIO, 1),
+                 Slot(maps[1], ops.midpoints(maps[1]).contiguous(), maps[1], widths[1], SQRT, SQRT))
         seeds = torch.arange(len(members), device=device) * 7919 if bits == 4 else None
-        return StepGroup(tuple(members), tuple(self.grads[i].view(-1) for i in self.big),
-                         _full_hyper(len(members), device), seeds, books, widths, block, True, False, {})
+        return Group("adam", 0, tuple(members), tuple(self.grads[i].view(-1) for i in self.big), (),
+                     _full_hyper(len(members), device), seeds, slots, block, {})
 
     def _dense_group(self, device):
-        from ckptq.kernels.contract import DenseGroup
+        from ckptq.kernels.contract import Dense
 
         params = tuple(self.params[i].view(-1) for i in self.small)
         moments = tuple((torch.zeros(p.numel(), device=device), torch.zeros(p.numel(), device=device)) for p in params)
-        return DenseGroup(params, tuple(self.grads[i].view(-1) for i in self.small), moments,
-                          _full_hyper(len(params), device), False, {})
+        return Dense("adam", 0, params, tuple(self.grads[i].view(-1) for i in self.small), moments, (),
+                     _full_hyper(len(params), device), {})
 
     def bytes_moved(self, bits: int) -> int:
         """The least traffic of one step: p read + write, g read, each moment's codes and scales both ways."""
@@ -106,9 +107,9 @@ def _grouped(setup: Setup, bits: int):
     from ckptq.kernels import triton_group
 
     def run():
-        triton_group.adam_step_group(setup.groups[bits])
+        triton_group.step(setup.groups[bits])
         if setup.small:
-            triton_group.adam_dense_group(setup.dense)
+            triton_group.dense(setup.dense)
     return run
 
 
@@ -120,11 +121,11 @@ def _per_param(setup: Setup):
 
     def run():
         for k, (m, g) in enumerate(zip(group.members, group.grads)):
-            states = tuple(StepState(c, a, cb.qmap, cb.thresholds, cb.encode, 8)
-                           for c, a, cb in zip(m.codes, m.absmax, group.codebooks))
+            states = tuple(StepState(c, a, s.qmap, s.thresholds, s.encode, 8)
+                           for c, a, s in zip(m.codes, m.absmax, group.slots))
             backend_triton.adam_step(m.p, g, states, hyper[k], StepFlags(group.block_size, True, False, None, m.row_len))
         if setup.small:
-            triton_group.adam_dense_group(setup.dense)
+            triton_group.dense(setup.dense)
     return run
 
 

@@ -76,7 +76,7 @@ fsdp_check() {
 export -f optim_bench fsdp_check
 part tests 300 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_kernels_quant.py \
   tests/test_kernels_adam.py tests/test_fourbit_kernels.py tests/test_end_to_end.py tests/test_triton_rows.py \
-  tests/test_triton_group.py tests/test_triton_cuda.py tests/test_capturable.py
+  tests/test_triton_step.py tests/test_triton_cuda.py tests/test_capturable.py
 part compile 90 python3 tools/triton_compile_check.py --quick --arch "$arch"
 part optim 200 optim_bench
 part triton 150 python3 tools/bench_triton.py --layout gpt2-124m,llama-1b --rounds 20

@@ -26,45 +26,87 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ckptq.kernels import backend_triton, triton_group  # noqa: E402
+from ckptq.kernels import backend_triton, rules, triton_group, triton_step  # noqa: E402
+from ckptq.kernels.contract import NONE, RATIO, SQRT  # noqa: E402
 
-_HYPER = ("decay", "l2", "omb1", "beta2", "omb2", "eps", "neg_step", "bc2_sqrt", "dec_eps", "enc_eps")
-_STEP_TYPES = {**{h: "fp32" for h in _HYPER}, "p_ptr": "*fp32", "g_ptr": "*fp32", "m_codes": "*u8", "v_codes": "*u8",
-               "x_codes": "*u8", "seed": "i32", "n_blocks": "i64", "row_len": "i64"}
-_GROUP_TYPES = {"chunks": "*i64", "members": "*i64", "grads": "*i64", "hyper": "*fp32", "seeds": "*i64"}
-_STEP = dict(BLOCK=256, ROWS=8, M_RATIO=True, AMSGRAD=False, MAXIMIZE=False, M_BITS=8, V_BITS=8, X_BITS=8,
-             STOCHASTIC=False, ALIGNED=True)
-_DENSE = dict(TILE=2048, AMSGRAD=False, MAXIMIZE=False, ALIGNED=True)
-
-
+_STEP_TYPES = {"chunks": "*i64", "members": "*i64", "calls": "*i64", "hyper": "*fp32", "seeds": "*i64",
+               "books": "*fp32"}
+_DENSE_TYPES = {"chunks": "*i64", "members": "*i64", "calls": "*i64", "hyper": "*fp32"}
 _CODEC_TYPES = {"codes_ptr": "*u8", "n_blocks": "i64", "row_len": "i64"}
+_BF16 = {"p_like": "*bf16", "g_like": "*bf16"}
+
+
+def _slot(bits: int, transform: int = NONE, divisor: int = -1, stochastic: bool = False):
+    return triton_step.SlotShape(bits, transform, transform, divisor, stochastic)
+
+
+def step_constexprs(rule: str, flags: int, slots: tuple, block: int = 256, aligned: bool = True) -> dict:
+    """The template's constexprs for a rule, a flag word and its slots (``triton_step.SlotShape``), as
+    ``triton_group.step`` launches it, at ``block`` (tiles of 2048 elements)."""
+    r = rules.RULES[rule]
+    last = len(r.fields) - 1
+    eps = [r.fields.index(n) if n in r.fields else last for n in ("decode_eps", "encode_eps")]
+    return dict(RULE=triton_step.RULES[rule], FLAGS=flags, FIELDS=len(r.fields), SLOTS=slots, DEC_EPS=eps[0],
+                ENC_EPS=eps[1], OUT=rules.writes_direction(r, flags), STOCHASTIC=any(s.stochastic for s in slots),
+                BLOCK=block, ROWS=2048 // block, ALIGNED=aligned)
+
+
+def dense_constexprs(rule: str, flags: int) -> dict:
+    r = rules.RULES[rule]
+    return dict(RULE=triton_step.RULES[rule], FLAGS=flags, FIELDS=len(r.fields), OUT=rules.writes_direction(r, flags),
+                STATES=len(r.states(flags)), TILE=2048, ALIGNED=True)
+
+
+_ADAM4 = (_slot(4, RATIO, 1, True), _slot(4, SQRT, stochastic=True))
+_AMSGRAD = rules.ADAM.flag("amsgrad")
 
 
 def _cases(quick: bool) -> list[tuple]:
     """(name, kernel, arg types, constexprs): one configuration of every kernel first (the quick set)."""
-    bf16 = {"p_like": "*bf16", "g_like": "*bf16"}
-    cases = [("group 4-bit seeded", triton_group._step_group_kernel, _GROUP_TYPES,
-              dict(_STEP, BLOCK=128, ROWS=16, M_BITS=4, V_BITS=4, STOCHASTIC=True)),
-             ("dense group", triton_group._dense_group_kernel, _GROUP_TYPES, _DENSE),
-             ("step 8-bit", backend_triton._adam_kernel, _STEP_TYPES, _STEP),
+    step = triton_step._step_kernel
+    cases = [("step adam 4-bit seeded", step, _STEP_TYPES, step_constexprs("adam", 0, _ADAM4, 128)),
+             ("step rmsprop heavy centered 8-bit", step, _STEP_TYPES,
+              step_constexprs("rmsprop", 6, (_slot(8, SQRT), _slot(8), _slot(8)))),
+             ("dense adam", triton_step._dense_kernel, _DENSE_TYPES, dense_constexprs("adam", 0)),
              ("quantize 8-bit sqrt", backend_triton._quantize_kernel, _CODEC_TYPES,
               dict(BLOCK=256, ROWS=8, SQRT=True, BITS=8, ALIGNED=True)),
              ("dequantize 6-bit", backend_triton._dequantize_kernel, _CODEC_TYPES,
               dict(BLOCK=256, ROWS=8, SQRT=False, BITS=6, ALIGNED=True))]
     if quick:
         return cases
+    adam8 = (_slot(8, RATIO, 1), _slot(8, SQRT))
     return cases + [
-        ("group 8-bit", triton_group._step_group_kernel, _GROUP_TYPES, _STEP),
-        ("group 6+2+4 amsgrad seeded bf16", triton_group._step_group_kernel, {**_GROUP_TYPES, **bf16},
-         dict(_STEP, BLOCK=128, ROWS=16, M_BITS=6, V_BITS=2, X_BITS=4, AMSGRAD=True, STOCHASTIC=True)),
-        ("group 4+4 unaligned", triton_group._step_group_kernel, _GROUP_TYPES,
-         dict(_STEP, BLOCK=128, ROWS=16, M_BITS=4, V_BITS=4, ALIGNED=False)),
-        ("group 2+2 rows of <= 32", triton_group._step_group_kernel, _GROUP_TYPES,
-         dict(_STEP, BLOCK=32, ROWS=64, M_BITS=2, V_BITS=2)),
-        ("dense group amsgrad bf16", triton_group._dense_group_kernel, {**_GROUP_TYPES, **bf16},
-         dict(_DENSE, AMSGRAD=True)),
-        ("step 4-bit seeded bf16", backend_triton._adam_kernel, {**_STEP_TYPES, "p_ptr": "*bf16", "g_ptr": "*bf16"},
-         dict(_STEP, BLOCK=128, ROWS=16, M_BITS=4, V_BITS=4, STOCHASTIC=True)),
+        ("step adam 8-bit", step, _STEP_TYPES, step_constexprs("adam", 0, adam8)),
+        ("step adam 6+2+4 amsgrad seeded bf16", step, {**_STEP_TYPES, **_BF16},
+         step_constexprs("adam", _AMSGRAD, (_slot(6, RATIO, 1, True), _slot(2, SQRT, stochastic=True), _slot(4, SQRT)),
+                         128)),
+        ("step adam 4+4 unaligned", step, _STEP_TYPES, step_constexprs("adam", 0, _ADAM4, 128, aligned=False)),
+        ("step rmsprop heavy centered 4-bit seeded unaligned", step, _STEP_TYPES,
+         step_constexprs("rmsprop", 6, (_slot(4, SQRT, stochastic=True), _slot(4, stochastic=True),
+                                        _slot(4, stochastic=True)), 64, aligned=False)),
+        ("step adam 2+2 rows of <= 32", step, _STEP_TYPES,
+         step_constexprs("adam", 0, (_slot(2, RATIO, 1), _slot(2, SQRT)), 32)),
+        ("step nadam 8-bit seeded", step, _STEP_TYPES,
+         step_constexprs("nadam", 0, (_slot(8, RATIO, 1, True), _slot(8, SQRT, stochastic=True)))),
+        ("step radam 4-bit", step, _STEP_TYPES, step_constexprs("radam", 0, _ADAM4, 128)),
+        ("step ademamix 8-bit seeded", step, _STEP_TYPES,
+         step_constexprs("ademamix", 0, (_slot(8, stochastic=True), _slot(8, stochastic=True),
+                                         _slot(8, SQRT, stochastic=True)))),
+        ("step sgd 8-bit bf16", step, {**_STEP_TYPES, **_BF16}, step_constexprs("momentum", 2, (_slot(8),))),
+        ("step lion 4-bit seeded", step, _STEP_TYPES,
+         step_constexprs("momentum", 4, (_slot(4, stochastic=True),), 128)),
+        ("step muon 8-bit", step, _STEP_TYPES, step_constexprs("momentum", 0, (_slot(8),))),
+        ("step rmsprop heavy centered 4-bit seeded", step, _STEP_TYPES,
+         step_constexprs("rmsprop", 6, (_slot(4, SQRT, stochastic=True), _slot(4, stochastic=True),
+                                        _slot(4, stochastic=True)), 128)),
+        ("step adagrad 8-bit", step, _STEP_TYPES, step_constexprs("adagrad", 0, (_slot(8, SQRT),))),
+        ("dense adam amsgrad bf16", triton_step._dense_kernel, {**_DENSE_TYPES, **_BF16},
+         dense_constexprs("adam", _AMSGRAD)),
+        ("dense ademamix", triton_step._dense_kernel, _DENSE_TYPES, dense_constexprs("ademamix", 0)),
+        ("dense rmsprop heavy centered", triton_step._dense_kernel, _DENSE_TYPES, dense_constexprs("rmsprop", 6)),
+        ("dense muon", triton_step._dense_kernel, _DENSE_TYPES, dense_constexprs("momentum", 0)),
+        ("dense rmsprop heavy centered unaligned bf16", triton_step._dense_kernel, {**_DENSE_TYPES, **_BF16},
+         dict(dense_constexprs("rmsprop", 6), ALIGNED=False)),
     ]
 
 
@@ -88,7 +130,9 @@ def compile_case(kernel, types: dict, constexprs: dict, arch: int) -> dict:
     signature = {n: "constexpr" if n in constexprs else types.get(n, "*fp32") for n in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
              if signature[n].startswith("*") or n in ("n_blocks", "row_len")}
-    options = {"enable_fp_fusion": False} if "STOCHASTIC" in constexprs or "TILE" in constexprs else {}
+    options = {"enable_fp_fusion": False} if "RULE" in constexprs else {}
+    if "RULE" in constexprs and not constexprs["ALIGNED"]:  # as triton_group launches unaligned tiles
+        options["num_warps"] = 4 * triton_group.UNALIGNED_WARPS
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                               options=options)
     ptx = compiled.asm["ptx"]
