@@ -177,7 +177,7 @@ def _from_bnb(pstate: dict, group: dict) -> dict:
             group.setdefault(name, value)
         out[key] = _bnb_moment(q, 1, numel).reshape(q["state1"].shape)
         return out
-    if _dense(q.get("state2")) and q["state1"].dim() >= 1 and q["state1"].shape[0] == 2 \
+    if _dense(q.get("state2")) and _dense(q.get("state1")) and q["state1"].dim() >= 1 and q["state1"].shape[0] == 2 \
             and q["state1"].shape[1:] == q["state2"].shape:
         return {**out, **_from_ademamix(q)}
     out["exp_avg"] = _bnb_moment(q, 1, numel).reshape(q["state1"].shape)

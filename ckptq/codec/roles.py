@@ -90,7 +90,8 @@ def _by_groups(groups: list) -> Kind | None:
         return Kind("torch.optim.RMSprop", {"square_avg": SECOND, "momentum_buffer": FIRST, "grad_avg": FIRST})
     if _has(groups, "lr_decay") or _has(groups, "initial_accumulator_value"):
         return Kind("torch.optim.Adagrad", {"sum": SECOND})
-    if _has(groups, "alpha", "t_alpha", "t_beta3"):
+    if _has(groups, "alpha", "betas") and all(isinstance(g["betas"], (list, tuple)) and len(g["betas"]) == 3
+                                               for g in groups):  # bitsandbytes' Adam groups hold alpha too
         return Kind("AdEMAMix (bitsandbytes, ckptq)", {"exp_avg": FIRST, "exp_avg_slow": FIRST, "exp_avg_sq": SECOND})
     return None
 
