@@ -7,11 +7,12 @@
  * or, for the step, each taking work items from a shared counter.
  *
  * Vector code: quantize, dequantize and every encode (the steps' too) are built on the SIMD layer (simd.h:
- * the instruction set the build targets, AVX-512, AVX2 or scalar C, each in a header of its
+ * the instruction set the build targets, AVX-512, AVX2, aarch64 NEON or scalar C, each in a header of its
  * own, and the codec's blocks written once over them). The fused steps' own math has 16-lane AVX-512
  * loops (under VEC, below) and runs as scalar C elsewhere.
  *
- * Every function here equals a PyTorch reference bit for bit, on every path (tests/test_native*.py):
+ * Every function here equals a PyTorch reference bit for bit, on every path (tests/test_native*.py, and
+ * tests/test_simd_driver.py for the builds this machine cannot load, aarch64 ones under qemu):
  *   ckq_quantize           <-> ckptq.kernels.backend_torch.quantize (reference_codes after the transform)
  *   ckq_dequantize         <-> ckptq.kernels.backend_torch.dequantize
  *   ckq_adam_step_group    <-> ckptq.kernels.backend_torch.adam_step (step_rows) of each member in turn
@@ -41,8 +42,8 @@
  * (Before, the entry held the limit itself and the code took a compare, a masked add and a NaN test:
  * the add form makes the step's two encodes 12 instructions shorter per 16 elements.)
  *
- * The vector loops the next paragraphs describe are AVX-512's (simd_avx512.h); simd_avx2.h says what
- * stands in for each on its path.
+ * The vector loops the next paragraphs describe are AVX-512's (simd_avx512.h); simd_avx2.h and simd_neon.h
+ * say what stands in for each on their paths.
  *
  * 4-bit codes (bits == 4): the same table over 15 thresholds gives codes 0..15 (NaN: 15); the vector
  * loops get the same count from a binary search of the 15 thresholds held in one register (four
@@ -228,6 +229,11 @@ int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap,
     return 0;
 }
 
+
+/* ---- The fused steps ----
+ * (tests/simd_driver.c compiles the codec above alone, with CKQ_CODEC_ONLY: the steps below take most of
+ * the compile time, and it runs a build per target.) */
+#ifndef CKQ_CODEC_ONLY
 
 /* Hyperparameters, fp32 [10] per member, in ckptq.kernels.contract.HYPER_FIELDS order. */
 enum { DECAY, L2, OMB1, BETA2, OMB2, EPS, NEG_STEP, BC2_SQRT, DECODE_EPS, ENCODE_EPS };
@@ -839,3 +845,5 @@ int ckq_momentum_step_group(const momentum_config_t *config, const member_t *mem
                         outs ? (float *)(uintptr_t)outs[i] : 0, hyper + 8 * i, seeds ? seeds + i : 0, item[1], item[2]);
     }
 }
+
+#endif /* CKQ_CODEC_ONLY */

@@ -6,7 +6,7 @@ PyTorch reference otherwise; both give the same bits, tests/test_native.py). The
 with the system C compiler (``$CC``, else ``cc``) for this machine's CPU into a cache folder
 (``$CKPTQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckptq`` or ``~/.cache/ckptq``), once per source (the .c and
 every header), compiler (and version), flags and CPU (as the compiler resolves -march for it): a few
-seconds, under a lock. -march picks the SIMD path (AVX-512, AVX2, else scalar C:
+seconds, under a lock. -march picks the SIMD path (AVX-512, AVX2, aarch64 NEON, else scalar C:
 ``simd.h``); ``$CKPTQ_NATIVE_MARCH`` caps it.
 What is loaded, and from where, is checked first (``native_build``): a cache folder others can write
 means a private build for this run only; a damaged build is rebuilt. ``CKPTQ_NATIVE=0`` turns it off.
@@ -36,7 +36,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # What SOURCE includes (the SIMD layer: simd.h picks one of the others by -march): part of the build's
 # cache key, and shipped beside it (pyproject's package-data; tests/test_native.py checks the list is whole).
 HEADERS = tuple(SOURCE.with_name(name) for name in
-                ("simd.h", "simd_scalar.h", "simd_avx512.h", "simd_avx2.h"))
+                ("simd.h", "simd_scalar.h", "simd_avx512.h", "simd_avx2.h", "simd_neon.h"))
 # No FMA contraction (each fp32 operation rounded on its own, as PyTorch's eager ops do); no errno, so
 # sqrtf is the IEEE instruction. Nothing that changes results (no -ffast-math).
 _FLAGS = ["-O3", "-std=c99", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]

@@ -7,11 +7,12 @@
  * caps; predefined macros, so one source serves every machine):
  *   __AVX512F__                 simd_avx512.h  16 lanes (plus VBMI's 64-code decode where present)
  *   __AVX2__                    simd_avx2.h     8 lanes (F16C for fp16 where present)
+ *   __aarch64__ && __ARM_NEON   simd_neon.h     4 lanes (little-endian: codes are packed as words)
  *   otherwise, or CKQ_SCALAR    simd_scalar.h   1 lane: the contract's plain C
  * simd_scalar.h's one-element functions are always there: every path finishes a block's last
  * len % VL elements with them, so a block of any length works on every path.
  *
- * Arithmetic contract (ckptq.kernels.contract; tests/test_native*.py): every
+ * Arithmetic contract (ckptq.kernels.contract; tests/test_native*.py, tests/test_simd_driver.py): every
  * path gives the PyTorch reference's bits. So: each add, sub, mul, div and sqrt is one IEEE fp32
  * operation, rounded once, in the order the reference writes it (no FMA: -ffp-contract=off, and no fma
  * intrinsic anywhere); compares are ordered (false for NaN) unless named otherwise; NaN payloads are not
@@ -63,6 +64,10 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };  /* the dtypes of params, grads and quantiz
 #define CKQ_VECTOR_ISA 1
 #include "simd_scalar.h"
 #include "simd_avx2.h"
+#elif defined(__aarch64__) && defined(__ARM_NEON) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define CKQ_VECTOR_ISA 1
+#include "simd_scalar.h"
+#include "simd_neon.h"
 #else
 #define CKQ_VECTOR_ISA 0
 #endif
