@@ -40,7 +40,8 @@
  *   vcb_t vcb_init(q, bits); vf vcb_lookup(&cb, idx, bits): q[idx] on a codebook of 2**bits entries
  *   vi v_mix32(x): contract.mix32 on every lane
  *   optionally SIMD_DECODE_WIDE with simd_decode_extra_t, simd_decode_extra_init and simd_decode_wide:
- *     a wider first loop for decode_block (AVX-512: 32 nibbles or, with VBMI, 64 bytes at a time)
+ *     a wider first loop for decode_block (AVX-512: 32 nibbles or, with VBMI, 64 bytes at a time); and
+ *     SIMD_DECODE8 with simd_decode8(q, codes): VL 8-bit codes' entries, for v_decode (AVX2)
  *
  * Written once here, for every path: v_uniform, v_stochastic(_up), hashes, absbits_max / block_absmax,
  * load_block / store_block, vdecode_init / v_decode / decode_block, vencode_init / encode_prepared /
@@ -80,9 +81,15 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };  /* the dtypes of params, grads and quantiz
 
 #define SIMD_INLINE static inline __attribute__((always_inline))
 
+#ifndef SIMD_DECODE8
+#define SIMD_DECODE8 0
+static inline vf simd_decode8(const float *q, const uint8_t *k) { (void)k; return v_set1(q[0]); }  /* not called */
+#endif
 #ifndef SIMD_DECODE_WIDE
 typedef struct { int unused; } simd_decode_extra_t;
-static inline void simd_decode_extra_init(simd_decode_extra_t *x, const float *q, int bits) { (void)x, (void)q, (void)bits; }
+static inline void simd_decode_extra_init(simd_decode_extra_t *x, const float *q, int bits) {
+    (void)x, (void)q, (void)bits;
+}
 static inline int simd_decode_wide(const simd_decode_extra_t *x, const vcb_t *cb, const uint8_t *c, int len, int bits,
                                    vf va, int square, float *o) {
     (void)x, (void)cb, (void)c, (void)len, (void)bits, (void)va, (void)square, (void)o;
@@ -211,8 +218,10 @@ static inline void vdecode_init(vdecode_t *d, const float *qmap, int bits) {
     simd_decode_extra_init(&d->extra, qmap, bits);
 }
 
-/* q[code] of elements i .. i + VL - 1 (i a multiple of VL) of the block whose codes start at c. */
+/* q[code] of elements i .. i + VL - 1 (i a multiple of VL) of the block whose codes start at c (8-bit codes
+ * straight from their bytes where the path says that is faster: SIMD_DECODE8). */
 SIMD_INLINE vf v_decode(const vdecode_t *d, const uint8_t *c, int i, int bits) {
+    if (SIMD_DECODE8 && bits == 8) return simd_decode8(d->q, c + i);
     return vcb_lookup(&d->cb, v_unpack(&d->u, c, i, bits), bits);
 }
 

@@ -255,7 +255,9 @@ static inline void v_store_f16(uint16_t *p, vf x) {
 
 typedef unpack_t vunpack_t;
 static inline vunpack_t v_unpack_init(int bits) { return unpack_init(bits); }
-static inline vi v_unpack(const vunpack_t *u, const uint8_t *codes, int i, int bits) { return codes16(u, codes, i, bits); }
+static inline vi v_unpack(const vunpack_t *u, const uint8_t *codes, int i, int bits) {
+    return codes16(u, codes, i, bits);
+}
 static inline void v_pack(uint8_t *codes, int i, vi code, int bits) { put_codes16(codes, i, code, bits); }
 
 static inline vi v_nearest(vf y, const int32_t *table) { return nearest16(y, table); }
@@ -273,7 +275,9 @@ static inline vsearch_t v_search_book(const vcb_t *cb, const float *q, int top) 
     (void)q, (void)top;
     return s;
 }
-static inline vi v_count(vf y, const vsearch_t *s, int top, int strict) { return count16_reg(y, s->r, top, s->first, strict); }
+static inline vi v_count(vf y, const vsearch_t *s, int top, int strict) {
+    return count16_reg(y, s->r, top, s->first, strict);
+}
 static inline __attribute__((always_inline)) vcb_t vcb_init(const float *q, int bits) { return cb_init(q, bits); }
 static inline vf vcb_lookup(const vcb_t *cb, vi idx, int bits) { return cb_lookup(cb, idx, bits); }
 
