@@ -186,8 +186,6 @@ static void prefault(void *p, int64_t bytes) {
 #endif
 }
 
-
-
 /* Dequantize blocks [b0, b1) of one width, squared or not (always inlined with both constant). */
 static inline __attribute__((always_inline)) void dequantize_blocks(
         const uint8_t *codes, const float *absmax, const vdecode_t *d, int64_t row_len, int64_t block, int64_t b0,
@@ -228,7 +226,6 @@ int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap,
 #undef DEQUANTIZE_CASE
     return 0;
 }
-
 
 /* ---- The fused steps ----
  * (tests/simd_driver.c compiles the codec above alone, with CKQ_CODEC_ONLY: the steps below take most of

@@ -55,25 +55,23 @@
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };  /* the dtypes of params, grads and quantize's input */
 
+/* A vector path where the target has one (CKQ_SCALAR: the scalar one regardless). */
 #if defined(CKQ_SCALAR)
 #define CKQ_VECTOR_ISA 0
-#elif defined(__AVX512F__)
+#elif defined(__AVX512F__) || defined(__AVX2__) || \
+    (defined(__aarch64__) && defined(__ARM_NEON) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__)
 #define CKQ_VECTOR_ISA 1
-#include "simd_scalar.h"
-#include "simd_avx512.h"
-#elif defined(__AVX2__)
-#define CKQ_VECTOR_ISA 1
-#include "simd_scalar.h"
-#include "simd_avx2.h"
-#elif defined(__aarch64__) && defined(__ARM_NEON) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-#define CKQ_VECTOR_ISA 1
-#include "simd_scalar.h"
-#include "simd_neon.h"
 #else
 #define CKQ_VECTOR_ISA 0
 #endif
+#include "simd_scalar.h"  /* the one-element functions; without a vector path, the layer one lane wide too */
 #if !CKQ_VECTOR_ISA
-#include "simd_scalar.h"  /* the one-element functions, then the layer one lane wide */
+#elif defined(__AVX512F__)
+#include "simd_avx512.h"
+#elif defined(__AVX2__)
+#include "simd_avx2.h"
+#else
+#include "simd_neon.h"
 #endif
 #ifndef VEC
 #define VEC 0  /* no AVX-512: the steps' own 16-lane loops (cpu_kernels.c) are compiled out */
