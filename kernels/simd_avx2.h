@@ -145,6 +145,15 @@ static inline void v_pack(uint8_t *codes, int i, vi code, int bits) {
         _mm_storel_epi64((__m128i *)p, _mm256_castsi256_si128(b));
         return;
     }
+    if (bits == 4) {  /* each odd lane's code onto bits 4..7 of the even lane's, then those 4 bytes together */
+        const __m256i pair_bytes = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                    -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+        __m256i b = _mm256_shuffle_epi8(_mm256_or_si256(code, _mm256_srli_epi64(code, 28)), pair_bytes);
+        __m128i both = _mm_or_si128(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+        uint32_t four = (uint32_t)_mm_cvtsi128_si32(both);
+        memcpy(p, &four, 4);
+        return;
+    }
     const int b = bits;  /* each group of 4 lanes -> c0 | c1 << b | c2 << 2b | c3 << 3b, in every lane of the group */
     __m256i w = _mm256_sllv_epi32(code, _mm256_setr_epi32(0, b, 2 * b, 3 * b, 0, b, 2 * b, 3 * b));
     w = _mm256_or_si256(w, _mm256_shuffle_epi32(w, 0xB1));  /* lanes (1, 0, 3, 2) */
