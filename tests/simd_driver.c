@@ -11,6 +11,8 @@
  *     stochastically on the codebook Q with the hashes' high (HIGH 1) or low halves, as the steps do)
  *   load       SRC DTYPE N OUT      (load_block: to fp32)
  *   store      SRC N DTYPE OUT      (store_block: fp32 to a 16-bit DTYPE)
+ *   partial    SRC N OUT            (fp32 copied VL at a time, the last len % VL through v_load_n and
+ *                                    v_store_n; OUT holds N + 16 floats, the 16 past N as they were)
  * The first line of output names the SIMD path compiled in; then "ok" per line. Exit status 1 on error.
  */
 #define CKQ_CODEC_ONLY  /* the codec, without the steps (much faster to compile) */
@@ -147,6 +149,24 @@ int main(int argc, char **argv) {
             uint16_t *out = filled((size_t)n * 2);
             store_block(out, 0, (int)n, (int)dtype, read_file(a[0], 0));
             write_file(a[1], out, (size_t)n * 2);
+        } else if (!strcmp(op, "partial")) {
+            if (sscanf(line, "%*s %1023s %lld %1023s", a[0], &n, a[1]) != 3)
+                return fprintf(stderr, "bad line: %s", line), 1;
+            const float *src = read_file(a[0], 0);
+            float *out = filled((size_t)(n + 16) * 4), lanes[VL];
+            for (int i = 0; i < n; i += VL) {
+                const int k = n - i < VL ? (int)(n - i) : VL;
+                if (k == VL) {
+                    v_store(out + i, v_load(src + i));
+                    continue;
+                }
+                vf v = v_load_n(src + i, k);
+                v_store_n(out + i, v, k);
+                v_store(lanes, v);
+                for (int j = k; j < VL; j++)
+                    if (f2u(lanes[j]) != 0) return fprintf(stderr, "v_load_n(%d) left lane %d nonzero\n", k, j), 1;
+            }
+            write_file(a[1], out, (size_t)(n + 16) * 4);
         } else {
             return fprintf(stderr, "unknown operation: %s", line), 1;
         }

@@ -10,7 +10,8 @@ run with Debian's qemu-user (``.ci/run`` installs both; without them those targe
 Operations: quantize and dequantize at every width (8, 6, 4, 2), transform (none, sqrt) and source
 dtype (fp32, bf16, fp16), flat and in rows with short last blocks, codes of 4 and 2 bits from the
 code table and from the thresholds; stochastic rounding's encode (hashes of the elements' indices,
-either half) at every width; the 16-bit <-> fp32 conversions. Values: many decades, zeros, -0.0,
+either half) at every width; the 16-bit <-> fp32 conversions; the partial vectors (v_load_n, v_store_n)
+a block's last len % VL values take. Values: many decades, zeros, -0.0,
 subnormals, NaN, +-inf, and every threshold of the codebook with its neighbours (blocks whose absmax is 1).
 """
 
@@ -218,12 +219,24 @@ def _conversion_lines(script: Script, gen: torch.Generator) -> None:
         script.add(f"store {xs} {x.numel()} {code} {out}", f"store {dtype}", [(out, dtype, x.to(dtype))])
 
 
+def _partial_lines(script: Script, gen: torch.Generator) -> None:
+    """v_load_n / v_store_n (a block's last len % VL values, as a step's rule would read and write them):
+    lengths around every path's vector, and nothing written past them."""
+    x = torch.randn(40, generator=gen)
+    src = script.file("partial-src", x)
+    pattern = torch.full((16,), 0xA5A5A5A5 - (1 << 32), dtype=torch.int32).view(torch.float32)
+    for n in (1, 2, 3, 5, 7, 9, 13, 15, 17, 23, 31, 33):
+        out = script.folder / f"partial-{n}"
+        script.add(f"partial {src} {n} {out}", f"partial {n}", [(out, torch.float32, torch.cat([x[:n], pattern]))])
+
+
 def _cases(folder: Path) -> Script:
     script, gen = Script(folder), torch.Generator().manual_seed(36)
     for bits in (8, 6, 4, 2):
         for signed in (True, False):
             _codec_lines(script, bits, signed, gen)
     _conversion_lines(script, gen)
+    _partial_lines(script, gen)
     return script
 
 
