@@ -70,8 +70,8 @@ class _Adam(LowBitOptimizer):
         super().__init__(params, defaults, block_size=block_size, min_size=min_size, backend=backend, bits=bits,
                          rounding=rounding)
 
-    def _check_group(self, group: dict, where: str) -> None:
-        optim_args.check_group(group, where)
+    def _check_group(self, group: dict) -> None:
+        optim_args.check_group(group)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

@@ -141,18 +141,13 @@ def check_options(block_size, min_size, backend, bits=8) -> int:
     return block_size
 
 
-def check_group(group: dict, where: str) -> None:
-    """One param group with every hyperparameter present (defaults filled in); ``where`` names it."""
-    if not isinstance(group, dict):
-        raise ArgumentError(f"{where} must be a dict, got {type(group).__name__}")
+def check_group(group: dict) -> None:
+    """Adam(W)'s checks of one param group with every hyperparameter present (defaults filled in)."""
     missing = [k for k in ("params", *HYPER_KEYS) if k not in group]
     if missing:
-        raise ArgumentError(f"{where} has no {', '.join(map(repr, missing))}; every param group needs them")
-    try:
-        check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        check_flags(group)
-    except ArgumentError as e:
-        raise ArgumentError(f"{where}: {e}") from None
+        raise ArgumentError(f"has no {', '.join(map(repr, missing))}; every param group needs them")
+    check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    check_flags(group)
 
 
 def check_params(params, where: str) -> None:

@@ -28,15 +28,12 @@ class RAdam8bit(LowBitOptimizer):
         super().__init__(params, defaults, block_size=block_size, min_size=min_size, backend=backend, bits=bits,
                          rounding=rounding)
 
-    def _check_group(self, group: dict, where: str) -> None:
-        try:
-            optim_args.check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-            if not isinstance(group["decoupled_weight_decay"], bool):
-                raise ArgumentError(f"decoupled_weight_decay must be True or False, got "
-                                    f"{group['decoupled_weight_decay']!r:.40}")
-            optim_args.check_flags(group)
-        except (ArgumentError, KeyError) as e:
-            raise ArgumentError(f"{where}: {e}") from None
+    def _check_group(self, group: dict) -> None:
+        optim_args.check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        if not isinstance(group["decoupled_weight_decay"], bool):
+            raise ArgumentError(f"decoupled_weight_decay must be True or False, got "
+                                f"{group['decoupled_weight_decay']!r:.40}")
+        optim_args.check_flags(group)
 
     def _ratio_eps(self, group: dict, step: float) -> float:
         return max(float(group["eps"]), policy.MIN_RATIO_EPS)  # the denominator is sqrt(v) + eps

@@ -128,7 +128,7 @@ def _import_group(opt, i: int, group: dict, saved: dict) -> dict:
         if key == "betas" and isinstance(value, list):
             new[key] = tuple(value)
     try:
-        opt._check_group(new, where)
+        opt._checked(new, where)
         _check_params(group["params"], f"param group {i}")
     except ArgumentError as e:
         raise StateMismatchError(str(e)) from None
