@@ -42,6 +42,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
     STATES: tuple = ()
     SCALAR_STATES: dict = {}  # per-parameter 0-dim fp32 states beside ``step`` (NAdam's mu_product): initial values
     complex_ok = True  # complex parameters step through view_as_real (torch's elementwise optimizers do)
+    # param-group keys that a loaded state dict may lack and that then keep the optimizer's own values (keys
+    # the counterpart keeps on the optimizer, not in its state dict); other keys it lacks take the class
+    # default, as torch fills the flags an older torch did not save
+    KEPT_ON_LOAD: tuple = ()
 
     def __init__(self, params, defaults: dict, *, block_size=None, min_size=4096, backend="auto", bits=8,
                  rounding="auto"):

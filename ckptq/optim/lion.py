@@ -19,6 +19,7 @@ class Lion8bit(LowBitOptimizer):
 
     RULE = rules.MOMENTUM
     STATES = (State("exp_avg", roles.FIRST, slot="momentum_buffer"),)
+    KEPT_ON_LOAD = ("decoupled_weight_decay",)  # lion-pytorch keeps it on the optimizer, not in its state dict
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, decoupled_weight_decay=False, *,
                  block_size=None, min_size=4096, backend="auto", bits=8, rounding="auto"):
