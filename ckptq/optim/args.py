@@ -166,7 +166,8 @@ def number(x, name: str, low: float = 0.0, high: float = math.inf, closed: bool 
     value = _scalar(x, name)
     shown = shown or name
     if math.isnan(value) or not (low <= value <= high if closed else low <= value < high):
-        raise ArgumentError(f"Invalid {shown}: {x} (must lie in [{low}, {high}{']' if closed else ')'})")
+        bounds = f"be >= {low:g}" if high == math.inf else f"lie in [{low:g}, {high:g}{']' if closed else ')'}"
+        raise ArgumentError(f"Invalid {shown}: {x} (must {bounds})")
     if value == math.inf:
         raise ArgumentError(f"Invalid {shown}: inf (must be finite)")
     return value
