@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.nn import Parameter
 
-from ckptq.errors import StateMismatchError
+from ckptq.errors import StateMismatchError, UsageError
 from ckptq.optim import to_torch_state_dict
 from optim_conformance import (  # noqa: F401 (one_thread: a fixture)
     assert_bits, assert_same, configs, goes_right_direction, one_thread, optim_inputs, optims, problem,
@@ -184,6 +184,22 @@ def test_step_with_closure_returns_its_loss(info):
     assert opt.step() is None
 
 
+@optims(steps=False)
+def test_sparse_gradients_are_refused_before_anything_changes(info):
+    """torch's SGD and Adagrad take sparse gradients (its test_rosenbrock_sparse); low-bit state is dense
+    blocks, and every class refuses them (UsageError) before a step count or a state changes."""
+    prob = problem(info)
+    opt = info.make(prob.params)
+    opt.step(prob.closure(opt))
+    state, values = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in prob.params]
+    prob.closure(opt)()
+    prob.weight.grad = prob.weight.grad.to_sparse()
+    with pytest.raises(UsageError, match="sparse"):
+        opt.step()
+    assert_bits(opt.state_dict(), state)
+    assert_bits([p.detach() for p in prob.params], values)
+
+
 @optims
 def test_zero_grad(info):
     prob = problem(info)
@@ -247,6 +263,8 @@ def test_loads_reference_state_dict_and_goes_back(info):
         prob_c = prob.clone()
         opt = info.make(prob_c.params, **kwargs)
         opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+        for key, value in kwargs.items():  # as configured (lion-pytorch keeps decoupled_weight_decay apart)
+            assert_same(opt.param_groups[0][key], value)
         initial = prob_c.loss().item()
         for _ in range(3):
             ref.step(prob.closure(ref))

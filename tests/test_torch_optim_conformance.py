@@ -12,9 +12,10 @@ Not here, and why:
   ``test_fused_cpu_matches_cuda``, ``test_fused_does_not_step_if_foundinf``): no GPU in CI; the Triton path
   is tested in tests/test_kernels_*.py. The last one passes ``grad_scale``/``found_inf`` to torch's fused
   kernels, which ckptq does not have; ``GradScaler``'s generic path is tested in tests/test_optim_api.py.
-- Tests for features these optimizers do not have: sparse gradients (``test_rosenbrock_sparse``: refused
-  with UsageError, tests/test_optim_api.py), closures that must be called
-  (``test_second_order_optims_return_consistent_types``: LBFGS only), ``differentiable=True`` (refused).
+- Tests for features these optimizers do not have: sparse gradients (``test_rosenbrock_sparse``, torch's
+  SGD and Adagrad: every class refuses them with UsageError, tests/test_torch_optim_behaviour.py), closures
+  that must be called (``test_second_order_optims_return_consistent_types``: LBFGS only),
+  ``differentiable=True`` (refused).
 - As torch's ``@optims`` filters: the foreach/fused tests run for the classes whose constructor takes the
   flag (not Muon, Lion, AdEMAMix; RMSprop, NAdam and RAdam take no ``fused``, as torch's), the complex tests
   for the classes that step complex parameters (not Muon, as torch's).
