@@ -148,6 +148,17 @@ def test_param_group_added_later_steps_as_one_given_first(info):
         _run_twins((opt, first + later), (opt_c, first_c + later_c), seed=10)
 
 
+@optims(where=lambda i: "capturable" in i.defaults)
+def test_capturable_steps_as_not_capturable(info):
+    """torch refuses capturable=True on the CPU; ckptq takes it (one code path tested everywhere): the step's
+    scalars come from the step tensors by tensor ops (``ckptq.optim.scalars``), with the host formulas' bits."""
+    for kwargs in configs(info):
+        params = problem(info).params
+        twins = [Parameter(p.detach().clone()) for p in params]
+        opts = info.make(params, capturable=True, **kwargs), info.make(twins, capturable=False, **kwargs)
+        _run_twins((opts[0], params), (opts[1], twins), steps=4)
+
+
 @optims(where=lambda i: "maximize" in i.defaults)
 def test_maximize_steps_as_the_negated_gradient(info):
     """torch's maximize negates the gradient first (before weight decay): the same bits as -g minimized."""
