@@ -151,11 +151,13 @@ def test_param_group_added_later_steps_as_one_given_first(info):
 @optims(where=lambda i: "capturable" in i.defaults)
 def test_capturable_steps_as_not_capturable(info):
     """torch refuses capturable=True on the CPU; ckptq takes it (one code path tested everywhere): the step's
-    scalars come from the step tensors by tensor ops (``ckptq.optim.scalars``), with the host formulas' bits."""
+    scalars come from the step tensors by tensor ops (``ckptq.optim.scalars``), with the host formulas' bits,
+    here for two param groups (the config's, the defaults) whose members the kernels step together."""
     for kwargs in configs(info):
         params = problem(info).params
         twins = [Parameter(p.detach().clone()) for p in params]
-        opts = info.make(params, capturable=True, **kwargs), info.make(twins, capturable=False, **kwargs)
+        opts = [info.make([{"params": ps[:1], **kwargs}, {"params": ps[1:]}], capturable=capturable)
+                for ps, capturable in ((params, True), (twins, False))]
         _run_twins((opts[0], params), (opts[1], twins), steps=4)
 
 

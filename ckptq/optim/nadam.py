@@ -42,7 +42,7 @@ class NAdam8bit(LowBitOptimizer):
 
     def _formula(self, x, lr, beta1, beta2, eps, weight_decay, momentum_decay, decoupled, *, step, fresh,
                  mu_product=1.0) -> dict:
-        fields = adam_fields(x, lr, beta1, beta2, eps, weight_decay, step, bool(decoupled))
+        fields = adam_fields(x, lr, beta1, beta2, eps, weight_decay, step, decoupled)
         mu = beta1 * (1.0 - 0.5 * x.pow(0.96, step * momentum_decay))
         mu_next = beta1 * (1.0 - 0.5 * x.pow(0.96, (step + 1.0) * momentum_decay))
         mu_product = x.f32(x.f32(mu_product) * x.f32(mu))  # torch: the fp32 tensor mu_product *= mu

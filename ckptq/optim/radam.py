@@ -49,8 +49,8 @@ class RAdam8bit(LowBitOptimizer):
         tractable = rho_t > 5.0
         inner = x.div((rho_t - 4.0) * (rho_t - 2.0) * rho_inf, (rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
         rect = x.sqrt(x.maximum(inner, 0.0))  # used only where tractable (inner > 0 there)
-        decoupled = bool(decoupled)
-        return {"decay": 1.0 - lr * weight_decay if decoupled else 1.0, "l2": 0.0 if decoupled else weight_decay,
+        decoupled = decoupled != 0  # a value like any other: one per member on the device (capturable)
+        return {"decay": x.where(decoupled, 1.0 - lr * weight_decay, 1.0), "l2": x.where(decoupled, 0.0, weight_decay),
                 "one_minus_beta1": 1.0 - beta1, "beta2": beta2, "one_minus_beta2": 1.0 - beta2, "eps": eps,
                 "neg_step_size": x.where(tractable, x.div(-lr * rect * x.sqrt(bc2), bc1), x.div(-lr, bc1)),
                 "bc2_sqrt": 1.0, "encode_eps": x.maximum(eps, policy.MIN_RATIO_EPS),
