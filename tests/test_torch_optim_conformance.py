@@ -21,6 +21,8 @@ Not here, and why:
   for the classes that step complex parameters (not Muon, as torch's).
 """
 
+import inspect
+
 import pytest
 import torch
 from torch.nn import Parameter
@@ -45,6 +47,16 @@ def test_every_dropped_torch_input_is_explained():
     for info in INFOS:
         for kwargs in dropped_inputs(info):
             assert set(kwargs) - set(info.defaults) <= set(UNSUPPORTED_KEYS), (info.name, kwargs)
+
+
+@optims(where=lambda i: i.torch_info is not None, steps=False)
+def test_takes_torchs_arguments_and_defaults(info):
+    """Every argument of the torch class, by name, at torch's default; the same defaults in param groups."""
+    params = [Parameter(torch.zeros(2, 2))]
+    signature = inspect.signature(info.torch_info.optim_cls).parameters
+    info.make(params, **{n: p.default for n, p in signature.items() if p.default is not inspect.Parameter.empty})
+    ref = info.torch_info.optim_cls(params)
+    assert {k: info.make(params).defaults.get(k, "(missing)") for k in ref.defaults} == ref.defaults
 
 
 @optims(steps=False)

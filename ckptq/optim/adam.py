@@ -59,16 +59,18 @@ class _Adam(LowBitOptimizer):
     decoupled = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 maximize=False, foreach=None, fused=None, capturable=False, differentiable=False, block_size=None,
-                 min_size=4096, backend="auto", bits=8, rounding="auto"):
+                 maximize=False, foreach=None, fused=None, capturable=False, differentiable=False,
+                 decoupled_weight_decay=False, block_size=None, min_size=4096, backend="auto", bits=8, rounding="auto"):
         """torch.optim.Adam(W)'s arguments (``foreach``/``fused``/``capturable``/``differentiable`` as
-        ``ckptq.optim.args`` documents), plus ``bits`` (8 or 4), ``block_size`` (default 256 for 8 bits,
+        ``ckptq.optim.args`` documents; ``decoupled_weight_decay=True`` makes Adam8bit AdamW8bit, as in
+        torch), plus ``bits`` (8 or 4), ``block_size`` (default 256 for 8 bits,
         128 for 4), ``min_size`` and ``backend`` for the quantized state, and ``rounding``: how the moments'
         new codes are rounded at every step: "auto" (to nearest at 8 bits, stochastically below), "nearest"
         or "stochastic" (seeded by the step count and the parameter's index: a resumed run draws the same
         numbers). Bad values raise ``ArgumentError``, a ``ValueError``, before anything is built."""
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                        foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable)
+                        foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable,
+                        decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults, block_size=block_size, min_size=min_size, backend=backend, bits=bits,
                          rounding=rounding)
 
@@ -80,24 +82,29 @@ class _Adam(LowBitOptimizer):
         for group in self.param_groups:  # groups pickled before a flag existed, as torch's Adam does
             for key, default in GROUP_FLAGS.items():
                 group.setdefault(key, default)
+            group.setdefault("decoupled_weight_decay", self.decoupled)
 
     def _flags(self, group: dict) -> int:
         return self.RULE.flag("amsgrad") if group["amsgrad"] else 0
 
     def _values(self, group: dict) -> tuple:
-        return (group["lr"], *group["betas"], group["eps"], group["weight_decay"])
+        decoupled = self.decoupled or group["decoupled_weight_decay"]
+        return (group["lr"], *group["betas"], group["eps"], group["weight_decay"], float(decoupled))
 
-    def _formula(self, x, lr, beta1, beta2, eps, weight_decay, *, step, fresh) -> dict:
-        return adam_fields(x, lr, beta1, beta2, eps, weight_decay, step, self.decoupled)
+    def _formula(self, x, lr, beta1, beta2, eps, weight_decay, decoupled, *, step, fresh) -> dict:
+        return adam_fields(x, lr, beta1, beta2, eps, weight_decay, step, decoupled)
 
 
 class AdamW8bit(_Adam):
     """``torch.optim.AdamW`` with blockwise 8-bit moments (decoupled weight decay; default 1e-2)."""
 
-    decoupled = True
+    decoupled = True  # whatever a loaded group says, as torch's AdamW forces decoupled_weight_decay
+    KEPT_ON_LOAD = ("decoupled_weight_decay",)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, **kwargs):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+        if "decoupled_weight_decay" in kwargs:  # torch's AdamW does not take it either
+            raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument 'decoupled_weight_decay'")
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, decoupled_weight_decay=True, **kwargs)
 
 
 class Adam8bit(_Adam):

@@ -98,8 +98,9 @@ def _check_step_scalars(lr: float, beta1: float, weight_decay: float) -> None:
 
 
 def check_flags(group: dict) -> None:
-    """amsgrad/maximize are bools; torch's implementation flags take the values documented above."""
-    for name in ("amsgrad", "maximize", "capturable", "differentiable"):
+    """amsgrad/maximize/decoupled_weight_decay are bools; torch's implementation flags take the values
+    documented above."""
+    for name in ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay"):
         if name in group and not isinstance(group[name], bool):
             raise ArgumentError(f"{name} must be True or False, got {group[name]!r}")
     for name in ("foreach", "fused"):
