@@ -1,7 +1,6 @@
 """PyTorch's generic optimizer tests, part 2 (see tests/test_torch_optim_conformance.py): hooks, state dicts,
 deepcopy and named parameters, against every bundled class as shipped and with ``min_size=1``."""
 
-import functools
 import io
 from copy import deepcopy
 
