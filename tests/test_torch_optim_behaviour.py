@@ -2,7 +2,10 @@
 and with ``min_size=1``: copies (deepcopy, pickle) step as the original, non-contiguous parameters as
 contiguous ones, a tensor lr (scheduled in place) as its float, param groups added later as groups given at
 construction, constructor arguments as the same values in a param group, ``maximize`` as the negated
-gradient, ``step(closure)`` and ``zero_grad`` as torch's, and torch's own state dict loads (and goes back).
+gradient, ``capturable=True`` (taken on the CPU) as False, sparse gradients refused before anything changes,
+``step(closure)`` and ``zero_grad`` as torch's; and each class against the optimizer it stands in for
+(torch's, lion-pytorch's Lion, bitsandbytes' AdEMAMix): its steps from the first, its state dict loading
+(and going back).
 
 Most comparisons are bit for bit: the same numbers through the same kernels must give the same bits.
 """
