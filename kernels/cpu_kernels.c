@@ -4,10 +4,15 @@
  * Plain C99 with no Python or torch headers, compiled on first use by ckptq/kernels/native.py
  * (`cc -O3 -march=native -ffp-contract=off -fno-math-errno`) and called through ctypes, which releases
  * the GIL: the Python side (backend_native.py) runs the calls on a thread pool, each on a range of blocks,
- * or, for the step, each taking work items from a shared counter. Where the CPU has AVX-512 (and VBMI)
- * the hot loops use intrinsics; scalar C does the rest and runs everywhere else.
+ * or, for the step, each taking work items from a shared counter.
  *
- * Every function here equals a PyTorch reference bit for bit (tests/test_native*.py):
+ * Vector code: quantize, dequantize and every encode (the steps' too) are built on the SIMD layer (simd.h:
+ * the instruction set the build targets, AVX-512, AVX2, aarch64 NEON or scalar C, each in a header of its
+ * own, and the codec's blocks written once over them). The fused steps' own math has 16-lane AVX-512
+ * loops (under VEC, below) and runs as scalar C elsewhere.
+ *
+ * Every function here equals a PyTorch reference bit for bit, on every path (tests/test_native*.py, and
+ * tests/test_simd_driver.py for the builds this machine cannot load, aarch64 ones under qemu):
  *   ckq_quantize           <-> ckptq.kernels.backend_torch.quantize (reference_codes after the transform)
  *   ckq_dequantize         <-> ckptq.kernels.backend_torch.dequantize
  *   ckq_adam_step_group    <-> ckptq.kernels.backend_torch.adam_step (step_rows) of each member in turn
@@ -37,6 +42,9 @@
  * (Before, the entry held the limit itself and the code took a compare, a masked add and a NaN test:
  * the add form makes the step's two encodes 12 instructions shorter per 16 elements.)
  *
+ * The vector loops the next paragraphs describe are AVX-512's (simd_avx512.h); simd_avx2.h and simd_neon.h
+ * say what stands in for each on their paths.
+ *
  * 4-bit codes (bits == 4): the same table over 15 thresholds gives codes 0..15 (NaN: 15); the vector
  * loops get the same count from a binary search of the 15 thresholds held in one register (four
  * permutes instead of a gather from the 256 KB table, which made the 4-bit step as fast as the 8-bit
@@ -63,438 +71,13 @@
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
-#ifdef __AVX512F__
-#include <immintrin.h>
-#define VEC 16  /* fp32 lanes of the AVX-512 loops; the scalar loops finish what is left */
-#else
-#define VEC 0
-#endif
+#include "simd.h"  /* the SIMD layer: vector operations per instruction set, and the codec's blocks over them */
 
 #define MAX_BLOCK 4096  /* the largest block size; the exported functions return -1 for others */
 #define BAD_BLOCK(block) ((block) < 1 || (block) > MAX_BLOCK)
 /* code widths 8, 6, 4, 2; a block must start on a byte: a multiple of 4 codes (2 for 4 bits) */
 #define BAD_BITS(bits, block) (((bits) != 8 && (bits) != 6 && (bits) != 4 && (bits) != 2) || \
                                ((bits) != 8 && (block) % ((bits) == 4 ? 2 : 4)))
-
-enum { F32 = 0, BF16 = 1, F16 = 2 };
-
-/* Type punning through a union (defined behaviour in C99 and what gcc vectorizes; memcpy here was not). */
-typedef union { float f; uint32_t u; } pun_t;
-static inline uint32_t f2u(float f) { pun_t p; p.f = f; return p.u; }
-static inline float u2f(uint32_t u) { pun_t p; p.u = u; return p.f; }
-
-static inline float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
-
-/* Round to nearest even, NaN -> 0x7FC0: c10::BFloat16's conversion, which torch's copy_ uses. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u = f2u(f);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-/* IEEE binary16 <-> binary32 with round to nearest even (what torch's fp16 conversion does). */
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    if (exp == 0x1F) return u2f(sign | 0x7F800000u | (man << 13));
-    if (exp != 0) return u2f(sign | ((exp + 112) << 23) | (man << 13));
-    /* zero or subnormal: man * 2^-24, exact in fp32 */
-    float v = (float)man * 5.9604644775390625e-08f;
-    return sign ? -v : v;
-}
-
-static inline uint16_t f32_to_f16(float f) {
-    uint32_t u = f2u(f), sign = (u >> 16) & 0x8000, a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00 | ((a >> 13) & 0x3FF));  /* NaN, stays NaN */
-    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00);  /* rounds to >= 65520: inf */
-    if (a < 0x38800000u) {  /* below 2^-14: subnormal half, round man * 2^-24 to an integer, RNE */
-        float v = u2f(a) * 16777216.0f;  /* exact: a power-of-two scale of a value < 2^-14 */
-        float r = nearbyintf(v);  /* default rounding mode: to nearest even */
-        return (uint16_t)(sign | (uint16_t)r);
-    }
-    uint32_t m = a + 0xC8000FFFu + ((a >> 13) & 1u);  /* rebias exponent (-112 << 23) and round */
-    return (uint16_t)(sign | (m >> 13));
-}
-
-static inline float load_value(const void *p, int64_t i, int dtype) {
-    if (dtype == F32) return ((const float *)p)[i];
-    if (dtype == BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
-    return f16_to_f32(((const uint16_t *)p)[i]);
-}
-
-/* buf[i] = src[off + i] as fp32 (sqrt applied when asked): a loop per dtype, so each vectorizes. */
-static void load_block(const void *src, int64_t off, int len, int dtype, int sqrt_transform, float *buf) {
-    if (dtype == F32) {
-        const float *s = (const float *)src + off;
-        for (int i = 0; i < len; i++) buf[i] = s[i];
-    } else if (dtype == BF16) {
-        const uint16_t *s = (const uint16_t *)src + off;
-        for (int i = 0; i < len; i++) buf[i] = bf16_to_f32(s[i]);
-    } else {
-        const uint16_t *s = (const uint16_t *)src + off;
-        for (int i = 0; i < len; i++) buf[i] = f16_to_f32(s[i]);
-    }
-    if (sqrt_transform)
-        for (int i = 0; i < len; i++) buf[i] = sqrtf(buf[i]);
-}
-
-/* max |x| of a block, NaN if any element is NaN (as torch's amax). On the bit patterns with the sign
- * cleared, integer order is value order for non-NaN floats and every NaN lies above +inf, so an
- * unsigned max does both at once and vectorizes. -0.0 gives +0.0, as abs().amax() does. */
-static inline float block_absmax(const float *x, int len) {
-    uint32_t mx = 0;
-    for (int i = 0; i < len; i++) {
-        uint32_t a = f2u(x[i]) & 0x7FFFFFFFu;
-        mx = a > mx ? a : mx;
-    }
-    return mx > 0x7F800000u ? NAN : u2f(mx);
-}
-
-/* The absmax that block_absmax gives, from the unsigned max of the bit patterns with the sign cleared. */
-static inline float bits_to_absmax(uint32_t mx) { return mx > 0x7F800000u ? NAN : u2f(mx); }
-
-
-/* The code table's answer for one y (see the header): #{t < y}. ``table`` points at the table's middle
- * entry (bucket 0), so the signed top 16 bits index it directly. */
-static inline int nearest1(float y, const int32_t *table) {
-    int32_t ybits = (int32_t)f2u(y);
-    uint32_t e = (uint32_t)table[ybits >> 16];
-    uint32_t rank = (uint32_t)(ybits ^ (ybits >> 31)) & 0xFFFFu;  /* negative floats: larger bits, smaller value */
-    return (int)((e + rank) >> 17);
-}
-
-/* Code c of element i into the bit stream (elements written in order from a byte boundary: the first
- * write to a byte assigns it, so bits past the last code stay 0). */
-static inline void put_code(uint8_t *codes, int i, int c, int bits) {
-    if (bits == 8) {
-        codes[i] = (uint8_t)c;
-        return;
-    }
-    int bit = i * bits, k = bit >> 3, sh = bit & 7;
-    if (sh == 0)
-        codes[k] = (uint8_t)c;
-    else
-        codes[k] |= (uint8_t)(c << sh);
-    if (sh + bits > 8) codes[k + 1] = (uint8_t)(c >> (8 - sh));
-}
-
-/* ckptq.kernels.contract.mix32: the stochastic rounding's hash. */
-static inline uint32_t mix32(uint32_t x) {
-    x ^= x >> 16;
-    x *= 0x7FEB352Du;
-    x ^= x >> 15;
-    x *= 0x846CA68Bu;
-    return x ^ (x >> 16);
-}
-
-/* The uniform in [0, 1) of one half of hash h (ckptq.kernels.contract): the first moment takes the high
- * 16 bits (high = 1), the second the low 16. A 16-bit integer times 2^-16: exact. */
-static inline float uniform1(uint32_t h, int high) { return (float)(high ? h >> 16 : h & 0xFFFFu) * 0x1p-16f; }
-
-/* Stochastic rounding of y (nearest code c) on the codebook q of top + 1 entries with uniform u. */
-static inline int stochastic1(float y, int c, const float *q, int top, float u) {
-    int lo = c - (y < q[c]);
-    if (lo < 0) lo = 0;
-    if (lo >= top) return top;
-    return lo + (u * (q[lo + 1] - q[lo]) < y - q[lo]);
-}
-
-#if VEC
-/* nearest1 on 16 lanes: one gather, the rank (the low 16 bits, flipped for negative y) and an add. */
-static inline __m512i nearest16(__m512 y, const int32_t *table) {
-    __m512i ybits = _mm512_castps_si512(y);
-    __m512i e = _mm512_i32gather_epi32(_mm512_srai_epi32(ybits, 16), table, 4);
-    /* (ybits ^ (ybits >> 31)) & 0xFFFF in one ternary-logic op (truth table 0x28: (a ^ b) & c) */
-    __m512i rank = _mm512_ternarylogic_epi32(ybits, _mm512_srai_epi32(ybits, 31), _mm512_set1_epi32(0xFFFF), 0x28);
-    return _mm512_srli_epi32(_mm512_add_epi32(e, rank), 17);
-}
-
-/* #{k < top : r[first + k] < y} (strict) or <= y (not strict), for r[first .. first + top - 1] ascending
- * in one register, top = 2**bits - 1 <= 15: a binary search of ``bits`` permutes that probes only those
- * entries, no gather from the 256 KB code table; a NaN y counts top. With the thresholds (first 0,
- * strict) it is the nearest code, as nearest16 gives it; with a codebook's own entries (first 1, not
- * strict) the entry at or below y that stochastic rounding starts from (stochastic16_up). */
-static inline __m512i count16_reg(__m512 y, __m512 r, int top, int first, int strict) {
-    __m512i pos = _mm512_setzero_si512();
-    for (int step = (top + 1) / 2; step >= 1; step >>= 1) {
-        __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(pos, _mm512_set1_epi32(first + step - 1)), r);
-        __mmask16 below = strict ? _mm512_cmp_ps_mask(t, y, _CMP_LT_OQ) : _mm512_cmp_ps_mask(t, y, _CMP_LE_OQ);
-        pos = _mm512_mask_add_epi32(pos, below, pos, _mm512_set1_epi32(step));
-    }
-    return _mm512_mask_mov_epi32(pos, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(top));
-}
-
-/* Codes of elements i .. i + 15 (i a multiple of 16) into the bit stream: exactly 2 * bits bytes. */
-static inline void put_codes16(uint8_t *codes, int i, __m512i code, int bits) {
-    uint8_t *p = codes + i * bits / 8;
-    if (bits == 8) {
-        _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(code));
-    } else if (bits == 4) {  /* as 8 qwords c[2k] | c[2k+1] << 32: fold the high dword onto bits 4..7 */
-        __m512i pair = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
-        _mm_storel_epi64((__m128i *)p, _mm512_cvtepi64_epi8(pair));
-    } else {  /* each 128-bit lane's 4 codes -> one word c0 | c1 << b | c2 << 2b | c3 << 3b (1 or 3 bytes) */
-        const int b = bits;
-        __m512i w = _mm512_sllv_epi32(code, _mm512_setr_epi32(0, b, 2 * b, 3 * b, 0, b, 2 * b, 3 * b,
-                                                              0, b, 2 * b, 3 * b, 0, b, 2 * b, 3 * b));
-        w = _mm512_or_si512(w, _mm512_shuffle_epi32(w, (_MM_PERM_ENUM)0xB1));  /* lanes (1, 0, 3, 2) */
-        w = _mm512_or_si512(w, _mm512_shuffle_epi32(w, (_MM_PERM_ENUM)0x4E));  /* lanes (2, 3, 0, 1) */
-        __m128i words = _mm512_castsi512_si128(_mm512_permutexvar_epi32(
-            _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w));
-        if (bits == 2) {
-            int32_t four = _mm_cvtsi128_si32(_mm_shuffle_epi8(words, _mm_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1,
-                                                                                    -1, -1, -1, -1, -1, -1, -1, -1)));
-            memcpy(p, &four, 4);
-        } else {
-            __m128i twelve = _mm_shuffle_epi8(words, _mm_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14,
-                                                                   -1, -1, -1, -1));
-            int32_t last = _mm_extract_epi32(twelve, 2);
-            _mm_storel_epi64((__m128i *)p, twelve);
-            memcpy(p + 8, &last, 4);
-        }
-    }
-}
-
-/* How to unpack 16 codes of one width: each lane's first byte k, k + 1, its shift, the code mask. The
- * functions below take the width as an argument, not from these structs, so that a loop whose widths are
- * constants compiles to one case. */
-typedef struct { __m512i k, k1, sh, mask; } unpack_t;
-
-static inline unpack_t unpack_init(int bits) {
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i bit = _mm512_mullo_epi32(iota, _mm512_set1_epi32(bits));
-    __m512i k = _mm512_srli_epi32(bit, 3);
-    unpack_t u = {k, _mm512_add_epi32(k, _mm512_set1_epi32(1)), _mm512_and_si512(bit, _mm512_set1_epi32(7)),
-                  _mm512_set1_epi32((1 << bits) - 1)};
-    return u;
-}
-
-/* The codes of elements i .. i + 15 (i a multiple of 16) as int32 lanes; reads only their 2 * bits bytes. */
-static inline __m512i codes16(const unpack_t *u, const uint8_t *codes, int i, int bits) {
-    const uint8_t *p = codes + i * bits / 8;
-    if (bits == 8) return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    __m128i raw = _mm_maskz_loadu_epi8((__mmask16)((1u << (2 * bits)) - 1), p);
-#else
-    uint8_t tmp[16] = {0};
-    memcpy(tmp, p, 2 * bits);
-    __m128i raw = _mm_loadu_si128((const __m128i *)tmp);
-#endif
-    __m512i bytes = _mm512_cvtepu8_epi32(raw);
-    __m512i word = _mm512_or_si512(_mm512_permutexvar_epi32(u->k, bytes),
-                                   _mm512_slli_epi32(_mm512_permutexvar_epi32(u->k1, bytes), 8));
-    return _mm512_and_si512(_mm512_srlv_epi32(word, u->sh), u->mask);
-}
-
-/* A codebook for 16-lane lookups: up to 16 entries in r[0], 64 in r[0..3], 256 read from q. */
-typedef struct { __m512 r[4]; const float *q; } cb_t;
-
-static inline __attribute__((always_inline)) cb_t cb_init(const float *q, int bits) {
-    cb_t cb = {{_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}, q};
-    if (q && bits <= 4) cb.r[0] = _mm512_maskz_loadu_ps((__mmask16)((1u << (1 << bits)) - 1), q);
-    if (q && bits == 6)
-        for (int j = 0; j < 4; j++) cb.r[j] = _mm512_loadu_ps(q + 16 * j);
-    return cb;
-}
-
-/* q[idx] for the 16 codes idx of a codebook of 2**bits entries. */
-static inline __m512 cb_lookup(const cb_t *cb, __m512i idx, int bits) {
-    if (bits <= 4) return _mm512_permutexvar_ps(idx, cb->r[0]);
-    if (bits == 6) {
-        __m512 lo = _mm512_permutex2var_ps(cb->r[0], idx, cb->r[1]);
-        __m512 hi = _mm512_permutex2var_ps(cb->r[2], idx, cb->r[3]);
-        return _mm512_mask_mov_ps(lo, _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), hi);
-    }
-    return _mm512_i32gather_ps(idx, cb->q, 4);
-}
-
-static inline __m512i mix32x16(__m512i x) {
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846CA68Bu));
-    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
-
-/* The contract's stochastic rounding on 16 lanes from lo (the entry at or below y, clamped to
- * 0 .. K - 1): lo + 1 with probability (y - q[lo]) / (q[lo + 1] - q[lo]), top stays top. q: the codebook,
- * u: the lanes' uniforms (uniform16). */
-static inline __m512i stochastic16_up(__m512 y, __m512i lo, const cb_t *q, __m512 u, int bits) {
-    const int top = (1 << bits) - 1;
-    const __m512i one = _mm512_set1_epi32(1), vtop = _mm512_set1_epi32(top);
-    __mmask16 at_top = _mm512_cmpge_epi32_mask(lo, vtop);
-    __m512 q_lo = cb_lookup(q, lo, bits);
-    __m512 q_hi = cb_lookup(q, _mm512_min_epi32(_mm512_add_epi32(lo, one), vtop), bits);
-    __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(q_hi, q_lo)), _mm512_sub_ps(y, q_lo), _CMP_LT_OQ);
-    return _mm512_mask_mov_epi32(_mm512_mask_add_epi32(lo, up, lo, one), at_top, vtop);
-}
-
-/* stochastic1 on 16 lanes, from the nearest code c. */
-static inline __m512i stochastic16(__m512 y, __m512i c, const cb_t *q, __m512 u, int bits) {
-    const __m512i one = _mm512_set1_epi32(1);
-    __m512i lo = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(y, cb_lookup(q, c, bits), _CMP_LT_OQ), c, one);
-    return stochastic16_up(y, _mm512_max_epi32(lo, _mm512_setzero_si512()), q, u, bits);
-}
-
-/* uniform1 of 16 hashes. */
-static inline __m512 uniform16(const uint32_t *h, int high) {
-    __m512i x = _mm512_loadu_si512(h);
-    x = high ? _mm512_srli_epi32(x, 16) : _mm512_and_si512(x, _mm512_set1_epi32(0xFFFF));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(x), _mm512_set1_ps(0x1p-16f));
-}
-
-#endif
-
-/* h[k] = mix32((i0 + k) mod 2^32 ^ seed) for k < len: the step's stochastic rounding hashes. */
-static inline void hashes(uint32_t *h, int len, int64_t i0, uint32_t seed) {
-    int k = 0;
-#if VEC
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (; k + VEC <= len; k += VEC) {
-        __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(i0 + k)), iota);
-        _mm512_storeu_si512(h + k, mix32x16(_mm512_xor_si512(idx, _mm512_set1_epi32((int)seed))));
-    }
-#endif
-    for (; k < len; k++) h[k] = mix32((uint32_t)(i0 + k) ^ seed);
-}
-
-/* code i = #{t < x[i] / safe} via the code table (see the header; ``table`` at its middle), or for 4 and
- * 2 bits with the thresholds thr15 in a register; codes packed as put_code does. With a codebook q
- * (stochastic rounding, ckptq.kernels.contract), the code is then rounded stochastically instead, with
- * the uniforms of hashes h (their high halves when ``high``). Always inlined, so that callers with
- * constant arguments (encode_nearest8) get a loop without the other cases' branches. */
-static inline __attribute__((always_inline)) void encode_block(const float *x, int len, float absmax,
-                                                               const int32_t *table, uint8_t *codes, int bits,
-                                                               const float *q, const uint32_t *h, int high,
-                                                               const float *thr15) {
-    const int top = (1 << bits) - 1;
-    float safe = absmax > 0.0f ? absmax : 1.0f;  /* NaN > 0 is false: a NaN block divides by 1 */
-    int i = 0;
-#if VEC
-    const __m512 vsafe = _mm512_set1_ps(safe);
-    const cb_t cb = cb_init(q, bits);
-    const int in_register = bits <= 4 && thr15;
-    const __m512 t15 = in_register ? _mm512_maskz_loadu_ps((__mmask16)((1u << top) - 1), thr15) : vsafe;
-    for (; i + VEC <= len; i += VEC) {
-        __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), vsafe);
-        __m512i code;
-        if (q && bits <= 4)  /* no nearest code needed: for y not NaN the contract's lo = clamp(c - (y <
-                              * q[c]), 0, K - 1) is #{j >= 1 : q[j] <= y} (q[c - 1] < y < q[c + 1]); a NaN
-                              * counts K - 1, the top code, as the contract's c = K - 1 gives it */
-            code = stochastic16_up(y, count16_reg(y, cb.r[0], top, 1, 0), &cb, uniform16(h + i, high), bits);
-        else {
-            code = in_register ? count16_reg(y, t15, top, 0, 1) : nearest16(y, table);
-            if (q) code = stochastic16(y, code, &cb, uniform16(h + i, high), bits);
-        }
-        put_codes16(codes, i, code, bits);
-    }
-#endif
-    for (; i < len; i++) {  /* the vector loop stops at a multiple of 16: on a byte */
-        float y = x[i] / safe;
-        int code = nearest1(y, table);
-        put_code(codes, i, q ? stochastic1(y, code, q, top, uniform1(h[i], high)) : code, bits);
-    }
-}
-
-/* encode_block for 8-bit codes rounded to nearest, the common case. */
-static void encode_nearest8(const float *x, int len, float absmax, const int32_t *table, uint8_t *codes) {
-    encode_block(x, len, absmax, table, codes, 8, 0, 0, 0, 0);
-}
-
-/* encode_nearest8 of two blocks in one loop (the step's ratio and sqrt(v), each with its scale and code
- * table): two independent gathers in flight and one loop's overhead instead of two (tools/bench_kernels.py
- * measures the step with it). */
-static void encode_nearest8_pair(const float *x0, const float *x1, int len, float absmax0, float absmax1,
-                                 const int32_t *table0, const int32_t *table1, uint8_t *codes0, uint8_t *codes1) {
-    float safe0 = absmax0 > 0.0f ? absmax0 : 1.0f, safe1 = absmax1 > 0.0f ? absmax1 : 1.0f;
-    int i = 0;
-#if VEC
-    const __m512 vsafe0 = _mm512_set1_ps(safe0), vsafe1 = _mm512_set1_ps(safe1);
-    for (; i + VEC <= len; i += VEC) {
-        __m512i c0 = nearest16(_mm512_div_ps(_mm512_loadu_ps(x0 + i), vsafe0), table0);
-        __m512i c1 = nearest16(_mm512_div_ps(_mm512_loadu_ps(x1 + i), vsafe1), table1);
-        _mm_storeu_si128((__m128i *)(codes0 + i), _mm512_cvtepi32_epi8(c0));
-        _mm_storeu_si128((__m128i *)(codes1 + i), _mm512_cvtepi32_epi8(c1));
-    }
-#endif
-    for (; i < len; i++) {
-        codes0[i] = (uint8_t)nearest1(x0[i] / safe0, table0);
-        codes1[i] = (uint8_t)nearest1(x1[i] / safe1, table1);
-    }
-}
-
-
-#if VEC
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
-/* A 256-entry fp32 codebook split into its four byte planes, 4 x 64 bytes each, for decode64. */
-typedef struct { __m512i plane[4][4]; } planes_t;
-
-static inline void planes_init(planes_t *t, const float *qmap) {
-    uint8_t bytes[4][256];
-    for (int k = 0; k < 256; k++) {
-        uint32_t u = f2u(qmap[k]);
-        for (int b = 0; b < 4; b++) bytes[b][k] = (uint8_t)(u >> (8 * b));
-    }
-    for (int b = 0; b < 4; b++)
-        for (int q = 0; q < 4; q++) t->plane[b][q] = _mm512_loadu_si512(bytes[b] + 64 * q);
-}
-
-/* qmap[codes[0..63]] as four vectors of 16 fp32 (out[r] = elements 16r..16r+15), with byte permutes
- * instead of gathers (a 16-lane gather costs ~12 cycles on Zen 4; this is ~21 one-cycle ops for 64).
- * Each byte plane is looked up with two 128-entry vpermi2b and a blend on the code's top bit; the
- * planes are then interleaved into dwords by unpack within 128-bit lanes, which leaves position
- * 16i + 4r + j of the codes in lane i, dword j of out[r]: so the codes are first permuted to put
- * element 16r + 4i + j there, and out[r] comes out in order. */
-static inline void decode64(const planes_t *t, const uint8_t *codes, __m512 out[4]) {
-    static const uint8_t order_bytes[64] = {
-        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
-        4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
-        8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
-        12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
-    const __m512i c = _mm512_permutexvar_epi8(_mm512_loadu_si512(order_bytes), _mm512_loadu_si512(codes));
-    const __mmask64 high = _mm512_movepi8_mask(c);
-    __m512i b[4];
-    for (int k = 0; k < 4; k++) {
-        __m512i lo = _mm512_permutex2var_epi8(t->plane[k][0], c, t->plane[k][1]);
-        __m512i hi = _mm512_permutex2var_epi8(t->plane[k][2], c, t->plane[k][3]);
-        b[k] = _mm512_mask_blend_epi8(high, lo, hi);
-    }
-    __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
-    __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
-    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23));
-    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
-    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
-    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
-}
-#define DECODE64 1
-#else
-#define DECODE64 0
-#endif
-
-/* qmap[codes[0..15]] as 16 fp32 lanes. */
-static inline __m512 gather_codebook(const uint8_t *codes, const float *qmap) {
-    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes)), qmap, 4);
-}
-
-/* qmap[code] for the 32 4-bit codes of packed[0..15], as two vectors of 16 fp32 in element order: a
- * 16-entry codebook fits one register (q16), so vpermps looks the codes up without a gather. Low and high
- * nibbles are split into two vectors of bytes 0..15, then interleaved back into element order. */
-static inline void decode32_nibbles(const uint8_t *packed, __m512 q16, __m512 out[2]) {
-    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)packed));
-    __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(bytes, 4);
-    out[0] = _mm512_permutexvar_ps(_mm512_permutex2var_epi32(lo, first, hi), q16);
-    out[1] = _mm512_permutexvar_ps(_mm512_permutex2var_epi32(lo, second, hi), q16);
-}
-#endif
-
-/* Code i of a block's bit stream. */
-static inline int code_at(const uint8_t *codes, int i, int bits) {
-    if (bits == 8) return codes[i];
-    int bit = i * bits, k = bit >> 3, sh = bit & 7;
-    int v = codes[k] >> sh;
-    if (sh + bits > 8) v |= codes[k + 1] << (8 - sh);
-    return v & ((1 << bits) - 1);
-}
 
 
 /* A walk over a tensor's blocks in the row layout (see the header), from block b on: rows_next steps to
@@ -538,36 +121,59 @@ static inline void rows_span(int64_t row_len, int64_t block, int64_t b0, int64_t
     *end = rows_offset(&z) + rows_len(&z);
 }
 
-/* buf[0 .. len) back into dst[off ..] as a 16-bit float dtype (BF16 / F16), rounding to nearest even. */
-static void store_block(void *dst, int64_t off, int len, int dtype, const float *buf) {
-    uint16_t *d = (uint16_t *)dst + off;
-    if (dtype == BF16)
-        for (int i = 0; i < len; i++) d[i] = f32_to_bf16(buf[i]);
-    else
-        for (int i = 0; i < len; i++) d[i] = f32_to_f16(buf[i]);
-}
 
-/* Quantize blocks [b0, b1) of src (dtype F32/BF16/F16; rows of row_len) into codes and absmax, the
- * whole tensor's (the row layout addresses each block). table: the code table (int32 [65536]). */
-int ckq_quantize(const void *src, int dtype, int64_t row_len, int64_t block, int64_t b0, int64_t b1,
-                  int sqrt_transform, const int32_t *table, uint8_t *codes, float *absmax, int bits,
-                  const float *thr15) {
-    if (BAD_BLOCK(block) || BAD_BITS(bits, block) || row_len < 1) return -1;
-    const int32_t *middle = table + 32768;
+/* Quantize blocks [b0, b1) of one width (always inlined with it and the encoder's switches constant:
+ * encode_prepared's loop then has no branch on them). An fp32 source without the transform is encoded
+ * where it lies; others go through buf. */
+static inline __attribute__((always_inline)) void quantize_blocks(
+        const void *src, int dtype, int64_t row_len, int64_t block, int64_t b0, int64_t b1, int sqrt_transform,
+        const vencode_t *e, uint8_t *codes, float *absmax, int bits) {
     float buf[block];  /* C99 VLA: a block's values, at most 16 KB */
     rows_t at = rows_at(row_len, block, b0);
     for (int64_t b = b0; b < b1; b++, rows_next(&at)) {
-        int len = rows_len(&at);
-        uint8_t *c = codes + rows_code_byte(&at, bits);
-        load_block(src, rows_offset(&at), len, dtype, sqrt_transform, buf);
-        absmax[b] = block_absmax(buf, len);
-        if (bits == 8)
-            encode_nearest8(buf, len, absmax[b], middle, c);
+        const int len = rows_len(&at);
+        const int64_t off = rows_offset(&at);
+        const float *x = buf;
+        if (dtype == F32 && !sqrt_transform)
+            x = (const float *)src + off;
         else
-            encode_block(buf, len, absmax[b], middle, c, bits, 0, 0, 0, thr15);
+            load_block(src, off, len, dtype, sqrt_transform, buf);
+        const float scale = absmax[b] = block_absmax(x, len);
+        encode_prepared(e, x, len, scale, codes + rows_code_byte(&at, bits), bits, 0, 0);
     }
+}
+
+/* Quantize blocks [b0, b1) of src (dtype F32/BF16/F16; rows of row_len) into codes and absmax, the
+ * whole tensor's (the row layout addresses each block). table: the code table (int32 [65536]); thr15:
+ * the thresholds (fp32 [2**bits - 1]) for 4 and 2 bits, or NULL (then the code table serves them too). */
+int ckq_quantize(const void *src, int dtype, int64_t row_len, int64_t block, int64_t b0, int64_t b1,
+                  int sqrt_transform, const int32_t *table, uint8_t *codes, float *absmax, int bits,
+                  const float *thr15) {
+    if (BAD_BLOCK(block) || BAD_BITS(bits, block) || row_len < 1 || (unsigned)dtype > F16) return -1;
+    vencode_t e;  /* prepared once per width, with the thresholds or without (both constant where it is inlined) */
+#define QUANTIZE_WITH(BITS, THR)                                                                            \
+    do {                                                                                                    \
+        vencode_init(&e, table + 32768, THR, 0, BITS);                                                      \
+        quantize_blocks(src, dtype, row_len, block, b0, b1, sqrt_transform, &e, codes, absmax, BITS);       \
+    } while (0)
+#define QUANTIZE_CASE(BITS)                                                                                 \
+    case BITS:                                                                                              \
+        if (BITS <= 4 && thr15)                                                                             \
+            QUANTIZE_WITH(BITS, thr15);                                                                     \
+        else                                                                                                \
+            QUANTIZE_WITH(BITS, 0);                                                                         \
+        break;
+    switch (bits) {
+        QUANTIZE_CASE(8)
+        QUANTIZE_CASE(6)
+        QUANTIZE_CASE(4)
+        QUANTIZE_CASE(2)
+    }
+#undef QUANTIZE_CASE
+#undef QUANTIZE_WITH
     return 0;
 }
+
 /* Fault in the pages of [p, p + bytes) for writing in one call (Linux 5.14+; a no-op elsewhere or on
  * error). On freshly mapped output this is measurably faster than faulting page by page from the loop:
  * with 2 MB pages 16 MB of output went from 12 to 9 ms on 2 threads (tools/bench_codec.py). */
@@ -580,6 +186,15 @@ static void prefault(void *p, int64_t bytes) {
 #endif
 }
 
+/* Dequantize blocks [b0, b1) of one width, squared or not (always inlined with both constant). */
+static inline __attribute__((always_inline)) void dequantize_blocks(
+        const uint8_t *codes, const float *absmax, const vdecode_t *d, int64_t row_len, int64_t block, int64_t b0,
+        int64_t b1, float *out, int bits, int square) {
+    rows_t at = rows_at(row_len, block, b0);
+    for (int64_t b = b0; b < b1; b++, rows_next(&at))
+        decode_block(d, codes + rows_code_byte(&at, bits), rows_len(&at), bits, absmax[b], square,
+                     out + rows_offset(&at));
+}
 
 /* out[i] = qmap[code i] * absmax[i's block] for the elements of blocks [b0, b1) (rows of row_len), then
  * squared for the sqrt transform; fresh_out: out is newly mapped memory, prefault their span. qmap: 256
@@ -593,56 +208,29 @@ int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap,
         rows_span(row_len, block, b0, b1, &first, &end);
         prefault(out + first, (end - first) * 4);
     }
-#if DECODE64
-    planes_t planes;
-    planes_init(&planes, qmap);
-#endif
-    rows_t at = rows_at(row_len, block, b0);
-    for (int64_t b = b0; b < b1; b++, rows_next(&at)) {
-        int len = rows_len(&at);
-        float a = absmax[b];
-        const uint8_t *c = codes + rows_code_byte(&at, bits);
-        float *o = out + rows_offset(&at);
-        int i = 0;
-#if VEC
-        const __m512 va = _mm512_set1_ps(a);
-        if (bits == 4) {
-            const __m512 q16 = _mm512_loadu_ps(qmap);
-            for (; i + 32 <= len; i += 32) {
-                __m512 q[2];
-                decode32_nibbles(c + i / 2, q16, q);
-                for (int r = 0; r < 2; r++) {
-                    __m512 v = _mm512_mul_ps(q[r], va);
-                    _mm512_storeu_ps(o + i + 16 * r, sqrt_transform ? _mm512_mul_ps(v, v) : v);
-                }
-            }
-        }
-#if DECODE64
-        for (; bits == 8 && i + 64 <= len; i += 64) {
-            __m512 q[4];
-            decode64(&planes, c + i, q);
-            for (int r = 0; r < 4; r++) {
-                __m512 v = _mm512_mul_ps(q[r], va);
-                _mm512_storeu_ps(o + i + 16 * r, sqrt_transform ? _mm512_mul_ps(v, v) : v);
-            }
-        }
-#endif
-        {  /* 16 at a time: what is left of 8 and 4 bits, and all of 6 and 2 */
-            const unpack_t u = unpack_init(bits);
-            const cb_t cb = cb_init(qmap, bits);
-            for (; i + VEC <= len; i += VEC) {
-                __m512 v = _mm512_mul_ps(cb_lookup(&cb, codes16(&u, c, i, bits), bits), va);
-                _mm512_storeu_ps(o + i, sqrt_transform ? _mm512_mul_ps(v, v) : v);
-            }
-        }
-#endif
-        for (; i < len; i++) {
-            float v = qmap[code_at(c, i, bits)] * a;
-            o[i] = sqrt_transform ? v * v : v;
-        }
+    vdecode_t d;  /* with VBMI: the codebook's byte planes, 1 KB */
+    vdecode_init(&d, qmap, bits);
+#define DEQUANTIZE_CASE(BITS)                                                                               \
+    case BITS:                                                                                              \
+        if (sqrt_transform)                                                                                 \
+            dequantize_blocks(codes, absmax, &d, row_len, block, b0, b1, out, BITS, 1);                     \
+        else                                                                                                \
+            dequantize_blocks(codes, absmax, &d, row_len, block, b0, b1, out, BITS, 0);                     \
+        break;
+    switch (bits) {
+        DEQUANTIZE_CASE(8)
+        DEQUANTIZE_CASE(6)
+        DEQUANTIZE_CASE(4)
+        DEQUANTIZE_CASE(2)
     }
+#undef DEQUANTIZE_CASE
     return 0;
 }
+
+/* ---- The fused steps ----
+ * (tests/simd_driver.c compiles the codec above alone, with CKQ_CODEC_ONLY: the steps below take most of
+ * the compile time, and it runs a build per target.) */
+#ifndef CKQ_CODEC_ONLY
 
 /* Hyperparameters, fp32 [10] per member, in ckptq.kernels.contract.HYPER_FIELDS order. */
 enum { DECAY, L2, OMB1, BETA2, OMB2, EPS, NEG_STEP, BC2_SQRT, DECODE_EPS, ENCODE_EPS };
@@ -1254,3 +842,5 @@ int ckq_momentum_step_group(const momentum_config_t *config, const member_t *mem
                         outs ? (float *)(uintptr_t)outs[i] : 0, hyper + 8 * i, seeds ? seeds + i : 0, item[1], item[2]);
     }
 }
+
+#endif /* CKQ_CODEC_ONLY */

@@ -1,10 +1,13 @@
-"""The C CPU kernels (``cpu_kernels.c``): built on first use, cached, called through ctypes.
+"""The C CPU kernels (``cpu_kernels.c`` and the SIMD layer it includes, ``simd*.h``): built on first use,
+cached, called through ctypes.
 
 ``backend_native`` calls them (``ckptq.ops`` sends CPU work there when they are available, to the
 PyTorch reference otherwise; both give the same bits, tests/test_native.py). The source is compiled
 with the system C compiler (``$CC``, else ``cc``) for this machine's CPU into a cache folder
-(``$CKPTQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckptq`` or ``~/.cache/ckptq``), once per source, compiler
-(and version), flags and CPU (as the compiler resolves -march for it): about a second, under a lock.
+(``$CKPTQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckptq`` or ``~/.cache/ckptq``), once per source (the .c and
+every header), compiler (and version), flags and CPU (as the compiler resolves -march for it): a few
+seconds, under a lock. -march picks the SIMD path (AVX-512, AVX2, aarch64 NEON, else scalar C:
+``simd.h``); ``$CKPTQ_NATIVE_MARCH`` caps it.
 What is loaded, and from where, is checked first (``native_build``): a cache folder others can write
 means a private build for this run only; a damaged build is rebuilt. ``CKPTQ_NATIVE=0`` turns it off.
 No compiler or a failed build means PyTorch, with one warning that says why.
@@ -30,14 +33,19 @@ from pathlib import Path
 from . import native_build
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# What SOURCE includes (the SIMD layer: simd.h picks one of the others by -march): part of the build's
+# cache key, and shipped beside it (pyproject's package-data; tests/test_native.py checks the list is whole).
+HEADERS = tuple(SOURCE.with_name(name) for name in
+                ("simd.h", "simd_scalar.h", "simd_avx512.h", "simd_avx2.h", "simd_neon.h"))
 # No FMA contraction (each fp32 operation rounded on its own, as PyTorch's eager ops do); no errno, so
 # sqrtf is the IEEE instruction. Nothing that changes results (no -ffast-math).
 _FLAGS = ["-O3", "-std=c99", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
 
 
 def _arch_flags() -> tuple[list[str], list[str]]:
-    """-march for this CPU (``$CKPTQ_NATIVE_MARCH`` overrides ``native``: the tests build a portable,
-    non-AVX-512 variant with it), then no -march at all where the compiler refuses that."""
+    """-march for this CPU (``$CKPTQ_NATIVE_MARCH`` overrides ``native``: it caps the SIMD path, so that the
+    tests build x86-64-v2 (scalar C) and x86-64-v3 (AVX2) variants on a wider CPU), then no -march at all
+    where the compiler refuses that."""
     return [f"-march={os.environ.get('CKPTQ_NATIVE_MARCH') or 'native'}"], []
 
 
@@ -132,12 +140,12 @@ def _build(cmd: list[str], target: Path) -> str | None:
 
 
 def _build_name(cmd: list[str]) -> str:
-    """The file name of the build for this source, compiler (and version), flags, and CPU: both as
+    """The file name of the build for this source (and its headers), compiler (and version), flags, and CPU: both as
     /proc/cpuinfo describes it and as the compiler resolves -march for it, so no two CPUs that differ in
     a feature the build uses can share an entry (a shared home folder on two machines, say)."""
     arch = _arch_flags()[0]
-    parts = (SOURCE.read_text(), " ".join(cmd), _compiler_version(cmd), " ".join(_FLAGS + arch),
-             _cpu_signature(), native_build.resolved_target(cmd, arch))
+    parts = (SOURCE.read_text(), *(h.read_text() for h in HEADERS), " ".join(cmd), _compiler_version(cmd),
+             " ".join(_FLAGS + arch), _cpu_signature(), native_build.resolved_target(cmd, arch))
     return f"cpu_kernels-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
 
 

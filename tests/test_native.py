@@ -37,23 +37,29 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-# -march of each extra build, and the CPU flags it needs to run here
-BUILDS = {"portable": ("x86-64-v2", set()), "avx512-no-vbmi": ("skylake-avx512", {"avx512f", "avx512bw", "avx512dq"})}
+# -march of each extra build, and the CPU flags it needs to run here. Each caps the SIMD path (kernels/simd.h)
+# below what "native" picks on a wider CPU: scalar C, AVX2, AVX-512 without VBMI.
+X86_64_V3 = {"avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm"}  # what gcc may use under -march=x86-64-v3
+BUILDS = {"portable": ("x86-64-v2", set()), "avx2": ("x86-64-v3", X86_64_V3),
+          "avx512-no-vbmi": ("skylake-avx512", {"avx512f", "avx512bw", "avx512dq"})}
 
 
 _BUILD_CACHES: dict[str, str] = {}  # build -> its cache folder, for the session
 
 
-@pytest.fixture(scope="module", params=["native", "portable", "avx512-no-vbmi"])
+@pytest.fixture(scope="module", params=["native", "portable", "avx2", "avx512-no-vbmi"])
 def build(request, tmp_path_factory):
     """Each equality test runs against the build for this CPU (AVX-512 and VBMI paths where it has them),
-    a portable x86-64-v2 build (scalar C only) and an AVX-512 build without VBMI (16-lane gathers for
-    the codebook), each from a cache folder of its own: compiled by the first module that asks for it,
-    loaded from that folder by the next ones."""
+    a portable x86-64-v2 build (scalar C only), an x86-64-v3 build (the AVX2 path) and an AVX-512 build
+    without VBMI (16-lane gathers for the codebook), each from a cache folder of its own: compiled by the
+    first module that asks for it, loaded from that folder by the next ones. Where the native build is
+    the AVX2 path already (an AVX2 CPU without AVX-512), the avx2 build would repeat it: skipped."""
     if request.param != "native":
         march, needs = BUILDS[request.param]
         if platform.machine() not in ("x86_64", "AMD64") or not needs <= _cpu_flags():
             pytest.skip(f"the {request.param} build needs an x86-64 CPU with {sorted(needs) or 'SSE4.2'}")
+        if request.param == "avx2" and "avx512f" not in _cpu_flags():
+            pytest.skip("the native build is the AVX2 path on this CPU")
         if request.param not in _BUILD_CACHES:
             _BUILD_CACHES[request.param] = str(tmp_path_factory.mktemp(request.param))
         with pytest.MonkeyPatch.context() as mp:
@@ -201,6 +207,23 @@ def fresh_build(tmp_path, monkeypatch):
     yield tmp_path
     monkeypatch.undo()
     native._load.cache_clear()
+
+
+def test_the_build_key_and_the_wheel_cover_every_file_the_kernels_include():
+    """native.HEADERS lists every file cpu_kernels.c includes, directly or not (a header left out would
+    neither change the cache key when edited nor ship in the wheel: package-data takes kernels/*.h)."""
+    import re
+
+    folder = native.SOURCE.parent
+    seen, todo = set(), [native.SOURCE.name]
+    while todo:
+        name = todo.pop()
+        for inc in re.findall(r'^\s*#\s*include\s+"([^"]+)"', (folder / name).read_text(), re.M):
+            if inc not in seen:
+                seen.add(inc)
+                todo.append(inc)
+    assert seen == {h.name for h in native.HEADERS}
+    assert all(h.parent == folder and h.suffix == ".h" for h in native.HEADERS)
 
 
 def test_build_goes_to_the_cache_once(fresh_build):

@@ -25,7 +25,7 @@ def test_the_wheel_ships_every_module_the_kernels_source_and_the_script(tmp_path
     (wheel,) = tmp_path.glob("ckptq-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     want = {p.relative_to(ROOT).as_posix() for p in (ROOT / "ckptq").rglob("*.py")}
-    want |= {"ckptq/kernels/" + p.name for p in (ROOT / "kernels").iterdir() if p.suffix in (".py", ".c")}
+    want |= {"ckptq/kernels/" + p.name for p in (ROOT / "kernels").iterdir() if p.suffix in (".py", ".c", ".h")}
     assert want <= names, f"the wheel leaves out {sorted(want - names)[:10]}"
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "ckptq = ckptq.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()

@@ -1,6 +1,8 @@
-"""Benchmark the C kernels' Adam step: per-element cost, and the grouped step against a per-member loop.
+"""Benchmark the C kernels: the Adam step (per-element cost, the grouped step against a per-member loop)
+and the codec (quantize / dequantize throughput beside a memory copy).
 
-    PYTHONPATH=. python tools/bench_kernels.py --rounds 9 [--against REV]
+    PYTHONPATH=. python tools/bench_kernels.py --rounds 9 [--against REV] [--march native,x86-64-v2]
+    PYTHONPATH=. python tools/bench_kernels.py --what codec --numel 67108864 --against main --march native,x86-64-v2
 
 ``step``: the fused 8-bit step (the AdamW8bit layout: ratio codes on power-signed-1.5, sqrt(v) on
 power-unsigned-3, block 256, fp32 params and grads; on 16.8 M elements in 4 tensors, and on 262 K that
@@ -13,25 +15,36 @@ is not), at 1 and 2 threads.
 ``adam_step_group`` + ``adam_dense_group`` against the per-member loop of ``adam_step`` and the dense
 reference, and torch's fused AdamW on the same tensors as the anchor.
 
+``codec``: ``backend_native.quantize`` and ``dequantize`` of ``--numel`` fp32 elements (an Adam first
+moment, randn * 1e-3) at 8 bits (block 256) and 4 bits (block 128), into buffers reused across rounds, in
+GB/s of bytes read + written, beside ``torch.clone`` of the same fp32 tensor (a memory copy: 4 bytes read
+and 4 written per element) and ``copy_`` into a reused buffer.
+
 With ``--against REV`` the ``kernels/`` package of that git revision is loaded beside this one (as a
 package of its own, with its own C build) and every figure is measured for both in interleaved rounds
 (A, B, A, B...: load from other processes hits both alike); the table gives medians and the ratio.
+``--march A,B`` builds this checkout's kernels once per -march (``CKPTQ_NATIVE_MARCH``: x86-64-v2 is the
+scalar C path, x86-64-v3 the AVX2 one; ``native`` this CPU's widest) and measures each as its own column.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import platform
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
-from ckptq.codec import ops, qstate
+from ckptq.codec import ops, policy
 
 ROOT = Path(__file__).resolve().parents[1]
 TSC_HZ = 2.6e9  # this machine's nominal (TSC) clock; cycles are wall time x this, not counted events
@@ -47,26 +60,49 @@ def tsc_hz() -> float:
         return TSC_HZ
 
 
-def load_kernels(rev: str | None):
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        if names:
+            return f"{names[0]} ({len(names)} threads)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_kernels(rev: str | None, march: str | None = None):
     """This checkout's kernels package, or REV's ``kernels/`` extracted into a temp folder and imported as
-    ``ckq_kernels_<rev>`` (the package imports nothing from ckptq, so it loads on its own)."""
-    if rev is None:
+    ``ckq_kernels_<rev>`` (the package imports nothing from ckptq, so it loads on its own). With ``march``
+    (CKPTQ_NATIVE_MARCH for its build), a package of its own too (this checkout's files when rev is None),
+    its C library built now, under that cap."""
+    if rev is None and march is None:
         from ckptq import kernels
         from ckptq.kernels import backend_native, backend_torch, contract  # noqa: F401 (attributes of kernels)
 
         return kernels
-    name = "ckq_kernels_" + "".join(c if c.isalnum() else "_" for c in rev)
+    name = "ckq_kernels_" + "".join(c if c.isalnum() else "_" for c in f"{rev or 'checkout'}_{march or 'native'}")
     folder = Path(tempfile.mkdtemp(prefix="bench-kernels-")) / name
     folder.mkdir()
-    files = subprocess.run(["git", "ls-tree", "--name-only", rev, "kernels/"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split()
-    for path in files:
-        blob = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True).stdout
-        (folder / Path(path).name).write_bytes(blob)
+    if rev is None:
+        for path in (ROOT / "kernels").iterdir():
+            if path.suffix in (".py", ".c", ".h"):
+                shutil.copy(path, folder / path.name)
+    else:
+        files = subprocess.run(["git", "ls-tree", "--name-only", rev, "kernels/"], cwd=ROOT, check=True,
+                               capture_output=True, text=True).stdout.split()
+        for path in files:
+            blob = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True).stdout
+            (folder / Path(path).name).write_bytes(blob)
+    # kernels/__init__.py hands any name but ckptq.kernels to the installed package: this copy's own is empty
+    (folder / "__init__.py").write_text("")
     sys.path.insert(0, str(folder.parent))
     package = importlib.import_module(name)
     for module in ("contract", "backend_native", "backend_torch"):
         importlib.import_module(f"{name}.{module}")
+    with mock.patch.dict(os.environ, {"CKPTQ_NATIVE_MARCH": march} if march else {}):
+        assert package.native.library() is not None, package.native.why_unavailable()
     return package
 
 
@@ -86,7 +122,7 @@ class Moments:
         self.bits, self.block, self.row_len = bits, block, row_len
         m = torch.randn(n, generator=gen) * 1e-3
         v = torch.randn(n, generator=gen) ** 2 * 1e-6
-        self.books = (qstate.ratio_policy(bits[0]).qmap(), qstate.policy_for("exp_avg_sq", bits[1]).qmap())
+        self.books = (policy.ratio_policy(bits[0]).qmap(), policy.policy_for("exp_avg_sq", bits[1]).qmap())
         self.codes, self.absmax = [], []
         for x, book, width, transform in ((m / (v.sqrt() + 1e-8), self.books[0], bits[0], "none"),
                                           (v, self.books[1], bits[1], "sqrt")):
@@ -103,10 +139,33 @@ class Moments:
 
 
 class Case:
-    """What one figure times: ``run(kernels)`` steps every parameter once with that kernels package."""
+    """What one figure times: ``run(kernels)`` steps every parameter once with that kernels package
+    (``moved``: the bytes it reads and writes, for a GB/s figure; None: none given)."""
 
-    def __init__(self, label: str, numel: int, run):
-        self.label, self.numel, self.run = label, numel, run
+    def __init__(self, label: str, numel: int, run, moved: int | None = None):
+        self.label, self.numel, self.run, self.moved = label, numel, run, moved
+
+
+def codec_cases(numel: int, gen) -> list[Case]:
+    """quantize and dequantize of numel fp32 values at 8 bits (block 256) and 4 bits (block 128), into
+    buffers reused across calls; torch.clone and copy_ of the same fp32 tensor as the memory-copy anchors
+    (they run the same whatever kernels package is passed)."""
+    x = torch.randn(numel, generator=gen) * 1e-3
+    out, copy_into = torch.empty(numel), torch.empty(numel)
+    cases = []
+    for bits, block in ((8, 256), (4, 128)):
+        qmap = policy.ratio_policy(bits).qmap()  # the first moment's codes (a ratio) at this width
+        thresholds = ops.midpoints(qmap)
+        codes = torch.empty((numel * bits + 7) // 8, dtype=torch.uint8)
+        absmax = torch.empty(-(-numel // block))
+        moved = 4 * numel + codes.numel() + 4 * absmax.numel()  # either way: fp32 values, codes, scales
+        cases.append(Case(f"quantize {bits}-bit (block {block})", numel, lambda k, t=thresholds, b=block, c=codes,
+                          a=absmax, w=bits: k.backend_native.quantize(x, t, b, False, c, a, w), moved))
+        cases.append(Case(f"dequantize {bits}-bit (block {block})", numel, lambda k, q=qmap, b=block, c=codes,
+                          a=absmax, w=bits: k.backend_native.dequantize(c, a, q, b, False, out, False, w), moved))
+    cases.append(Case("copy: torch.clone (fp32)", numel, lambda k: x.clone(), 8 * numel))
+    cases.append(Case("copy: copy_ into a reused buffer (fp32)", numel, lambda k: copy_into.copy_(x), 8 * numel))
+    return cases
 
 
 def step_case(label: str, shapes, bits, block: int, seed: int | None, gen) -> Case:
@@ -215,16 +274,22 @@ def measure(cases: list[Case], impls: dict, threads: int, rounds: int, warmup: i
 
 def table(cases: list[Case], impls: dict, times: dict, threads: int, hz: float) -> str:
     """Medians per case and implementation: wall ms, and cycles per parameter from the CPU time of all
-    threads (CPU seconds x the nominal clock / elements); the ratio of the last implementation's wall
-    time to the first's."""
+    threads (CPU seconds x the nominal clock / elements), or GB/s (bytes read + written / wall time) for
+    cases that say what they move; with two implementations, the ratio of the last one's wall time to
+    the first's."""
     names = list(impls)
-    head = "| case | threads | " + " | ".join(f"{n}: ms | {n}: cycles/param" for n in names)
+    gbps = any(case.moved for case in cases)
+    unit = "GB/s" if gbps else "cycles/param"
+    head = "| case | threads | " + " | ".join(f"{n}: ms | {n}: {unit}" for n in names)
     rule = "|" + "---|" * (2 + 2 * len(names) + (len(names) == 2))
     lines = [head + (" | ratio |" if len(names) == 2 else " |"), rule]
     for case in cases:
         wall = [statistics.median(w for w, _ in times[(case.label, n)]) for n in names]
         cpu = [statistics.median(c for _, c in times[(case.label, n)]) for n in names]
-        cells = [f"{w * 1e3:.2f} | {c * hz / case.numel:.2f}" for w, c in zip(wall, cpu)]
+        if gbps:
+            cells = [f"{w * 1e3:.1f} | {case.moved / w / 1e9:.2f}" for w in wall]
+        else:
+            cells = [f"{w * 1e3:.2f} | {c * hz / case.numel:.2f}" for w, c in zip(wall, cpu)]
         ratio = f" {wall[1] / wall[0]:.2f}x |" if len(names) == 2 else ""
         lines.append(f"| {case.label} | {threads} | " + " | ".join(cells) + " |" + ratio)
     return "\n".join(lines)
@@ -235,13 +300,17 @@ def main() -> None:
     ap.add_argument("--against", help="a git revision whose kernels/ to measure beside this checkout's")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--what", default="step,group", help="comma-separated: step, group")
+    ap.add_argument("--what", default="step,group", help="comma-separated: step, group, codec")
+    ap.add_argument("--march", help="comma-separated -march caps (CKPTQ_NATIVE_MARCH): this checkout built with each")
+    ap.add_argument("--numel", type=int, default=1 << 26, help="elements of the codec's tensor (default 64M)")
     args = ap.parse_args()
-    impls = {"new": load_kernels(None)}
-    if args.against:
-        impls = {f"{args.against}": load_kernels(args.against), "new": impls["new"]}
+    impls = {f"{args.against}": load_kernels(args.against)} if args.against else {}
+    for march in (args.march or "native").split(","):
+        impls["new" if march == "native" else f"new@{march}"] = load_kernels(None, None if march == "native" else march)
     gen = torch.Generator().manual_seed(0)
     cases = []
+    if "codec" in args.what:
+        cases += codec_cases(args.numel, gen)
     if "step" in args.what:
         cases += [step_case("8-bit step, 16.8M in 4", [1 << 22] * 4, (8, 8), 256, None, gen),
                   step_case("8-bit step, 262K in 1 (in L2)", [1 << 18], (8, 8), 256, None, gen),
@@ -250,9 +319,11 @@ def main() -> None:
         cases += group_cases("256 x 4096", [(16, 256)] * 256, [], gen)
         cases += group_cases("d=256 x 48", *d256x48(), gen)
     hz = tsc_hz()
-    print(f"cycles at {hz / 1e9:.2f} GHz (nominal clock); medians of {args.rounds} interleaved rounds")
+    print(f"{cpu_name()}; cycles at {hz / 1e9:.2f} GHz (nominal clock); medians of {args.rounds} interleaved rounds")
     for t in map(int, args.threads.split(",")):
-        print(table(cases, impls, measure(cases, impls, t, args.rounds), t, hz))
+        for part in ([c for c in cases if c.moved], [c for c in cases if not c.moved]):
+            if part:
+                print(table(part, impls, measure(part, impls, t, args.rounds), t, hz))
 
 
 if __name__ == "__main__":
