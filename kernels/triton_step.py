@@ -142,7 +142,8 @@ def rmsprop(p, g, s, h, FLAGS: tl.constexpr):
         if _HEAVY & FLAGS:
             ga = s[2]
         ga = ga + tl.load(h + 2) * (gi - ga)
-        avg = tl.math.sqrt_rn(v - ga * ga) + tl.load(h + 3)
+        var = v - ga * ga
+        avg = tl.math.sqrt_rn(tl.where(var < 0, 0.0, var)) + tl.load(h + 3)  # as rules.rmsprop: low-bit v, ga cross
     else:
         avg = tl.math.sqrt_rn(v) + tl.load(h + 3)
     if _HEAVY & FLAGS:
