@@ -7,6 +7,7 @@ from deep inside, NaN/Inf parameters) is a failure, with one allowance: a huge b
 whose step scalars fit in fp32 (what AdamW8bit has always checked: lr * weight_decay, lr / (1 - beta1) and
 each optimizer's like) is accepted as torch accepts it, and may then diverge as torch's optimizer does."""
 
+import inspect
 import math
 
 import pytest
@@ -60,15 +61,16 @@ def test_every_hyperparameter_is_refused_by_name_or_steps_finitely(cls):
     bad, counts = [], {"refused": 0, "accepted": 0}
     for key in _hyper_keys(cls):
         for value in BAD:
-            params = _params()
-            built = {}
-            outcome = _outcome(lambda: built.setdefault("opt", _make(cls, params, **{key: value})))
-            if outcome == "accepted" and not _steps(built["opt"], params) and value not in HUGE:
-                outcome = "accepted, then non-finite parameters"
-            if outcome not in counts:
-                bad.append(("construct", key, repr(value)[:30], outcome))
-            else:
-                counts[outcome] += 1
+            if key in inspect.signature(cls).parameters:  # (AdamW8bit's groups hold decoupled_weight_decay, as
+                params = _params()                          # torch's AdamW's, but its constructor takes none)
+                built = {}
+                outcome = _outcome(lambda: built.setdefault("opt", _make(cls, params, **{key: value})))
+                if outcome == "accepted" and not _steps(built["opt"], params) and value not in HUGE:
+                    outcome = "accepted, then non-finite parameters"
+                if outcome not in counts:
+                    bad.append(("construct", key, repr(value)[:30], outcome))
+                else:
+                    counts[outcome] += 1
             params = _params()
             opt = _make(cls, params)
             _steps(opt, params, 1)

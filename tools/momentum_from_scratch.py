@@ -2,9 +2,9 @@
 RAdam8bit, AdEMAMix8bit and the 4-bit variants) train a tiny GPT from scratch as their fp32 counterparts do?
 Issues 29's and 35's figures, with a 1% gradient-noise control beside each.
 
-Setting: ``tools/resume_fidelity.py``'s ``--preset issue23`` at half its width and context (``--size byte64``: a
+Setting: ``tools/resume_fidelity.py``'s ``--preset english`` at half its width and context (``--size byte64``: a
 byte-level GPT-2, n_embd 64, 2 layers, 4 heads, 0.12 M parameters, on 16 x 64 bytes of English text, every
-matrix at or above min_size 4096 so every one has low-bit state; ``--size byte128`` is issue 23's own model);
+matrix at or above min_size 4096 so every one has low-bit state; ``--size byte128`` is --preset english's own model);
 gradients clipped at 1.0, linear lr warm-up of 30 steps, then constant; ``--steps`` steps from the same
 initialization on the same batches per seed. Per run: the mean
 train loss of the last 100 steps, relative to the fp32 run of the same family and seed.
@@ -73,7 +73,7 @@ from ckptq.optim import (AdamW8bit, AdEMAMix4bit, AdEMAMix8bit, Adagrad4bit, Ada
                          Lion8bit, Muon4bit, Muon8bit, NAdam4bit, NAdam8bit, RAdam4bit, RAdam8bit, RMSprop4bit,
                          RMSprop8bit, SGD4bit, SGD8bit)
 
-PRESET = rf.PRESETS["issue23"]  # English text, warm-up 30 (size: --size)
+PRESET = rf.PRESETS["english"]  # English text, warm-up 30 (size: --size)
 # issue 23's byte-level GPT-2 at half width and context: 2 CPU cores shared by four jobs run ckptq's PyTorch
 # reference step (no C kernel for the one-state step yet) at a few seconds per step at byte128's 0.43 M params
 rf.SIZES.setdefault("byte64", dict(vocab_size=256, n_layer=2, n_head=4, n_embd=64, block_size=64, batch_size=16))

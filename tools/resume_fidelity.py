@@ -18,7 +18,7 @@ AdamW4bit / AdamW8bit) and two controls, noise1 / noise001 (fp32 AdamW with ever
 multiplied by 1 + 1% / 0.01% Gaussian noise, seeded: what an unbiased perturbation of that size does to the
 loss), each with its own state from the first step. ``--seeds 0,1,2,3,4`` runs every seed and prints, per
 ``--windows`` entry, the mean loss of the 100 steps up to it against fp32's on the same seed (all windows
-from one run: the lr is constant after warm-up). ``--preset issue23`` is issue 23's setting: a byte-level
+from one run: the lr is constant after warm-up). ``--preset english``: a byte-level
 GPT-2 (n_embd 128, 2 layers, 4 heads) on 16 x 128 bytes of English text (``english_text``: Python's own
 help topics, offline), lr 3e-3 after 30 warm-up steps; the default is make_checkpoint's Zipf chains on
 the mid model, lr 3e-3 from step 1. Both use betas (0.9, 0.95) and weight decay 0.1 (``--betas``).
@@ -28,7 +28,7 @@ Per variant: mean loss over the continuation and max loss over its first 20 step
 
     python tools/resume_fidelity.py --plot /tmp/resume.png          # ~3 min on 2 cores
     python tools/resume_fidelity.py --size small --pretrain 600 --steps 500
-    python tools/resume_fidelity.py --preset issue23 --seeds 0,1,2,3,4 --steps 1000 --windows 300,1000
+    python tools/resume_fidelity.py --preset english --seeds 0,1,2,3,4 --steps 1000 --windows 300,1000
     python tools/resume_fidelity.py --from-scratch --seeds 0,1,2,3,4 --steps 1000 --windows 300,1000 \
         --variants noise1,noise001,ckptq,ckptq4,bnb --json /tmp/curves.json
 
@@ -57,7 +57,7 @@ from ckptq.optim import AdamW4bit, AdamW8bit  # noqa: E402
 
 # make_checkpoint's sizes plus "mid" (~0.67 M params), the default: big enough that the moments matter,
 # small enough that five continuations run in a few minutes on 2 cores.
-# "byte128": issue 23's byte-level GPT-2 on English text (``--preset issue23``).
+# "byte128": a byte-level GPT-2 on English text (``--preset english``).
 SIZES = {**mc.SIZES, "mid": dict(vocab_size=2048, n_layer=2, n_head=4, n_embd=128, block_size=64, batch_size=16),
          "byte128": dict(vocab_size=256, n_layer=2, n_head=4, n_embd=128, block_size=128, batch_size=16),
          "byte96x3": dict(vocab_size=256, n_layer=3, n_head=4, n_embd=96, block_size=128, batch_size=16)}
@@ -66,7 +66,7 @@ SCRATCH_VARIANTS = ("fp32", "noise1", "noise001", "ckptq", "ckptq-sr", "ckptq4",
 NOISE = {"noise1": 1e-2, "noise001": 1e-4}  # the controls: relative Gaussian gradient noise
 # Issue 23's setting: byte-level GPT-2 (n_embd 128, 2 layers, 4 heads), 16 x 128 bytes of English text,
 # lr 3e-3 after 30 linear warm-up steps, betas (0.9, 0.95) and weight decay 0.1 (make_checkpoint's).
-PRESETS = {"issue23": dict(size="byte128", data="text", lr=3e-3, warmup=30),
+PRESETS = {"english": dict(size="byte128", data="text", lr=3e-3, warmup=30),
            # #31's second model/corpus pair: a 3-layer byte-level GPT of width 96 on Python source (the standard
            # library's own modules, offline), lr 2e-3 after 30 warm-up steps
            "pysrc": dict(size="byte96x3", data="pysrc", lr=2e-3, warmup=30),
