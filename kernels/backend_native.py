@@ -11,7 +11,7 @@ members determine (the table of member addresses, the work list) is built once i
 kernels' config of its slots (codebooks, code tables, transforms, rule) once per codebook tensors; a call
 refreshes only the gradients' (and outs') addresses and passes its hyper rows and seeds.
 
-Signatures and contract in ``contract``; results equal ``backend_torch`` bit for bit. ``ckptq.ops`` sends
+Signatures and contract in ``contract``; results equal ``backend_torch`` bit for bit. ``ckptq.codec.ops`` sends
 work here only where the kernels can take it: CPU tensors of ``contract.KERNEL_DTYPES``, codebooks with
 a code table (``usable``), the library loaded.
 """

@@ -18,30 +18,14 @@ then packed (``pack_codes``, layout in ``contract``); decoding and the step unpa
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from . import cpu_runtime, lut
+from .ieee import ieee_sqrt, ieee_sqrt_into  # noqa: F401 (ieee_sqrt_into: re-exported for codec.ops)
 from .contract import (DenseGroup, StepFlags, StepGroup, StepState, code_bytes, is_flat, layout_rows, member_steps,
                        mix32, num_blocks, pack_codes, pack_rows, reference_codes, unpack_codes, unpack_rows)
 
 STEP_CHUNK = 1 << 18  # elements per chunk of the step (whole blocks for every block size): 1 MB temporaries
-
-
-def ieee_sqrt(x: torch.Tensor) -> torch.Tensor:
-    """sqrt(x) as a new fp32 tensor, correctly rounded (see ``ieee_sqrt_into``)."""
-    return ieee_sqrt_into(x, torch.empty(x.shape, dtype=torch.float32, device=x.device))
-
-
-def ieee_sqrt_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = sqrt(x) in fp32, correctly rounded (as the kernels' sqrt_rn); x any float dtype, out fp32.
-    torch's CPU fp32 sqrt is 1 ulp off on ~20% of inputs, numpy's is IEEE, and so is CUDA's sqrtf."""
-    if out.device.type != "cpu":
-        return torch.sqrt(x.float(), out=out)
-    if x.dtype != torch.float32:
-        x = out.copy_(x)
-    np.sqrt(x.numpy(), out=out.numpy())
-    return out
 
 
 def _as_fp32(src: torch.Tensor, buf: torch.Tensor, sqrt: bool) -> torch.Tensor:

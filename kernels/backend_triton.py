@@ -7,7 +7,7 @@ included, in the row layout (``ROWS``: rows of any length, blocks that never cro
 handles ``ROWS`` consecutive quantization blocks as a ``[ROWS, BLOCK]`` tile (``triton_blocks``), so small
 block sizes still give every program ~2048 contiguous elements (coalesced, vectorized loads); a block's
 row, column, code bytes and scale come from its index.
-Importing this module imports triton: ``ckptq.ops`` does so only on the Triton path.
+Importing this module imports triton: ``ckptq.codec.ops`` does so only on the Triton path.
 """
 
 from __future__ import annotations

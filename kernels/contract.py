@@ -1,6 +1,6 @@
 """What every backend implementation of an operation takes, and the little they share.
 
-``ckptq.ops`` declares the operations (blockwise quantize, dequantize, the fused 8-bit Adam step),
+``ckptq.codec.ops`` declares the operations (blockwise quantize, dequantize, the fused 8-bit Adam step),
 validates their inputs and picks the backend once; the backend modules beside this one
 (``backend_torch``: the PyTorch reference, ``backend_native``: the C CPU kernels, ``backend_triton``:
 the Triton CUDA kernels) then receive flat, contiguous, already-checked tensors and plain flags, with
@@ -285,7 +285,7 @@ def mix32(x):
     """An integer hash of 32-bit x with full avalanche (C. Wellons' "lowbias32", 2018): three xor-shifts
     and two multiplications mod 2**32. x: a Python int or an int64 tensor (elementwise), in [0, 2**32).
     The kernels' random numbers (the PyTorch reference computes them with this); also seeds the step
-    (``ckptq.ops.step_seed``)."""
+    (``ckptq.codec.ops.step_seed``)."""
     x = x ^ (x >> 16)
     x = _mul_mod32(x, MIX32[0])
     x = x ^ (x >> 15)

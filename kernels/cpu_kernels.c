@@ -2,7 +2,7 @@
  * optimizer (step.h: decode -> rule -> encode over groups of parameters, each rule of step_rules.h written
  * once).
  *
- * Plain C99 with no Python or torch headers, compiled on first use by ckptq/kernels/native.py
+ * Plain C99 with no Python or torch headers, compiled on first use by kernels/native.py
  * (`cc -O3 -march=native -ffp-contract=off -fno-math-errno`) and called through ctypes, which releases
  * the GIL: the Python side (backend_native.py) runs the calls on a thread pool, each on a range of blocks,
  * or, for the step, each taking work items from a shared counter.

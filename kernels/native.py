@@ -1,7 +1,7 @@
 """The C CPU kernels (``cpu_kernels.c`` and the SIMD layer it includes, ``simd*.h``): built on first use,
 cached, called through ctypes.
 
-``backend_native`` calls them (``ckptq.ops`` sends CPU work there when they are available, to the
+``backend_native`` calls them (``ckptq.codec.ops`` sends CPU work there when they are available, to the
 PyTorch reference otherwise; both give the same bits, tests/test_native.py). The source is compiled
 with the system C compiler (``$CC``, else ``cc``) for this machine's CPU into a cache folder
 (``$CKPTQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckptq`` or ``~/.cache/ckptq``), once per source (the .c and

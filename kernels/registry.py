@@ -14,6 +14,16 @@ from typing import Callable
 OPERATIONS = ("step", "dense")  # contract.Group, contract.Dense
 BACKENDS = ("torch", "native", "triton")
 
+# backend -> the module of its per-tensor operations (quantize, dequantize; adam_step and momentum_step, the
+# older per-parameter steps, where it has them: "momentum_torch" is the reference's momentum_step)
+_MODULES = {"torch": "backend_torch", "native": "backend_native", "triton": "backend_triton",
+            "momentum_torch": "momentum_torch"}
+
+
+def backend(name: str):
+    """The module of ``name``'s per-tensor operations (``_MODULES``), imported on first use."""
+    return importlib.import_module(f"{__package__}.{_MODULES[name]}")
+
 # (operation, backend) -> (module, function, accepts): accepts(group) -> bool, or None for "every call"
 _TABLE = {
     ("step", "torch"): ("step_torch", "step_group", None),

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .backend_torch import ieee_sqrt
+from .ieee import ieee_sqrt
 
 MAXIMIZE = 1
 

@@ -257,15 +257,7 @@ def test_shipped_class_steps_as_its_reference(info):
             assert_same(prob.params, prob_c.params, rtol=1e-5, atol=1e-6)
 
 
-def _bnb_ademamix(info):
-    """bitsandbytes' AdEMAMix keeps both EMAs in one ``state1`` of shape (2, *param.shape) (8-bit: absmax1 of
-    shape (2, blocks)); ckptq.codec.foreign reads state1 and state2 as Adam's, of one shape."""
-    if info.family == "AdEMAMix":
-        return StateMismatchError, "ckptq.codec.foreign does not read AdEMAMix's stacked state1 yet"
-    return None
-
-
-@optims(known=_bnb_ademamix)
+@optims()
 def test_loads_reference_state_dict_and_goes_back(info):
     """The reference's state dict loads (fp32 state as it is below min_size, quantized as ``ckptq convert``
     does from it; bitsandbytes' decoded first); the run continues as the reference's (fp32 state: to float

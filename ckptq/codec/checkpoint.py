@@ -12,9 +12,7 @@ import torch
 
 from ..errors import InputError, UsageError
 from ..format import files, torch_zip
-from .views import repeats_bytes  # noqa: F401  (the planner's name for it)
-
-QUANTIZABLE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+from .views import QUANTIZABLE_DTYPES, is_quantizable, repeats_bytes, storage_key  # noqa: F401  (checkpoint.X)
 
 
 def load_torch(path: str, trust: bool = False) -> Any:
@@ -178,17 +176,6 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from iter_tensors(v)
 
 
-def storage_key(t: torch.Tensor) -> tuple:
-    """Equal for tensors that share one storage. A wrapper tensor subclass (torchao's optimizer states,
-    DTensor) has no storage of its own, so it shares none: keyed by identity."""
-    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and hasattr(t, "__tensor_flatten__"):
-        return ("wrapper", id(t))
-    if t.layout != torch.strided:  # sparse and other layouts have no one storage
-        return ("layout", id(t))
-    s = t.untyped_storage()
-    return (t.device.type, s.data_ptr(), s.nbytes()) if s.nbytes() else ("empty", id(t))
-
-
 def shared_storages(obj: Any) -> set:
     """Keys of storages used by more than one tensor in ``obj``."""
     seen, shared = set(), set()
@@ -196,8 +183,3 @@ def shared_storages(obj: Any) -> set:
         k = storage_key(t)
         (shared if k in seen else seen).add(k)
     return shared
-
-
-def is_quantizable(t: Any, min_size: int) -> bool:
-    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.dtype in QUANTIZABLE_DTYPES
-            and t.numel() >= min_size)

@@ -2,12 +2,12 @@
 step (SGD, Lion, Muon).
 
 Every operation takes the code width ``bits``: 8 (one code per byte, 256-entry codebooks), 6, 4 or 2
-(packed codes, 2**bits-entry codebooks; layout in ``ckptq/kernels/contract.py``). Every backend serves
+(packed codes, 2**bits-entry codebooks; layout in ``kernels/contract.py``). Every backend serves
 each, and the step takes a width per moment.
 
 Each public function here validates its inputs once, resolves the backend once, and hands flat,
 contiguous, already-checked tensors to one backend implementation in ``ckptq.kernels`` (signatures in
-``ckptq/kernels/contract.py``):
+``kernels/contract.py``):
 
     torch   ckptq.kernels.backend_torch   the PyTorch reference; any device, any float dtype, any codebook
     native  ckptq.kernels.backend_native  C for the CPU (cpu_kernels.c, built on first use)
@@ -36,9 +36,10 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..errors import UsageError
-from .policy import DEFAULT_BLOCK_SIZE, check_block_size
+from .defaults import DEFAULT_BLOCK_SIZE, check_block_size
 from .dtensor import is_dtensor
-from ..kernels import backend_native, backend_torch, contract, cpu_runtime, memo, momentum_torch
+from ..kernels import contract, cpu_runtime, memo, registry
+from ..kernels.ieee import ieee_sqrt, ieee_sqrt_into
 from ..kernels.contract import (KERNEL_DTYPES, StepFlags, StepState, code_bytes, is_flat, layout_blocks, layout_bytes,
                                 midpoints, num_blocks)
 
@@ -46,7 +47,6 @@ BACKENDS = ("auto", "torch", "native", "triton")  # the one place that knows whi
 TRANSFORMS = ("none", "sqrt")
 SUPPORTED_BITS = contract.WIDTHS  # code widths; a 2**bits-entry codebook
 
-ieee_sqrt, ieee_sqrt_into = backend_torch.ieee_sqrt, backend_torch.ieee_sqrt_into
 __all__ = ["quantize_blockwise", "dequantize_blockwise", "adam8bit_step", "adam_dense_step", "momentum_step", "StepInput",
            "resolve_backend", "midpoints", "num_blocks", "code_bytes", "ieee_sqrt", "ieee_sqrt_into"]
 
@@ -86,7 +86,7 @@ def check_row_len(n: int, row_len: int | None) -> int | None:
 def check_quantized(codes, absmax, qmap, block_size: int, bits: int = 8, numel: int | None = None,
                     row_len: int | None = None) -> int:
     """UsageError unless codes are uint8 and hold ``numel`` codes of ``bits`` bits (default: as many as
-    fit) in rows of ``row_len`` (None: one row; ``ckptq/kernels/contract.py``), absmax holds one float scale
+    fit) in rows of ``row_len`` (None: one row; ``kernels/contract.py``), absmax holds one float scale
     per block of each row on the same device, and ``qmap`` is a codebook of 2**bits entries: what every
     dequantize path relies on. Returns the element count."""
     check_block_size(block_size)
@@ -126,12 +126,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         if device.type == "cuda":
             return "triton"
-        return "native" if device.type == "cpu" and backend_native.available() else "torch"
+        return "native" if device.type == "cpu" and _native().available() else "torch"
     if backend == "native":
         if device.type != "cpu":
             raise UsageError(f"backend 'native' runs on the CPU, not on {device}; use 'auto'")
-        if not backend_native.available():
-            raise UsageError(f"backend 'native' is unavailable: {backend_native.why_unavailable()}")
+        if not _native().available():
+            raise UsageError(f"backend 'native' is unavailable: {_native().why_unavailable()}")
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise UsageError(f"backend 'triton' runs on CUDA, not on {device}; use 'auto'")
     return backend
@@ -141,14 +141,16 @@ def _implementation(name: str, dtypes: Sequence[torch.dtype] = (), thresholds: S
                     flat: bool = True):
     """The backend module for a resolved name; the reference where the C kernels cannot take the call, or
     where a backend does not lay out rows that are not whole blocks yet (``ROWS``)."""
-    impl = backend_torch
+    reference = impl = registry.backend("torch")
     if name == "triton":
-        from ..kernels import backend_triton
+        impl = registry.backend("triton")
+    elif name == "native" and all(d in KERNEL_DTYPES for d in dtypes) and all(map(_native().usable, thresholds)):
+        impl = _native()
+    return impl if flat or getattr(impl, "ROWS", False) else reference
 
-        impl = backend_triton
-    elif name == "native" and all(d in KERNEL_DTYPES for d in dtypes) and all(map(backend_native.usable, thresholds)):
-        impl = backend_native
-    return impl if flat or getattr(impl, "ROWS", False) else backend_torch
+
+def _native():
+    return registry.backend("native")
 
 
 def _local(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -174,10 +176,10 @@ def quantize_blockwise(x: torch.Tensor, qmap: torch.Tensor, block_size: int = DE
     """Quantize ``x`` (any float dtype and shape) blockwise on the codebook ``qmap``.
 
     Returns ``(codes, absmax)``: ``codes`` uint8 of shape ``[code_bytes(x.numel(), bits)]`` (8 bits: one
-    code per byte; 6, 4, 2 bits: packed, see ``ckptq/kernels/contract.py``) and ``absmax`` fp32 of shape
+    code per byte; 6, 4, 2 bits: packed, see ``kernels/contract.py``) and ``absmax`` fp32 of shape
     ``[ceil(numel / block_size)]``, both on ``x.device``. ``qmap`` has 2**bits entries. With ``row_len`` the
     elements are laid out in rows of that length (blocks never cross a row, each row's codes start on a
-    byte; ``ckptq/kernels/contract.py``): codes ``[rows * code_bytes(row_len, bits)]``, absmax
+    byte; ``kernels/contract.py``): codes ``[rows * code_bytes(row_len, bits)]``, absmax
     ``[rows * ceil(row_len / block_size)]``.
     ``transform="sqrt"`` stores sqrt(x) (x >= 0). NaN/Inf inputs follow the rounding contract (a NaN
     block's absmax is NaN; NaN codes are 2**bits - 1).
@@ -194,7 +196,7 @@ def quantize_blockwise(x: torch.Tensor, qmap: torch.Tensor, block_size: int = DE
     name = resolve_backend(backend, flat.device)
     thresholds = midpoints(qmap.to(flat.device)).contiguous()
     impl = _implementation(name, (flat.dtype,), (thresholds,), is_flat(n, row_len, block_size))
-    if impl is not backend_torch and flat.dtype not in KERNEL_DTYPES:
+    if impl is not registry.backend("torch") and flat.dtype not in KERNEL_DTYPES:
         flat = flat.to(torch.float32)  # the rounding the reference applies chunk by chunk
     codes = cpu_runtime.new_buffer(layout_bytes(n, row_len, bits), torch.uint8, flat.device)
     absmax = torch.empty(layout_blocks(n, row_len, block_size), dtype=torch.float32, device=flat.device)
@@ -290,7 +292,7 @@ def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, states: Sequence[Step
                   block_size: int, ratio: bool, maximize: bool = False, backend: str = "auto",
                   bits: int | Sequence[int] = 8, seed: int | None = None, row_len: int | None = None) -> None:
     """One fused low-bit Adam(W) step on one parameter, in place: the param and each moment's codes/absmax,
-    laid out in rows of ``row_len`` (None: one row; ``ckptq/kernels/contract.py``).
+    laid out in rows of ``row_len`` (None: one row; ``kernels/contract.py``).
     ``bits``: the code width of every moment, or one per moment (8, 6, 4 or 2; codebooks of 2**bits entries). ``seed`` (an integer
     in [0, 2**32)): exp_avg's and exp_avg_sq's new codes are rounded stochastically, unbiased, with random
     numbers hashed from the seed and each element's index (``ckptq.kernels.contract``); None rounds to nearest.
@@ -321,7 +323,7 @@ def adam_dense_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, hyper: tor
     on the param's device). ``hyper``: the first 8 of ``HYPER_FIELDS``."""
     p, g = _local(param, "the parameter"), _local(grad, "the gradient")
     states = [None if t is None else _local(t, "a moment") for t in (exp_avg, exp_avg_sq, max_exp_avg_sq)]
-    backend_torch.adam_dense_step(p.detach(), g, *states, hyper, maximize)
+    registry.backend("torch").adam_dense_step(p.detach(), g, *states, hyper, maximize)
 
 
 def momentum_step(param: torch.Tensor, grad: torch.Tensor, state: StepInput, hyper: torch.Tensor, *,
@@ -331,7 +333,7 @@ def momentum_step(param: torch.Tensor, grad: torch.Tensor, state: StepInput, hyp
     """One low-bit step of a one-state optimizer (SGD's, Muon's momentum; Lion's exp_avg) on one parameter, in
     place: the state's codes and scales, and the param (``update`` UPDATE_LINEAR / UPDATE_SIGN) or ``out``
     (fp32, the param's element count: the direction d, for UPDATE_NONE). ``hyper``: fp32 [8]
-    (``ckptq/kernels/contract.py``, ``MOMENTUM_FIELDS``); ``seed`` as ``adam8bit_step``'s."""
+    (``kernels/contract.py``, ``MOMENTUM_FIELDS``); ``seed`` as ``adam8bit_step``'s."""
     p, g = _step_operands(param, grad, block_size, seed)
     if hyper.numel() != len(contract.MOMENTUM_FIELDS):
         raise UsageError(f"hyper must hold {len(contract.MOMENTUM_FIELDS)} values "
@@ -359,4 +361,4 @@ def momentum_backend(name: str, dtypes: Sequence[torch.dtype], thresholds: torch
     """The backend module of a one-state step: as ``_implementation`` picks, the reference where that backend
     has no one-state kernel."""
     impl = _implementation(name, dtypes, [thresholds], flat)
-    return impl if hasattr(impl, "momentum_step") else momentum_torch
+    return impl if hasattr(impl, "momentum_step") else registry.backend("momentum_torch")

@@ -9,7 +9,7 @@ gives. Anything else (steps, factored statistics, unknown keys, every state of a
 weights) is kept bit-exact. A state is also kept exact when quantizing it would lose more than its width's
 worth: below ``min_size`` elements, sharing storage with another tensor, holding NaN/Inf or values beyond
 fp32, or a second moment or max-norm with negative values (its sqrt would be NaN). Adam's first moment is
-stored as the ratio to its second moment (``ckptq.qstate``) unless that ratio would overflow fp32 or the
+stored as the ratio to its second moment (``ckptq.codec.qstate``) unless that ratio would overflow fp32 or the
 step's eps' is not a positive number; then it is quantized on its own. Param groups that cannot be what
 they say (``betas`` outside [0, 1), a non-numeric ``eps``, no ``params``) are errors, before anything is
 written.
@@ -25,17 +25,10 @@ from typing import Any
 import torch
 
 from . import checkpoint, foreign, policy, qstate, quant, roles
+from .exactness import ADAM_MOMENTS, FACTORED, NOT_A_MOMENT, exact_reason, ratio_fits
 from ..errors import InputError
 
 DEFAULT_MIN_SIZE = 4096  # smaller states stay exact: their codebooks and scales would not pay for themselves
-ADAM_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
-_FP32_MAX = torch.finfo(torch.float32).max
-NOT_A_MOMENT, FACTORED = "not a moment", "factored statistics (small)"
-# Why a state is kept exact; the first ones are ordinary, the rest are reported as warnings (the data would
-# have been damaged).
-ORDINARY = (NOT_A_MOMENT, FACTORED, "below min_size", "shares storage")
-_RATIO_CHUNK = 1 << 22
 
 
 @dataclass
@@ -135,59 +128,6 @@ def _check_betas(g: dict, i: int, where: str, count: int = 2) -> None:
     if eps is None or not math.isfinite(eps) or eps < 0:
         raise InputError(f"optimizer at {where}: param group {i} has eps {g.get('eps')!r}; it is a finite "
                          "number >= 0. Fix the checkpoint's param_groups")
-
-
-def exact_reason(key: str, t: torch.Tensor, role: str | None, min_size: int, shared: set,
-                 factored: bool = False) -> str | None:
-    """Why state ``key`` (of ``role``; None: not a moment) is kept exact, or None: it is stored low-bit."""
-    if t.is_meta:
-        raise InputError(f"state {key!r} is a meta tensor (shape only, no data); the checkpoint cannot be converted")
-    if role is None or (role == roles.ADAM and key not in ADAM_MOMENTS):
-        return FACTORED if factored else NOT_A_MOMENT
-    if t.layout != torch.strided:
-        return f"a {str(t.layout).removeprefix('torch.')} tensor, not a dense one"
-    if not checkpoint.is_quantizable(t, min_size):
-        return "below min_size"
-    if checkpoint.repeats_bytes(t):  # quantizing it would write more than the input holds
-        return "a view that repeats its bytes (stride 0 or overlapping)"
-    if checkpoint.storage_key(t) in shared:
-        return "shares storage"
-    lo, hi = (float(v) for v in torch.aminmax(t.detach().reshape(-1)))  # one pass; NaN propagates
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return "holds NaN/Inf"
-    if max(-lo, hi) > _FP32_MAX:
-        return "holds values beyond float32"
-    if lo < 0 and (key in SECOND_MOMENTS if role == roles.ADAM else role in roles.NON_NEGATIVE):
-        what = "max-norm" if role == roles.MAX_NORM else "second moment"
-        return f"negative {what} (a {what} is >= 0)"
-    return None
-
-
-def unsafe_moments(dense: dict) -> str | None:
-    """Why fp32 Adam moments {key: tensor or DTensor} cannot be stored 8-bit without damage (this rank's
-    shard of a DTensor), or None: NaN/Inf, values beyond fp32, a negative second moment."""
-    for key, t in dense.items():
-        local = t.to_local() if hasattr(t, "to_local") else t
-        if local.numel() and key in ADAM_MOMENTS:
-            reason = exact_reason(key, local, roles.ADAM, 1, set())
-            if reason:
-                return f"{key} {reason}"
-    return None
-
-
-def ratio_fits(m: torch.Tensor, v: torch.Tensor, eps: float) -> bool:
-    """Whether every |m| / (sqrt(v) + eps) is finite in fp32 (sqrt(v) + eps >= eps bounds it at once)."""
-    if m.numel() == 0:
-        return True
-    absmax = float(m.detach().abs().amax())
-    if absmax / eps <= _FP32_MAX / 2:
-        return True
-    mf, vf = m.detach().reshape(-1), v.detach().reshape(-1)
-    for s in range(0, mf.numel(), _RATIO_CHUNK):
-        r = mf[s : s + _RATIO_CHUNK].double().abs() / (vf[s : s + _RATIO_CHUNK].double().sqrt() + eps)
-        if bool((r > _FP32_MAX / 2).any()):
-            return False
-    return True
 
 
 def _pair_ratio(decisions: dict, group: dict, step: Any) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import UsageError
 from . import codebooks, roles, scalar_math
+from .defaults import check_block_size  # noqa: F401 (re-exported: policy.check_block_size)
 from .defaults import (BLOCK_SIZES, BUDGETS, DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZES, DEFAULT_MIN_SIZE,  # noqa: F401
                        LAYOUTS, MOMENT_KEYS, RATIO_PAIRS, RATIO_TRANSFORM, SECOND_MOMENTS, TRANSFORMS)
 
@@ -28,12 +29,6 @@ def check_budget(bits: int) -> int:
 def default_block_size(bits: int) -> int:
     """The block size new states get under this budget (``BUDGETS``) unless told otherwise."""
     return DEFAULT_BLOCK_SIZES[check_budget(bits)]
-
-
-def check_block_size(block_size: int) -> int:
-    if isinstance(block_size, bool) or block_size not in BLOCK_SIZES:
-        raise UsageError(f"block size {block_size!r} is not supported; use a power of two from 64 to 4096")
-    return block_size
 
 
 def check_min_size(min_size) -> int:
@@ -154,7 +149,7 @@ def convert_width(bits: int, key: str, ratio: bool = False, divisor: bool = Fals
     cannot follow v (README): rounded to nearest, each element's level freezes where the first steps put
     it (from scratch: mean loss +4.4% over the last 100 of 400 steps), rounded stochastically it resumed
     at +0.15% of fp32's loss, where 4 + 4 stays within 0.07%. So ``AdamW4bit`` keeps 4 + 4 and
-    requantizes a 6 + 2 file on load (``ckptq.optim_io``)."""
+    requantizes a 6 + 2 file on load (``ckptq.optim.state_io``)."""
     if check_budget(bits) == 8:
         return 8
     if ratio:

@@ -14,7 +14,7 @@ sits under PyTorch's own state key, e.g. ``state[0]["exp_avg"]``)::
      "dtype": "float32",        # the original tensor's dtype
      "layout": "rows"}          # blocks along rows (format 3); absent: "flat" (formats 1 and 2)
 
-In the row layout (``ckptq/kernels/contract.py``, "Rows") a tensor of shape [d0, d1, ...] is d0 rows of
+In the row layout (``kernels/contract.py``, "Rows") a tensor of shape [d0, d1, ...] is d0 rows of
 d1 * d2 * ... elements (a 1-D tensor is one row): codes are uint8 [d0, code_bytes(row, bits)], absmax fp32
 [d0, ceil(row / block_size)], and blocks never cross a row, so the state shards with dim 0 of its
 parameter (FSDP2) and reshards to any world size bit for bit. The flat layout of older files is one row

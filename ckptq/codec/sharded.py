@@ -17,7 +17,7 @@ another TP degree could not keep the blocks).
 from __future__ import annotations
 
 
-from . import plan, policy, quant
+from . import exactness, policy, quant
 from .dtensor import is_dtensor, local, place
 
 
@@ -36,7 +36,7 @@ def quantize_moments(dense: dict, group: dict, step, block_size: int, bits: int 
     out = {k: quantize(v, k, block_size, bits) for k, v in dense.items() if k != "exp_avg"}
     m, v = dense["exp_avg"], dense["exp_avg_sq"]
     eps = policy.ratio_eps_for(group, step)
-    if not plan.ratio_fits(local(m), local(v), eps):  # the ratio would overflow fp32: m on its own
+    if not exactness.ratio_fits(local(m), local(v), eps):  # the ratio would overflow fp32: m on its own
         out["exp_avg"] = quantize(m, "exp_avg", block_size, bits)
     else:
         q = quant.quantize_ratio(local(m).float(), local(v).float(), eps, block_size, bits=bits)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+QUANTIZABLE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
 
 def repeats_bytes(t: torch.Tensor) -> bool:
     """Whether some elements of ``t`` share memory: a stride of 0 along a dimension longer than 1 (an
@@ -31,3 +33,19 @@ def unbacked(t: torch.Tensor) -> str | None:
     if (last + 1) * t.element_size() > t.untyped_storage().nbytes():
         return "a view that reaches past its storage"
     return None
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    """Equal for tensors that share one storage. A wrapper tensor subclass (torchao's optimizer states,
+    DTensor) has no storage of its own, so it shares none: keyed by identity."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and hasattr(t, "__tensor_flatten__"):
+        return ("wrapper", id(t))
+    if t.layout != torch.strided:  # sparse and other layouts have no one storage
+        return ("layout", id(t))
+    s = t.untyped_storage()
+    return (t.device.type, s.data_ptr(), s.nbytes()) if s.nbytes() else ("empty", id(t))
+
+
+def is_quantizable(t: object, min_size: int) -> bool:
+    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.dtype in QUANTIZABLE_DTYPES
+            and t.numel() >= min_size)

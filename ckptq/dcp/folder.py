@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..codec import plan, policy, qstate, quant
+from ..codec import exactness, plan, policy, qstate, quant
 from ..errors import InputError
 from ..format.dtypes import dtype_name, float_dtype_from_name
 from . import safe_reader
@@ -159,7 +159,7 @@ def _decide(path: str, p: Plan, bits: int, min_size: int) -> None:
             key, meta = param.roles[d.key]
             if d.exact:
                 p.exact[key] = meta
-                found += [f"{key}: {d.exact}, kept exact"] if d.exact not in plan.ORDINARY else []
+                found += [f"{key}: {d.exact}, kept exact"] if d.exact not in exactness.ORDINARY else []
                 continue
             divisor = (param.roles[d.divisor[0]][0], d.divisor[2]) if d.divisor else None
             p.stored[key] = Stored(param, d.key, working_width(bits), divisor)

@@ -5,7 +5,7 @@
 
 ``SavePlanner`` stores the fp32 Adam moments of every optimizer state dict inside ``state_dict`` (as
 ``get_state_dict``/``get_optimizer_state_dict`` give them, FQN-keyed) as ckptq 8-bit state, laid out as
-``AdamW8bit`` lays out its own (``ckptq.sharded``: codes placed like the parameter, one scale per block of a
+``AdamW8bit`` lays out its own (``ckptq.codec.sharded``: codes placed like the parameter, one scale per block of a
 row), so the folder is the one an ``AdamW8bit`` run would have written. The optimizer itself stays fp32;
 nothing in ``state_dict`` is changed. ``LoadPlanner`` reads any such folder into any template: 8-bit into
 fp32 moments (decoded as the last of a parameter's parts arrives) for torch's AdamW, fp32 into an
@@ -23,7 +23,7 @@ import torch
 from .compact import CompactSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..codec import checkpoint, dtensor, plan, policy, qstate, quant, sharded
+from ..codec import checkpoint, dtensor, exactness, policy, qstate, quant, sharded
 from .safe_reader import SafeLoadPlanner
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -41,14 +41,14 @@ def _all_ranks_agree(ok: bool, t) -> bool:
 
 
 def _quantizable(m, v, min_size: int, block_size: int) -> bool:
-    """The rules of ``ckptq.plan`` for one parameter's moments: large enough, a DTensor's rows following its
+    """The rules of ``ckptq.codec.plan`` for one parameter's moments: large enough, a DTensor's rows following its
     shards (``dtensor.shardable``), finite, within fp32, a second moment >= 0 (checked on every shard)."""
     if not (isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor) and m.is_floating_point()
             and m.shape == v.shape and m.numel() >= min_size):
         return False
     if dtensor.is_dtensor(m) and not (dtensor.shardable(m) and dtensor.is_dtensor(v)):
         return False
-    return _all_ranks_agree(plan.unsafe_moments({"exp_avg": m, "exp_avg_sq": v}) is None, m)
+    return _all_ranks_agree(exactness.unsafe_moments({"exp_avg": m, "exp_avg_sq": v}) is None, m)
 
 
 def quantized_copy(state_dict: dict, min_size: int = policy.DEFAULT_MIN_SIZE, block_size: int | None = None,

@@ -4,7 +4,7 @@ from at any world size): ``zero/<param name>/{fp32,exp_avg,exp_avg_sq,step}.pt``
 
 Convert writes one ``zero/<param>/moments.q8.safetensors`` per parameter holding both moments (the first
 as a ratio to the second, so they share a file): a one-parameter optimizer state dict, so that
-``ckptq.plan`` decides what goes 8-bit with the rules of any convert, with eps and betas from the first
+``ckptq.codec.plan`` decides what goes 8-bit with the rules of any convert, with eps and betas from the first
 param group of ``optimizer_state.pt`` and the step from ``step.pt``, plus each moment file's other entries.
 Expand writes ``exp_avg.pt`` / ``exp_avg_sq.pt`` back. ``fp32.pt`` and ``step.pt`` are never touched.
 """

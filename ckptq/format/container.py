@@ -5,7 +5,7 @@ the row layout of quantized states; the bytes around them are version 2's).
 Metadata keys (all str, in ``__metadata__``): ``format`` = ``"pt"``; ``ckptq.format`` = ``"ckptq"``;
 ``ckptq.version`` = ``"3"``; ``ckptq.skeleton`` (JSON); ``ckptq.info`` (JSON: options, sizes);
 ``ckptq.tensors`` (JSON: per tensor dtype, shape, codec, crc32); ``ckptq.header_crc32`` (from version 2: the
-header's own checksum, see ``ckptq.integrity``). A sharded set keeps skeleton and info in the index's
+header's own checksum, see ``ckptq.format.integrity``). A sharded set keeps skeleton and info in the index's
 ``metadata``, with ``ckptq.shards`` (each shard's header checksum); each shard carries its own
 ``ckptq.tensors`` and header checksum.
 """

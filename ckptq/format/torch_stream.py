@@ -74,7 +74,7 @@ def contiguous_strides(shape) -> tuple:
 def save(obj: Any, path: str, progress: Callable[[int, int], None] | None = None, *,
          pickler: type = pickle.Pickler) -> None:
     """Write ``obj`` (which may hold LazyTensors as well as real tensors) as a torch.save file.
-    ``pickler``: a ``pickle.Pickler`` class to derive from (``ckptq.zero_pickle`` writes DeepSpeed's objects)."""
+    ``pickler``: a ``pickle.Pickler`` class to derive from (``ckptq.deepspeed.objects`` writes DeepSpeed's objects)."""
     records: dict[str, Any] = {}  # key -> LazyStorage | UntypedStorage, in first-seen order
     keys: dict[int, str] = {}
 

@@ -1,7 +1,7 @@
 """What the framework integrations share: an optimizer state dict as ckptq stores it in memory, and the
 state an optimizer loads back from it.
 
-``stored_8bit`` applies the plan ``ckptq convert`` applies to a file (``ckptq.plan``: which states go
+``stored_8bit`` applies the plan ``ckptq convert`` applies to a file (``ckptq.codec.plan``: which states go
 8-bit, exp_avg as a ratio to exp_avg_sq) to an in-memory state dict, returning a copy: ``state_dict()``
 of a torch optimizer shares each parameter's state dict with the live optimizer, which must not change.
 A ckptq ``AdamW8bit``/``Adam8bit`` state dict is already 8-bit and comes back as it is.

@@ -44,7 +44,7 @@ try:
 except ImportError as e:
     raise framework_missing("ckptq.integrations.transformers", "transformers", "transformers", e) from e
 
-from ..sources import api
+from ..sources import single as api  # save and load: not the detection of every layout
 from ..codec import signpost
 from . import _state
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..errors import ArgumentError
 from ..kernels import rules
 from . import args as optim_args
-from .adam import ADAM_STATES, adam_fields
+from .adam_rule import ADAM_STATES, adam_fields
 from .engine import LowBitOptimizer
 
 

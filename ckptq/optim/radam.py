@@ -9,7 +9,7 @@ from ..codec import policy
 from ..errors import ArgumentError
 from ..kernels import rules
 from . import args as optim_args
-from .adam import ADAM_STATES
+from .adam_rule import ADAM_STATES
 from .engine import LowBitOptimizer
 
 

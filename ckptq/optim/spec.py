@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codec import dtensor, plan as codec_plan, policy, quant, roles
+from ..codec import dtensor, exactness, policy, quant, roles
 from ..kernels import contract
 
 
@@ -57,13 +57,13 @@ def _quantize(t: torch.Tensor, state: State, block_size: int, bits: int) -> dict
 def quantize_states(dense: dict, states: tuple, eps: float | None, block_size: int, bits: int) -> dict:
     """fp32 states {key: tensor or DTensor} -> qstates with ``bits``-bit codes, as ``ckptq convert`` writes
     them: ratio states relative to their exact divisor with eps' ``eps`` (or on their own where the ratio
-    would overflow fp32: ``codec.plan.ratio_fits``)."""
+    would overflow fp32: ``codec.exactness.ratio_fits``)."""
     by_key = {s.key: s for s in states}
     out = {}
     for key, t in dense.items():
         s = by_key[key]
         if s.transform != "ratio" or eps is None or \
-                not codec_plan.ratio_fits(dtensor.local(t), dtensor.local(dense[s.divisor]), eps):
+                not exactness.ratio_fits(dtensor.local(t), dtensor.local(dense[s.divisor]), eps):
             out[key] = _quantize(t, s if s.transform != "ratio" else State(key, s.role), block_size, bits)
             continue
         q = quant.quantize_ratio(dtensor.local(t).float(), dtensor.local(dense[s.divisor]).float(), eps, block_size,

@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from ..codec import dtensor, foreign, ops, plan, qstate, quant, roles
+from ..codec import dtensor, exactness, foreign, ops, qstate, quant, roles
 from ..codec.policy import MOMENT_KEYS
 from ..errors import ArgumentError, FormatError, InputError, StateMismatchError, UsageError
 from . import args as optim_args
@@ -210,13 +210,13 @@ def _scalar(pid, name: str, value) -> float:
 
 
 def _unsafe(dense: dict, by_key: dict) -> str | None:
-    """Why fp32 states cannot be stored low-bit without damage, or None (``codec.plan.exact_reason``)."""
+    """Why fp32 states cannot be stored low-bit without damage, or None (``codec.exactness.exact_reason``)."""
     for key, t in dense.items():
         local = dtensor.local(t)
         role = by_key[key].role
         if local.numel():
-            reason = plan.exact_reason(key if role == roles.ADAM else key, local, role, 1, set())
-            if reason and reason != plan.NOT_A_MOMENT:
+            reason = exactness.exact_reason(key if role == roles.ADAM else key, local, role, 1, set())
+            if reason and reason != exactness.NOT_A_MOMENT:
                 return f"{key} {reason}"
     return None
 

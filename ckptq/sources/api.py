@@ -11,14 +11,14 @@ import os
 from .. import format
 from ..format import journal
 from ..format.identify import kind_of
-from ..codec import checkpoint, policy, quant, signpost, tree
+from ..codec import checkpoint, policy, signpost
 from ..errors import InputError, NothingToConvertError
 from . import folders
 from .base import Source
 from .framework import FrameworkFolder, RunFolder, checkpoint_folders
 from .options import DEFAULT_MAX_SHARD_SIZE, ConvertOptions, ExpandOptions, InfoOptions, Progress
 from .reports import ConvertReport, ExpandReport, InfoReport
-from .single import ConvertedFile, ForeignSafetensors, TorchFile, save  # noqa: F401  (ckptq.save)
+from .single import ConvertedFile, ForeignSafetensors, TorchFile, load, save  # noqa: F401  (ckptq.load, ckptq.save)
 
 
 def convert(src: str, dst: str | None = None, *, bits: int | None = None, block_size: int | None = None,
@@ -60,22 +60,6 @@ def info(path: str, *, bits: int = 8, block_size: int | None = None, min_size: i
     """What ``path`` holds (states by role and code width, exact tensors, sizes, the options a converted
     file records) and, for fp32 state, what ``convert`` with these options would write."""
     return detect(path).info(InfoOptions(bits, block_size, min_size, key, trust).checked())
-
-
-def load(path: str, *, dequantize: bool = False, verify: bool = True) -> Any:
-    """Read a converted checkpoint (file, index, or folder). Quantized states stay qstate dicts (what
-    ``ckptq.optim.AdamW8bit.load_state_dict`` takes) unless ``dequantize=True``. A torch.save file (e.g. an
-    ``optimizer.pt`` that Trainer wrote from AdamW8bit's state) is read with ``torch.load(weights_only=True)``."""
-    if checkpoint.is_torch_file(path):
-        obj = checkpoint.load_torch(path)
-        if dequantize:
-            quant.decode_qstates(obj)
-        return obj
-    conv = tree.Converted(path, verify)
-    try:
-        return conv.read(dequantize)
-    finally:
-        conv.close()
 
 
 def _is_ckptq_safetensors(path: str) -> bool:

@@ -5,10 +5,10 @@ each one's converted file is called, in both directions.
   trainer_state.json, rng_state.pth.
 - accelerate ``save_state``: ``optimizer.bin``, ``optimizer_1.bin``, ... (one per prepared optimizer),
   beside model.safetensors, scheduler.bin, random_states_0.pkl; with FSDP's sharded state dict an
-  ``optimizer_0/`` torch.distributed.checkpoint folder instead (converted by ``ckptq.dcp_folder``).
+  ``optimizer_0/`` torch.distributed.checkpoint folder instead (converted by ``ckptq.dcp.folder``).
 - Lightning: ``*.ckpt`` files (``epoch=0-step=100.ckpt``, ``last.ckpt``), torch.save files whose
   ``optimizer_states`` list holds the optimizer state dicts; a ``checkpoints/`` folder of several is a run
-  (``ckptq.sources.framework.checkpoints``).
+  (``ckptq.sources.framework.checkpoint_folders``).
 - litgpt (Fabric) ``step-00000N/lit_model.pth``: ``{"model", "optimizer", "iter_num", ...}``; nanoGPT-style
   runs ``checkpoint-N/ckpt.pt``; OLMo-core ``stepN/model_and_optim/``, a DCP folder.
 

@@ -93,6 +93,22 @@ def quant_device(device: str) -> str:
     return device
 
 
+def load(path: str, *, dequantize: bool = False, verify: bool = True) -> Any:
+    """Read a converted checkpoint (file, index, or folder). Quantized states stay qstate dicts (what
+    ``ckptq.optim.AdamW8bit.load_state_dict`` takes) unless ``dequantize=True``. A torch.save file (e.g. an
+    ``optimizer.pt`` that Trainer wrote from AdamW8bit's state) is read with ``torch.load(weights_only=True)``."""
+    if checkpoint.is_torch_file(path):
+        obj = checkpoint.load_torch(path)
+        if dequantize:
+            quant.decode_qstates(obj)
+        return obj
+    conv = tree.Converted(path, verify)
+    try:
+        return conv.read(dequantize)
+    finally:
+        conv.close()
+
+
 def save(obj: Any, path: str, *, info: dict | None = None, force: bool = False, compression=None,
          max_shard_size: int | None = None, progress=None) -> list[str]:
     """Write any checkpoint structure (tensors, qstate dicts, containers, scalars) in ckptq format.
