@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from . import checkpoint, foreign, policy, qstate, quant, roles
-from .exactness import ADAM_MOMENTS, FACTORED, NOT_A_MOMENT, exact_reason, ratio_fits
+from .exactness import FACTORED, NOT_A_MOMENT, ORDINARY, exact_reason, ratio_fits
 from ..errors import InputError
 
 DEFAULT_MIN_SIZE = 4096  # smaller states stay exact: their codebooks and scales would not pay for themselves

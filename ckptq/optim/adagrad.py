@@ -6,7 +6,6 @@ Subgradient Methods" (JMLR 2011)."""
 from __future__ import annotations
 
 from ..codec import roles
-from ..errors import ArgumentError
 from ..kernels import rules
 from . import args as optim_args
 from .engine import LowBitOptimizer

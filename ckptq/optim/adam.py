@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from ..codec import scalar_math
-from ..errors import ArgumentError
 from ..kernels import rules
 from . import args as optim_args
 from .args import GROUP_FLAGS

@@ -4,7 +4,6 @@ the one place that decides it) and asks that source, which returns a typed repor
 
 from __future__ import annotations
 
-from typing import Any
 
 import os
 
