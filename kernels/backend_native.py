@@ -2,13 +2,14 @@
 (ctypes releases the GIL for the length of a call).
 
 quantize / dequantize: each call takes a range of blocks of the row layout (``contract``, "Rows"); the
-pool runs chunks of about ``cpu_runtime.native_chunk`` elements. The step: one ``ckq_adam_step_group``
-call per pool thread for a whole group, the threads taking (member, block range) items from a shared
-counter, so that hundreds of small tensors and a few huge ones balance alike; one parameter's step is a
-group of one. The one-state step (``momentum_step`` / ``momentum_step_group``: SGD, Lion, Muon) works the
-same way through ``ckq_momentum_step_group``. What a group's members determine (the kernels' config of codebooks and code tables, the
-table of member addresses, the work list) is built once into ``group.cache``; a call refreshes only the
-gradients' addresses and passes its hyper rows and seeds.
+pool runs chunks of about ``cpu_runtime.native_chunk`` elements. The one step of every rule
+(``contract.Group`` / ``Dense``, through ``registry``): one ``ckq_step_group`` (``ckq_dense_group``) call
+per pool thread for a whole group, the threads taking (member, block range) items from a shared counter,
+so that hundreds of small tensors and a few huge ones balance alike; one parameter's step (``adam_step``,
+``momentum_step``: ``ckptq.codec.ops``' older per-parameter operations) is a group of one. What a group's
+members determine (the table of member addresses, the work list) is built once into ``group.cache``, the
+kernels' config of its slots (codebooks, code tables, transforms, rule) once per codebook tensors; a call
+refreshes only the gradients' (and outs') addresses and passes its hyper rows and seeds.
 
 Signatures and contract in ``contract``; results equal ``backend_torch`` bit for bit. ``ckptq.ops`` sends
 work here only where the kernels can take it: CPU tensors of ``contract.KERNEL_DTYPES``, codebooks with
@@ -18,14 +19,15 @@ a code table (``usable``), the library loaded.
 from __future__ import annotations
 
 import ctypes
-from typing import Callable, NamedTuple
+import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from . import cpu_runtime, legacy_groups, lut, memo, native
-from .contract import (KERNEL_DTYPES, DenseGroup, GroupMember, MomentumFlags, MomentumGroup, StepCodebooks, StepFlags,
-                       StepGroup, StepState, layout_blocks, layout_rows)
+from . import cpu_runtime, lut, memo, native, rules
+from .contract import (KERNEL_DTYPES, NONE, RATIO, SQRT, UPDATE_LINEAR, UPDATE_SIGN, Dense, Group, GroupMember,
+                       MomentumFlags, Slot, StepFlags, StepState, layout_blocks, layout_rows)
 
 ROWS = True  # quantize, dequantize and the step take rows that are not whole blocks (ckptq.ops routes them here)
 
@@ -50,7 +52,8 @@ def usable(thresholds: torch.Tensor) -> bool:
 
 def _check(rc: int) -> None:
     # The kernels return -1 only for a block size outside 1..4096, a code width other than 8, 6, 4, 2
-    # (narrow widths with blocks that do not start on a byte) or an unknown dtype, which ckptq.ops never passes.
+    # (narrow widths with blocks that do not start on a byte), an unknown dtype, or a step config that does
+    # not fit its rule, which ckptq.ops and accepts_step never pass.
     if rc != 0:
         raise RuntimeError(f"ckptq internal error: the C kernels refused their arguments (code {rc})")
 
@@ -97,29 +100,14 @@ def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: boo
 
 
 class _Plan(NamedTuple):
-    """A grouped step's kernel arguments that follow from its members, kept in ``group.cache``: the call
-    is ``kernel(*head, <per-call arguments>, *tail)``."""
+    """A group's kernel arguments that follow from its members, kept in ``group.cache``."""
 
     witness: tuple  # member count and the first and last members' addresses when it was built
-    grad_dtype: torch.dtype  # the gradients' dtype it was built for (the step's config holds it)
-    kernel: Callable  # ckq_adam_step_group or ckq_adam_dense_group
-    head: tuple  # the step's config address, then the members' and the gradients' tables' addresses
+    members: np.ndarray  # int64 [count, 8] (member_t) or [count, 4] (dense_member_t)
     grads: np.ndarray  # int64 [count]: the gradients' addresses, refreshed at every call
-    tail: tuple  # the work items' address, their count and the shared counter's address
+    outs: np.ndarray | None  # int64 [count]: the outs' addresses (rules that write a direction)
+    items: np.ndarray  # int64 [items, 3]: (member, first, end) blocks (elements for the dense step)
     counter: np.ndarray  # int64 [1]: the next item, shared by the threads of a call
-    keep: tuple  # what the addresses point into
-
-
-def _new_plan(kernel, config, witness, grad_dtype, members: list[list[int]], sizes: list[int], per_item: list[int],
-              keep: tuple) -> _Plan:
-    """A plan for members (rows of addresses: ``member_t`` / ``dense_member_t``) of ``sizes[i]`` blocks
-    (dense: elements), split into work items of ``per_item[i]``."""
-    table, grads = np.array(members, dtype=np.int64), np.zeros(len(members), dtype=np.int64)
-    counter = np.zeros(1, dtype=np.int64)
-    items = _work_items(sizes, per_item)
-    head = (() if config is None else (ctypes.addressof(config),)) + (table.ctypes.data, grads.ctypes.data)
-    return _Plan(witness, grad_dtype, kernel, head, grads, (items.ctypes.data, len(items), counter.ctypes.data),
-                 counter, keep + (config, table, items))
 
 
 def _work_items(sizes: list[int], per_item: list[int]) -> np.ndarray:
@@ -131,87 +119,41 @@ def _work_items(sizes: list[int], per_item: list[int]) -> np.ndarray:
     return np.array(items, dtype=np.int64).reshape(-1, 3)
 
 
-_configs: dict = {}  # step configs by their codebook tensors (identity and version) and flags
-_MAX_CONFIGS = 256
-
-
-def _step_config(books: tuple[StepCodebooks, ...], bits: tuple, block: int, ratio: bool, maximize: bool,
-                 dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[native.StepConfig, tuple]:
-    """The kernels' config of a step (its codebooks as decode maps, code tables, thresholds; its flags and
-    param and grad dtypes) and the tensors it points into; built once per codebook tensors and flags (the
-    entry holds the tensors, so their ids stay theirs) and never changed after (threads share it)."""
-    key = (tuple((id(t), t._version) for cb in books for t in cb), bits, block, ratio, maximize, dtypes)
-    hit = _configs.get(key)
-    if hit is not None:
-        return hit
-    decode = [memo.by_tensor(_decode_map, cb.qmap) for cb in books]
-    tables = [memo.by_tensor(lut.native_code_table, cb.thresholds) for cb in books]
-    config = native.StepConfig()
-    for k, (cb, d, t) in enumerate(zip(books, decode, tables)):
-        config.decode[k], config.table[k], config.thresholds[k] = d.data_ptr(), t.data_ptr(), cb.thresholds.data_ptr()
-        config.bits[k] = bits[k]
-        if k < 2:
-            config.encode[k] = cb.encode.data_ptr()
-    config.moments, config.block, config.ratio, config.maximize = len(books), block, ratio, maximize
-    config.pdtype, config.gdtype = KERNEL_DTYPES[dtypes[0]], KERNEL_DTYPES[dtypes[1]]
-    if len(_configs) >= _MAX_CONFIGS:
-        _configs.clear()
-    hit = _configs[key] = (config, tuple(decode) + tuple(tables) + tuple(books))
-    return hit
-
-
-def _member_row(p: torch.Tensor, codes, absmax, row_len: int) -> list[int]:
-    """member_t of cpu_kernels.c: param, codes x 3, absmax x 3 (0 where absent), row length."""
-    pad = [0] * (3 - len(codes))
-    return [p.data_ptr(), *(c.data_ptr() for c in codes), *pad, *(a.data_ptr() for a in absmax), *pad, row_len]
-
-
-def _step_plan(members, books, bits: tuple, block: int, ratio: bool, maximize: bool, grad_dtype) -> _Plan:
-    """The plan of a step over GroupMembers sharing codebooks, widths, block size and flags."""
-    config, keep = _step_config(books, bits, block, ratio, maximize, (members[0].p.dtype, grad_dtype))
-    lengths = [layout_rows(m.p.numel(), m.row_len)[1] for m in members]  # flat: one row of all n elements
-    rows = [_member_row(m.p, m.codes, m.absmax, length) for m, length in zip(members, lengths)]
-    blocks = [layout_blocks(m.p.numel(), m.row_len, block) for m in members]
-    per_item = [max(1, ITEM_ELEMENTS // max(1, min(block, length))) for length in lengths]
-    return _new_plan(native.library().ckq_adam_step_group, config, _step_witness(members), grad_dtype, rows, blocks,
-                     per_item, keep)
-
-
-def _plan(cache: dict, witness: tuple, grad_dtype: torch.dtype, build) -> _Plan:
+def _plan(cache: dict, witness: tuple, build) -> _Plan:
     """The cached plan, or a new one. The caller keeps the cache only while its members stay; an O(1)
     check (member count, the first and last members' addresses) still catches a cache kept past that
-    (say after ``model.to``), which would otherwise send the kernel to freed memory. A plan serves one
-    grad dtype."""
+    (say after ``model.to``), which would otherwise send the kernel to freed memory."""
     plan = cache.get(_PLAN)
-    if plan is None or plan.witness != witness or plan.grad_dtype != grad_dtype:
+    if plan is None or plan.witness != witness:
         plan = cache[_PLAN] = build()
     return plan
 
 
-def _step_witness(members) -> tuple:
-    first, last = members[0], members[-1]
-    return len(members), first.p.data_ptr(), first.codes[0].data_ptr(), last.p.data_ptr(), last.absmax[-1].data_ptr()
+def _new_plan(witness: tuple, rows: list[list[int]], sizes: list[int], per_item: list[int], outs: bool) -> _Plan:
+    count = len(rows)
+    return _Plan(witness, np.array(rows, dtype=np.int64), np.zeros(count, dtype=np.int64),
+                 np.zeros(count, dtype=np.int64) if outs else None, _work_items(sizes, per_item),
+                 np.zeros(1, dtype=np.int64))
 
 
-def _dense_witness(group: DenseGroup) -> tuple:
-    first, last = group.moments[0], group.moments[-1]
-    return len(group.params), group.params[0].data_ptr(), first[0].data_ptr(), group.params[-1].data_ptr(), \
-        last[1].data_ptr()
-
-
-def _run(plan: _Plan, middle: tuple, last: tuple = ()) -> None:
-    """``plan.kernel(*head, *middle, *tail, *last)`` on as many threads as help (each takes items until
-    none are left), after the gradients' addresses were refreshed."""
-    items = plan.tail[1]
-    if not items:
+def _run(kernel, config, plan: _Plan, grads, outs, hyper: torch.Tensor, *seeds: torch.Tensor | None) -> None:
+    """``kernel(config, members, grads, outs, hyper[, seeds], items, count, counter)`` on as many threads as
+    help (each takes items until none are left), with this call's gradient and out addresses."""
+    if not len(plan.items):
         return
+    plan.grads[:] = [g.data_ptr() for g in grads]
+    if plan.outs is not None:
+        plan.outs[:] = [o.data_ptr() for o in outs]
+    host = [_host(hyper, torch.float32)] + [_host(s, torch.int64) for s in seeds]  # alive for the call
+    args = (ctypes.addressof(config), plan.members.ctypes.data, plan.grads.ctypes.data,
+            None if plan.outs is None else plan.outs.ctypes.data, *(None if t is None else t.data_ptr() for t in host),
+            plan.items.ctypes.data, len(plan.items), plan.counter.ctypes.data)
     plan.counter[0] = 0
-    args = (*plan.head, *middle, *plan.tail, *last)
 
     def work() -> None:
-        _check(plan.kernel(*args))
+        _check(kernel(*args))
 
-    cpu_runtime.run_on_workers(work, min(cpu_runtime.workers(), items))
+    cpu_runtime.run_on_workers(work, min(cpu_runtime.workers(), len(plan.items)))
 
 
 def _host(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -219,134 +161,176 @@ def _host(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to("cpu", dtype).contiguous()
 
 
-def adam_step_group(group: StepGroup) -> None:
-    if not group.members:
-        return
-    grad_dtype = group.grads[0].dtype
-    plan = _plan(group.cache, _step_witness(group.members), grad_dtype, lambda: _step_plan(
-        group.members, group.codebooks, tuple(group.bits), group.block_size, group.ratio, group.maximize, grad_dtype))
-    plan.grads[:] = [g.data_ptr() for g in group.grads]
-    hyper, seeds = _host(group.hyper, torch.float32), _host(group.seeds, torch.int64)
-    _run(plan, (hyper.data_ptr(), None if seeds is None else seeds.data_ptr()))
+# ---- The one step (contract.Group / Dense, ckptq.kernels.registry): every rule the kernels implement ----
+
+_configs: dict = {}  # step configs by their slots' tensors (identity and version), shapes, rule, flags, dtypes
+_MAX_CONFIGS = 256
 
 
-def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
-    """One parameter: the grouped kernel on a group of one (same bits), without the group's objects."""
-    books = tuple(StepCodebooks(s.qmap, s.thresholds, s.encode) for s in states)
-    member = GroupMember(p, tuple(s.codes for s in states), tuple(s.absmax for s in states), flags.row_len or p.numel())
-    plan = _step_plan((member,), books, tuple(s.bits for s in states), flags.block_size, flags.ratio, flags.maximize,
-                      g.dtype)
-    plan.grads[0] = g.data_ptr()
-    seeds = None if flags.seed is None else np.array([flags.seed], dtype=np.int64)
-    _run(plan, (h.data_ptr(), None if seeds is None else seeds.ctypes.data))
+def rule_id(name: str) -> int:
+    """The kernels' id of a rule (``rules.RULES``' key), -1 for one this build does not implement."""
+    return _rule_ids(name)
 
 
-def _dense_plan(group: DenseGroup) -> _Plan:
-    rows = [[p.data_ptr(), m[0].data_ptr(), m[1].data_ptr(), m[2].data_ptr() if len(m) > 2 and m[2] is not None else 0]
-            for p, m in zip(group.params, group.moments)]
-    sizes = [p.numel() for p in group.params]
-    return _new_plan(native.library().ckq_adam_dense_group, None, _dense_witness(group), group.grads[0].dtype, rows,
-                     sizes, [ITEM_ELEMENTS] * len(sizes), ())
+@functools.lru_cache(maxsize=None)
+def _rule_ids(name: str) -> int:
+    return native.library().ckq_rule_id(name.encode())
 
 
-def adam_dense_group(group: DenseGroup) -> None:
-    if not group.params:
-        return
-    plan = _plan(group.cache, _dense_witness(group), group.grads[0].dtype, lambda: _dense_plan(group))
-    plan.grads[:] = [g.data_ptr() for g in group.grads]
-    hyper = _host(group.hyper, torch.float32)
-    dtypes = (KERNEL_DTYPES[group.params[0].dtype], KERNEL_DTYPES[group.grads[0].dtype])
-    _run(plan, (hyper.data_ptr(),), (*dtypes, group.maximize))
+def _eps_fields(rule: rules.Rule) -> tuple[int, int]:
+    """The hyper fields of decode_eps and encode_eps (-1 where the rule has none)."""
+    return tuple(rule.fields.index(f) if f in rule.fields else -1 for f in ("decode_eps", "encode_eps"))
 
 
-# The one-state step (SGD, Lion, Muon): ckq_momentum_step_group over a plan as the Adam step's, one state
-# per member (member_t's first codes/absmax pair); outs (UPDATE_NONE's d) and hyper rows of 8 per call.
-
-_momentum_configs: dict = {}
-
-
-def _momentum_config(books: StepCodebooks, bits: int, block: int, maximize: bool, update: int,
-                     dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[native.MomentumConfig, tuple]:
-    """The kernels' config of a one-state step and the tensors it points into (as ``_step_config``)."""
-    key = (tuple((id(t), t._version) for t in books), bits, block, maximize, update, dtypes)
-    hit = _momentum_configs.get(key)
+def _step_config(group: Group, grad_dtype: torch.dtype) -> native.StepConfig:
+    """The kernels' config of a step group (``step_config_t``), built once per slot tensors, shapes, rule,
+    flags and dtypes (the entry holds the tensors it points into, so their ids stay theirs) and never
+    changed after (threads share it)."""
+    slots = group.slots
+    key = (tuple((id(t), t._version) for s in slots for t in (s.qmap, s.thresholds, s.encode)),
+           tuple((s.bits, s.decode, s.encode_as, s.divisor, s.seeded) for s in slots), group.rule, group.flags,
+           group.block_size, group.members[0].p.dtype, grad_dtype)
+    hit = _configs.get(key)
     if hit is not None:
-        return hit
-    decode = memo.by_tensor(_decode_map, books.qmap)
-    table = memo.by_tensor(lut.native_code_table, books.thresholds)
-    config = native.MomentumConfig(decode.data_ptr(), table.data_ptr(), books.thresholds.data_ptr(),
-                                   books.encode.data_ptr(), bits, block, int(maximize), int(update),
-                                   KERNEL_DTYPES[dtypes[0]], KERNEL_DTYPES[dtypes[1]])
-    if len(_momentum_configs) >= _MAX_CONFIGS:
-        _momentum_configs.clear()
-    hit = _momentum_configs[key] = (config, (decode, table, books))
-    return hit
+        return hit[0]
+    rule = rules.RULES[group.rule]
+    config, keep = native.StepConfig(), []
+    for j, s in enumerate(slots):
+        decode = memo.by_tensor(_decode_map, s.qmap)
+        table = memo.by_tensor(lut.native_code_table, s.thresholds)
+        keep += [decode, table, s.thresholds, s.encode]
+        config.slot[j] = native.SlotConfig(decode.data_ptr(), table.data_ptr(), None, s.thresholds.data_ptr(),
+                                           s.encode.data_ptr(), s.bits, s.decode, s.encode_as, s.divisor,
+                                           int(s.seeded))
+    dec_eps, enc_eps = _eps_fields(rule)
+    config.rule, config.flags, config.slots, config.block = rule_id(rule.name), group.flags, len(slots), group.block_size
+    config.pdtype, config.gdtype = KERNEL_DTYPES[group.members[0].p.dtype], KERNEL_DTYPES[grad_dtype]
+    config.fields, config.dec_eps, config.enc_eps = len(rule.fields), dec_eps, enc_eps
+    if len(_configs) >= _MAX_CONFIGS:
+        _configs.clear()
+    _configs[key] = (config, tuple(keep))
+    return config
 
 
-def _momentum_plan(members, books: StepCodebooks, bits: int, block: int, maximize: bool, update: int,
-                   grad_dtype) -> _Plan:
-    config, keep = _momentum_config(books, bits, block, maximize, update, (members[0].p.dtype, grad_dtype))
-    lengths = [layout_rows(m.p.numel(), m.row_len)[1] for m in members]
+def _member_row(p: torch.Tensor, codes, absmax, row_len: int) -> list[int]:
+    """member_t of step.h: param, codes x 3, absmax x 3 (0 where absent), row length."""
+    pad = [0] * (3 - len(codes))
+    return [p.data_ptr(), *(c.data_ptr() for c in codes), *pad, *(a.data_ptr() for a in absmax), *pad, row_len]
+
+
+def _witness(params, states) -> tuple:
+    """Member count and the first and last members' param and first / last state addresses."""
+    return len(params), params[0].data_ptr(), states[0][0].data_ptr(), params[-1].data_ptr(), states[-1][-1].data_ptr()
+
+
+def _step_plan(group: Group) -> _Plan:
+    members, block = group.members, group.block_size
+    lengths = [layout_rows(m.p.numel(), m.row_len)[1] for m in members]  # flat: one row of all n elements
     rows = [_member_row(m.p, m.codes, m.absmax, length) for m, length in zip(members, lengths)]
     blocks = [layout_blocks(m.p.numel(), m.row_len, block) for m in members]
     per_item = [max(1, ITEM_ELEMENTS // max(1, min(block, length))) for length in lengths]
-    return _new_plan(native.library().ckq_momentum_step_group, config, _step_witness(members), grad_dtype, rows,
-                     blocks, per_item, keep)
+    return _new_plan(_step_witness(group), rows, blocks, per_item, bool(group.outs))
 
 
-def _outs_table(outs) -> np.ndarray | None:
-    return np.array([o.data_ptr() for o in outs], dtype=np.int64) if outs else None
+def _step_witness(group: Group) -> tuple:
+    return _witness([m.p for m in group.members], [m.absmax for m in group.members]) + (bool(group.outs),)
 
 
-def momentum_step_group(group: MomentumGroup) -> None:
+def step(group: Group) -> None:
+    """One step of every member of ``group`` by its rule, in place (``step_torch.step_group``, bit for bit)."""
     if not group.members:
         return
-    grad_dtype = group.grads[0].dtype
-    plan = _plan(group.cache, _step_witness(group.members) + (group.update, group.maximize), grad_dtype, lambda: _momentum_plan(
-        group.members, group.codebooks, group.bits, group.block_size, group.maximize, group.update, grad_dtype))
-    plan.grads[:] = [g.data_ptr() for g in group.grads]
-    hyper, seeds = _host(group.hyper, torch.float32), _host(group.seeds, torch.int64)
-    outs = _outs_table(group.outs)
-    _run(plan, (None if outs is None else outs.ctypes.data, hyper.data_ptr(),
-                None if seeds is None else seeds.data_ptr()))
+    plan = _plan(group.cache, _step_witness(group), lambda: _step_plan(group))
+    config = _step_config(group, group.grads[0].dtype)
+    _run(native.library().ckq_step_group, config, plan, group.grads, group.outs, group.hyper, group.seeds)
+
+
+_dense_configs: dict = {}
+
+
+def _dense_config(group: Dense) -> native.DenseConfig:
+    key = (group.rule, group.flags, len(group.states[0]), group.params[0].dtype, group.grads[0].dtype)
+    config = _dense_configs.get(key)
+    if config is None:
+        rule = rules.RULES[group.rule]
+        config = _dense_configs[key] = native.DenseConfig(
+            rule_id(rule.name), group.flags, len(group.states[0]), KERNEL_DTYPES[group.params[0].dtype],
+            KERNEL_DTYPES[group.grads[0].dtype], len(rule.fields))
+    return config
+
+
+def _dense_plan(group: Dense) -> _Plan:
+    rows = [[p.data_ptr(), *(s.data_ptr() for s in states), *[0] * (3 - len(states))]
+            for p, states in zip(group.params, group.states)]
+    sizes = [p.numel() for p in group.params]
+    return _new_plan(_dense_witness(group), rows, sizes, [ITEM_ELEMENTS] * len(sizes), bool(group.outs))
+
+
+def _dense_witness(group: Dense) -> tuple:
+    return _witness(group.params, group.states) + (bool(group.outs),)
+
+
+def dense(group: Dense) -> None:
+    """The rule on plain fp32 states, in place (``step_torch.dense_group``, bit for bit)."""
+    if not group.params:
+        return
+    plan = _plan(group.cache, _dense_witness(group), lambda: _dense_plan(group))
+    _run(native.library().ckq_dense_group, _dense_config(group), plan, group.grads, group.outs, group.hyper)
+
+
+def _dtypes_ok(params, grads) -> bool:
+    """One param dtype and one grad dtype, both read by the kernels."""
+    p, g = {t.dtype for t in params}, {t.dtype for t in grads}
+    return len(p) == len(g) == 1 and p | g <= set(KERNEL_DTYPES)
+
+
+def _shape_ok(slots) -> bool:
+    """Transforms the kernels take (what ``ckptq.codec.grouped.check`` allows, less a ratio whose divisor is
+    decoded as a ratio, which no optimizer declares)."""
+    for s in slots:
+        if RATIO in (s.decode, s.encode_as) and slots[s.divisor].decode == RATIO:
+            return False
+    return True
+
+
+def accepts_step(group: Group) -> bool:
+    """Every rule this build implements (``ckq_rule_id``), fp32/bf16/fp16 params and grads, codebooks with a
+    code table."""
+    return (available() and rule_id(group.rule) >= 0 and _dtypes_ok([m.p for m in group.members], group.grads)
+            and all(usable(s.thresholds) for s in group.slots) and _shape_ok(group.slots))
+
+
+def accepts_dense(group: Dense) -> bool:
+    return available() and rule_id(group.rule) >= 0 and _dtypes_ok(group.params, group.grads)
+
+
+# ---- ckptq.codec.ops' per-parameter steps: groups of one of the step above ----
+
+def _one(rule: rules.Rule, flags: int, p, g, states: tuple, slots: tuple, h, seed, out, block_size: int, row_len):
+    member = GroupMember(p, tuple(s.codes for s in states), tuple(s.absmax for s in states), row_len)
+    seeds = None if seed is None else torch.tensor([seed], dtype=torch.int64)
+    step(Group(rule.name, flags, (member,), (g,), () if out is None else (out,), h.reshape(1, -1), seeds, slots,
+               block_size, {}))
+
+
+def _slot(state: StepState, decode: int, encode: int, divisor: int = -1, seeded: bool = True) -> Slot:
+    return Slot(state.qmap, state.thresholds, state.encode, state.bits, decode, encode, divisor, seeded)
+
+
+def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
+    """``contract``'s adam_step: the rule ``adam`` on exp_avg (a ratio to exp_avg_sq, or plain where its codes
+    are not yet ratios), exp_avg_sq and max_exp_avg_sq (square roots; the last to nearest)."""
+    m, v, *x = states
+    slots = (_slot(m, RATIO if flags.ratio else NONE, RATIO, 1), _slot(v, SQRT, SQRT))
+    slots += tuple(_slot(s, SQRT, SQRT, seeded=False) for s in x)
+    rule_flags = (rules.MAXIMIZE if flags.maximize else 0) | (rules.ADAM.flag("amsgrad") if x else 0)
+    _one(rules.ADAM, rule_flags, p, g, states, slots, h, flags.seed, None, flags.block_size, flags.row_len)
 
 
 def momentum_step(p, g, state: StepState, h, out, flags: MomentumFlags) -> None:
-    """One parameter: the grouped kernel on a group of one."""
-    member = GroupMember(p, (state.codes,), (state.absmax,), flags.row_len or p.numel())
-    plan = _momentum_plan((member,), StepCodebooks(state.qmap, state.thresholds, state.encode), state.bits,
-                          flags.block_size, flags.maximize, flags.update, g.dtype)
-    plan.grads[0] = g.data_ptr()
-    outs = None if out is None else np.array([out.data_ptr()], dtype=np.int64)
-    seeds = None if flags.seed is None else np.array([flags.seed], dtype=np.int64)
-    h = _host(h, torch.float32)
-    _run(plan, (None if outs is None else outs.ctypes.data, h.data_ptr(), None if seeds is None else seeds.ctypes.data))
-
-
-# The one step (contract.Group / Dense, ckptq.kernels.registry): the rules the kernels above implement.
-
-def _takes(members, grads, thresholds) -> bool:
-    dtypes = {m.p.dtype for m in members} | {g.dtype for g in grads}
-    return available() and dtypes <= set(KERNEL_DTYPES) and all(map(usable, thresholds))
-
-
-def accepts_step(group) -> bool:
-    legacy = legacy_groups.adam_group(group) or legacy_groups.momentum_group(group)
-    return legacy is not None and _takes(group.members, group.grads, [s.thresholds for s in group.slots])
-
-
-def step(group) -> None:
-    legacy = legacy_groups.adam_group(group)
-    if legacy is not None:
-        adam_step_group(legacy)
-    else:
-        momentum_step_group(legacy_groups.momentum_group(group))
-
-
-def accepts_dense(group) -> bool:
-    return legacy_groups.adam_dense(group) is not None and available() and \
-        {p.dtype for p in group.params} | {g.dtype for g in group.grads} <= set(KERNEL_DTYPES)
-
-
-def dense(group) -> None:
-    adam_dense_group(legacy_groups.adam_dense(group))
+    """``contract``'s momentum_step: the rule ``momentum``, its update as the rule's switch."""
+    update = {UPDATE_LINEAR: rules.MOMENTUM.flag("linear"), UPDATE_SIGN: rules.MOMENTUM.flag("sign")}.get(flags.update, 0)
+    if not update and out is None:  # the direction goes nowhere, but the rule writes it
+        out = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+    _one(rules.MOMENTUM, (rules.MAXIMIZE if flags.maximize else 0) | update, p, g, (state,),
+         (_slot(state, NONE, NONE),), h, flags.seed, out if not update else None, flags.block_size, flags.row_len)

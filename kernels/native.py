@@ -36,7 +36,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # What SOURCE includes (the SIMD layer: simd.h picks one of the others by -march): part of the build's
 # cache key, and shipped beside it (pyproject's package-data; tests/test_native.py checks the list is whole).
 HEADERS = tuple(SOURCE.with_name(name) for name in
-                ("simd.h", "simd_scalar.h", "simd_avx512.h", "simd_avx2.h", "simd_neon.h"))
+                ("simd.h", "simd_scalar.h", "simd_avx512.h", "simd_avx2.h", "simd_neon.h", "step.h", "step_rules.h"))
 # No FMA contraction (each fp32 operation rounded on its own, as PyTorch's eager ops do); no errno, so
 # sqrtf is the IEEE instruction. Nothing that changes results (no -ffast-math).
 _FLAGS = ["-O3", "-std=c99", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
@@ -49,32 +49,36 @@ def _arch_flags() -> tuple[list[str], list[str]]:
     return [f"-march={os.environ.get('CKPTQ_NATIVE_MARCH') or 'native'}"], []
 
 
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_P, _I64, _INT, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int32
 _SIGNATURES = {
     "ckq_quantize": [_P, _INT, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _INT, _P],
     "ckq_dequantize": [_P, _P, _P, _I64, _I64, _I64, _I64, _INT, _P, _INT, _INT],
-    "ckq_adam_step_group": [_P, _P, _P, _P, _P, _P, _I64, _P],
-    "ckq_adam_dense_group": [_P, _P, _P, _P, _I64, _P, _INT, _INT, _INT],
-    "ckq_momentum_step_group": [_P, _P, _P, _P, _P, _P, _P, _I64, _P],
+    "ckq_step_group": [_P, _P, _P, _P, _P, _P, _P, _I64, _P],
+    "ckq_dense_group": [_P, _P, _P, _P, _P, _P, _I64, _P],
+    "ckq_rule_id": [ctypes.c_char_p],
 }
 
 
+class SlotConfig(ctypes.Structure):
+    """``slot_config_t`` of step.h, field for field: one state slot as a group's members store it (addresses
+    of fp32 / int32 tensors; floor_table None where there is none)."""
+
+    _fields_ = [("decode", _P), ("table", _P), ("floor_table", _P), ("thresholds", _P), ("encode", _P),
+                ("bits", _I32), ("decode_as", _I32), ("encode_as", _I32), ("divisor", _I32), ("seeded", _I32)]
+
+
 class StepConfig(ctypes.Structure):
-    """``step_config_t`` of cpu_kernels.c, field for field: what a step group's members share (moments:
-    exp_avg, exp_avg_sq, max_exp_avg_sq; addresses of fp32 / int32 tensors, None where absent)."""
+    """``step_config_t`` of step.h, field for field: what a step group's members share."""
 
-    _fields_ = [("decode", _P * 3), ("table", _P * 3), ("thresholds", _P * 3), ("encode", _P * 2),
-                ("bits", ctypes.c_int32 * 3), ("moments", ctypes.c_int32), ("block", ctypes.c_int32),
-                ("ratio", ctypes.c_int32), ("maximize", ctypes.c_int32), ("pdtype", ctypes.c_int32),
-                ("gdtype", ctypes.c_int32)]
+    _fields_ = [("slot", SlotConfig * 3), ("rule", _I32), ("flags", _I32), ("slots", _I32), ("block", _I32),
+                ("pdtype", _I32), ("gdtype", _I32), ("fields", _I32), ("dec_eps", _I32), ("enc_eps", _I32)]
 
 
-class MomentumConfig(ctypes.Structure):
-    """``momentum_config_t`` of cpu_kernels.c, field for field: what a one-state step group's members share."""
+class DenseConfig(ctypes.Structure):
+    """``dense_config_t`` of step.h, field for field."""
 
-    _fields_ = [("decode", _P), ("table", _P), ("thresholds", _P), ("encode", _P), ("bits", ctypes.c_int32),
-                ("block", ctypes.c_int32), ("maximize", ctypes.c_int32), ("update", ctypes.c_int32),
-                ("pdtype", ctypes.c_int32), ("gdtype", ctypes.c_int32)]
+    _fields_ = [("rule", _I32), ("flags", _I32), ("slots", _I32), ("pdtype", _I32), ("gdtype", _I32),
+                ("fields", _I32)]
 
 
 _lock = threading.Lock()
@@ -229,7 +233,8 @@ def _load() -> ctypes.CDLL | None:
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the exported functions' signatures (every one returns 0, or -1 for a bad block size)."""
+    """Declare the exported functions' signatures (each returns an int: 0, or -1 for arguments it cannot
+    take; ckq_rule_id a rule's id or -1)."""
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int

@@ -45,7 +45,7 @@
  *
  * Written once here, for every path: v_uniform, v_stochastic(_up), hashes, absbits_max / block_absmax,
  * load_block / store_block, vdecode_init / v_decode / decode_block, vencode_init / encode_prepared /
- * encode_block / encode_nearest8 / encode_nearest8_pair.
+ * encode_block / encode_nearest8_pair.
  */
 #ifndef CKQ_SIMD_H
 #define CKQ_SIMD_H
@@ -72,9 +72,6 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };  /* the dtypes of params, grads and quantiz
 #include "simd_avx2.h"
 #else
 #include "simd_neon.h"
-#endif
-#ifndef VEC
-#define VEC 0  /* no AVX-512: the steps' own 16-lane loops (cpu_kernels.c) are compiled out */
 #endif
 
 #define SIMD_INLINE static inline __attribute__((always_inline))
@@ -305,15 +302,10 @@ SIMD_INLINE void encode_block(const float *x, int len, float absmax, const int32
     encode_prepared(&e, x, len, absmax, codes, bits, h, high);
 }
 
-/* encode_block for 8-bit codes rounded to nearest, the common case. */
-static void encode_nearest8(const float *x, int len, float absmax, const int32_t *table, uint8_t *codes) {
-    encode_block(x, len, absmax, table, codes, 8, 0, 0, 0, 0);
-}
-
-/* encode_nearest8 of two blocks in one loop (the step's ratio and sqrt(v), each with its scale and code
+/* 8-bit codes to nearest of two blocks in one loop (the step's ratio and sqrt(v), each with its scale and code
  * table): two independent table reads in flight and one loop's overhead instead of two
  * (tools/bench_kernels.py measures the step with it). */
-static void encode_nearest8_pair(const float *x0, const float *x1, int len, float absmax0, float absmax1,
+static inline void encode_nearest8_pair(const float *x0, const float *x1, int len, float absmax0, float absmax1,
                                  const int32_t *table0, const int32_t *table1, uint8_t *codes0, uint8_t *codes1) {
     float safe0 = absmax0 > 0.0f ? absmax0 : 1.0f, safe1 = absmax1 > 0.0f ? absmax1 : 1.0f;
     int i = 0;

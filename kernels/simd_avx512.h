@@ -1,15 +1,13 @@
 /* ckptq's SIMD layer on AVX-512 (see simd.h): 16 fp32 lanes, lane masks in k registers.
  *
- * The 16-lane helpers below were cpu_kernels.c's AVX-512 code, moved here unchanged: the fused step's
- * AVX-512 loops (cpu_kernels.c, under VEC) still call them directly, and the layer's operations at the
- * end of this file are these same functions under the layer's names, so that the blocks simd.h writes
- * once compile here to the instructions the AVX-512 kernels ran before.
+ * The 16-lane helpers below were cpu_kernels.c's AVX-512 code, moved here unchanged: the layer's operations
+ * at the end of this file are these same functions under the layer's names, so that the blocks simd.h
+ * writes once compile here to the instructions the AVX-512 kernels ran before.
  */
 #ifndef CKQ_SIMD_AVX512_H
 #define CKQ_SIMD_AVX512_H
 #include <immintrin.h>
 
-#define VEC 16  /* fp32 lanes of the step's AVX-512 loops (cpu_kernels.c); the scalar loops finish what is left */
 
 /* nearest1 on 16 lanes: one gather, the rank (the low 16 bits, flipped for negative y) and an add. */
 static inline __m512i nearest16(__m512 y, const int32_t *table) {

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ckptq.codec import codebooks, policy
-from ckptq.kernels import backend_torch, contract, momentum_torch, native
+from ckptq.kernels import backend_torch, contract, momentum_torch, native, rules
 from ckptq.kernels.contract import (UPDATE_LINEAR, UPDATE_NONE, UPDATE_SIGN, GroupMember, MomentumFlags,
                                     MomentumGroup, StepCodebooks, StepState, layout_blocks, layout_bytes)
 from test_native import _assert_same, build  # noqa: F401  (build: the C builds fixture)
@@ -257,18 +257,29 @@ def _assert_groups(got: MomentumGroup, want: MomentumGroup):
 GROUP_SPECS = ((100, None), (12 * 20, 20), (3 * 150, 150), (1, None), (0, None), (5 * 33, 33))
 
 
+def _as_group(group: MomentumGroup) -> contract.Group:
+    """The same step as the one step's ``contract.Group`` (the rule ``momentum``, its update a switch)."""
+    update = {UPDATE_LINEAR: rules.MOMENTUM.flag("linear"), UPDATE_SIGN: rules.MOMENTUM.flag("sign")}.get(group.update, 0)
+    books = group.codebooks
+    slot = contract.Slot(books.qmap, books.thresholds, books.encode, group.bits, contract.NONE, contract.NONE)
+    return contract.Group("momentum", update | (rules.MAXIMIZE if group.maximize else 0), group.members, group.grads,
+                          group.outs, group.hyper, group.seeds, (slot,), group.block_size, group.cache)
+
+
 @needs_c
 @pytest.mark.parametrize("bits,update,maximize,seeded", [(8, UPDATE_LINEAR, False, False), (4, UPDATE_SIGN, True, True),
                                                          (6, UPDATE_NONE, False, True), (2, UPDATE_LINEAR, True, False)])
 def test_native_group_matches_members(bits, update, maximize, seeded):
+    """The C kernels' one step on the group (``backend_native.step``) equals the reference's one-state step of
+    each member in turn, twice on one cache."""
     group = _group(GROUP_SPECS, bits, update, maximize, seeded, pdtype=torch.bfloat16)
     want, got = _clone_group(group), _clone_group(group)
     momentum_torch.momentum_step_group(want)
-    backend_native.momentum_step_group(got)
+    backend_native.step(_as_group(got))
     _assert_groups(got, want)
     grads = tuple(g * -0.5 for g in group.grads)  # again, from its cache, with new grads
     want, got = want._replace(grads=grads), got._replace(grads=grads)
-    backend_native.momentum_step_group(got)
+    backend_native.step(_as_group(got))
     momentum_torch.momentum_step_group(want)
     _assert_groups(got, want)
 

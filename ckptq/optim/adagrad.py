@@ -28,18 +28,15 @@ class Adagrad8bit(LowBitOptimizer):
         super().__init__(params, defaults, block_size=block_size, min_size=min_size, backend=backend, bits=bits,
                          rounding=rounding)
 
-    def _check_group(self, group: dict, where: str) -> None:
-        try:
-            lr = optim_args.number(group["lr"], "lr", shown="learning rate")
-            optim_args.number(group["lr_decay"], "lr_decay", shown="lr_decay value")
-            wd = optim_args.number(group["weight_decay"], "weight_decay", shown="weight_decay value")
-            optim_args.number(group["initial_accumulator_value"], "initial_accumulator_value",
-                              shown="initial_accumulator_value value")
-            optim_args.number(group["eps"], "eps", shown="epsilon value")
-            optim_args.check_flags(group)
-            optim_args.check_fp32(**{"lr * weight_decay": lr * wd})
-        except (ArgumentError, KeyError) as e:
-            raise ArgumentError(f"{where}: {e}") from None
+    def _check_group(self, group: dict) -> None:
+        lr = optim_args.number(group["lr"], "lr", shown="learning rate")
+        optim_args.number(group["lr_decay"], "lr_decay", shown="lr_decay value")
+        wd = optim_args.number(group["weight_decay"], "weight_decay", shown="weight_decay value")
+        optim_args.number(group["initial_accumulator_value"], "initial_accumulator_value",
+                          shown="initial_accumulator_value value")
+        optim_args.number(group["eps"], "eps", shown="epsilon value")
+        optim_args.check_flags(group)
+        optim_args.check_fp32(**{"lr * weight_decay": lr * wd})
 
     def _values(self, group: dict) -> tuple:
         return group["lr"], group["lr_decay"], group["weight_decay"], group["eps"]

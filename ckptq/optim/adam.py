@@ -30,11 +30,13 @@ ADAM_STATES = (State("exp_avg", roles.ADAM, "ratio", divisor="exp_avg_sq"), Stat
                State("max_exp_avg_sq", roles.ADAM, "sqrt", seeded=False))
 
 
-def adam_fields(x, lr, beta1, beta2, eps, weight_decay, step, decoupled: bool) -> dict:
+def adam_fields(x, lr, beta1, beta2, eps, weight_decay, step, decoupled) -> dict:
     """Adam(W)'s scalars (``rules.ADAM_FIELDS`` but the decode eps') in the math namespace ``x``
-    (``ckptq.codec.scalar_math``): on floats (the host), or on float64 tensors of step counts (the device)."""
+    (``ckptq.codec.scalar_math``): on floats (the host), or on float64 tensors of step counts (the device).
+    ``decoupled`` (AdamW's decay, else L2) is a bool or, like every value, one per member on the device."""
     bc1 = 1.0 - x.pow(beta1, step)
-    return {"decay": 1.0 - lr * weight_decay if decoupled else 1.0, "l2": 0.0 if decoupled else weight_decay,
+    decoupled = decoupled != 0
+    return {"decay": x.where(decoupled, 1.0 - lr * weight_decay, 1.0), "l2": x.where(decoupled, 0.0, weight_decay),
             "one_minus_beta1": 1.0 - beta1, "beta2": beta2, "one_minus_beta2": 1.0 - beta2, "eps": eps,
             "neg_step_size": x.div(-lr, bc1), "bc2_sqrt": x.sqrt(1.0 - x.pow(beta2, step)),
             "encode_eps": policy.ratio_eps_of(x, eps, beta2, step)}
@@ -58,50 +60,54 @@ class _Adam(LowBitOptimizer):
     decoupled = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 maximize=False, foreach=None, fused=None, capturable=False, differentiable=False, block_size=None,
-                 min_size=4096, backend="auto", bits=8, rounding="auto"):
+                 maximize=False, foreach=None, fused=None, capturable=False, differentiable=False,
+                 decoupled_weight_decay=False, block_size=None, min_size=4096, backend="auto", bits=8, rounding="auto"):
         """torch.optim.Adam(W)'s arguments (``foreach``/``fused``/``capturable``/``differentiable`` as
-        ``ckptq.optim.args`` documents), plus ``bits`` (8 or 4), ``block_size`` (default 256 for 8 bits,
+        ``ckptq.optim.args`` documents; ``decoupled_weight_decay=True`` makes Adam8bit AdamW8bit, as in
+        torch), plus ``bits`` (8 or 4), ``block_size`` (default 256 for 8 bits,
         128 for 4), ``min_size`` and ``backend`` for the quantized state, and ``rounding``: how the moments'
         new codes are rounded at every step: "auto" (to nearest at 8 bits, stochastically below), "nearest"
         or "stochastic" (seeded by the step count and the parameter's index: a resumed run draws the same
         numbers). Bad values raise ``ArgumentError``, a ``ValueError``, before anything is built."""
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                        foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable)
+                        foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable,
+                        decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults, block_size=block_size, min_size=min_size, backend=backend, bits=bits,
                          rounding=rounding)
 
-    def _check_group(self, group: dict, where: str) -> None:
-        optim_args.check_group(group, where)
+    def _check_group(self, group: dict) -> None:
+        optim_args.check_group(group)
         if self.decoupled:
-            try:
-                optim_args.check_decay(float(group["lr"]), float(group["weight_decay"]))
-            except ArgumentError as e:
-                raise ArgumentError(f"{where}: {e}") from None
+            optim_args.check_decay(float(group["lr"]), float(group["weight_decay"]))
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         for group in self.param_groups:  # groups pickled before a flag existed, as torch's Adam does
             for key, default in GROUP_FLAGS.items():
                 group.setdefault(key, default)
+            group.setdefault("decoupled_weight_decay", self.decoupled)
 
     def _flags(self, group: dict) -> int:
         return self.RULE.flag("amsgrad") if group["amsgrad"] else 0
 
     def _values(self, group: dict) -> tuple:
-        return (group["lr"], *group["betas"], group["eps"], group["weight_decay"])
+        decoupled = self.decoupled or group["decoupled_weight_decay"]
+        return (group["lr"], *group["betas"], group["eps"], group["weight_decay"], float(decoupled))
 
-    def _formula(self, x, lr, beta1, beta2, eps, weight_decay, *, step, fresh) -> dict:
-        return adam_fields(x, lr, beta1, beta2, eps, weight_decay, step, self.decoupled)
+    def _formula(self, x, lr, beta1, beta2, eps, weight_decay, decoupled, *, step, fresh) -> dict:
+        return adam_fields(x, lr, beta1, beta2, eps, weight_decay, step, decoupled)
 
 
 class AdamW8bit(_Adam):
     """``torch.optim.AdamW`` with blockwise 8-bit moments (decoupled weight decay; default 1e-2)."""
 
-    decoupled = True
+    decoupled = True  # whatever a loaded group says, as torch's AdamW forces decoupled_weight_decay
+    KEPT_ON_LOAD = ("decoupled_weight_decay",)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, **kwargs):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+        if "decoupled_weight_decay" in kwargs:  # torch's AdamW does not take it either
+            raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument 'decoupled_weight_decay'")
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, decoupled_weight_decay=True, **kwargs)
 
 
 class Adam8bit(_Adam):

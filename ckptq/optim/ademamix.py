@@ -32,30 +32,27 @@ class AdEMAMix8bit(LowBitOptimizer):
         super().__init__(params, defaults, block_size=block_size, min_size=min_size, backend=backend, bits=bits,
                          rounding=rounding)
 
-    def _check_group(self, group: dict, where: str) -> None:
-        try:
-            lr = optim_args.number(group["lr"], "lr", shown="learning rate")
-            betas = group["betas"]
-            if not isinstance(betas, (tuple, list)) or len(betas) != 3:
-                raise ArgumentError(f"betas must be a triple (beta1, beta2, beta3), got {betas!r:.60}")
-            for i, beta in enumerate(betas):
-                optim_args.number(beta, f"betas[{i}]", high=1.0, closed=False, shown=f"beta parameter at index {i}")
-            optim_args.number(group["alpha"], "alpha", shown="alpha value")
-            for name in ("t_alpha", "t_beta3"):
-                value = group[name]
-                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                    raise ArgumentError(f"{name} must be None or a whole number of steps >= 1, got {value!r:.40}")
-            if group["t_beta3"] is not None and not (betas[0] > 0 and betas[2] > 0):
-                raise ArgumentError("the beta3 schedule (t_beta3) interpolates logarithms: betas[0] and betas[2] "
-                                    "must be > 0")
-            optim_args.number(group["eps"], "eps", shown="epsilon value")
-            wd = optim_args.number(group["weight_decay"], "weight_decay", shown="weight_decay value")
-            optim_args.check_flags(group)
-            optim_args.check_fp32(**{"lr * weight_decay": lr * wd, "lr / (1 - beta1)": lr / (1.0 - betas[0]),
-                                     "lr * alpha": lr * group["alpha"]})
-            optim_args.check_decay(lr, wd)
-        except (ArgumentError, KeyError, TypeError) as e:
-            raise ArgumentError(f"{where}: {e}") from None
+    def _check_group(self, group: dict) -> None:
+        lr = optim_args.number(group["lr"], "lr", shown="learning rate")
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 3:
+            raise ArgumentError(f"betas must be a triple (beta1, beta2, beta3), got {betas!r:.60}")
+        for i, beta in enumerate(betas):
+            optim_args.number(beta, f"betas[{i}]", high=1.0, closed=False, shown=f"beta parameter at index {i}")
+        optim_args.number(group["alpha"], "alpha", shown="alpha value")
+        for name in ("t_alpha", "t_beta3"):
+            value = group[name]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ArgumentError(f"{name} must be None or a whole number of steps >= 1, got {value!r:.40}")
+        if group["t_beta3"] is not None and not (betas[0] > 0 and betas[2] > 0):
+            raise ArgumentError("the beta3 schedule (t_beta3) interpolates logarithms: betas[0] and betas[2] "
+                                "must be > 0")
+        optim_args.number(group["eps"], "eps", shown="epsilon value")
+        wd = optim_args.number(group["weight_decay"], "weight_decay", shown="weight_decay value")
+        optim_args.check_flags(group)
+        optim_args.check_fp32(**{"lr * weight_decay": lr * wd, "lr / (1 - beta1)": lr / (1.0 - betas[0]),
+                                 "lr * alpha": lr * group["alpha"]})
+        optim_args.check_decay(lr, wd)
 
     def _values(self, group: dict) -> tuple:
         t_alpha, t_beta3 = group["t_alpha"], group["t_beta3"]

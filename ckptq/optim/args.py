@@ -98,8 +98,9 @@ def _check_step_scalars(lr: float, beta1: float, weight_decay: float) -> None:
 
 
 def check_flags(group: dict) -> None:
-    """amsgrad/maximize are bools; torch's implementation flags take the values documented above."""
-    for name in ("amsgrad", "maximize", "capturable", "differentiable"):
+    """amsgrad/maximize/decoupled_weight_decay are bools; torch's implementation flags take the values
+    documented above."""
+    for name in ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay"):
         if name in group and not isinstance(group[name], bool):
             raise ArgumentError(f"{name} must be True or False, got {group[name]!r}")
     for name in ("foreach", "fused"):
@@ -141,18 +142,13 @@ def check_options(block_size, min_size, backend, bits=8) -> int:
     return block_size
 
 
-def check_group(group: dict, where: str) -> None:
-    """One param group with every hyperparameter present (defaults filled in); ``where`` names it."""
-    if not isinstance(group, dict):
-        raise ArgumentError(f"{where} must be a dict, got {type(group).__name__}")
+def check_group(group: dict) -> None:
+    """Adam(W)'s checks of one param group with every hyperparameter present (defaults filled in)."""
     missing = [k for k in ("params", *HYPER_KEYS) if k not in group]
     if missing:
-        raise ArgumentError(f"{where} has no {', '.join(map(repr, missing))}; every param group needs them")
-    try:
-        check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        check_flags(group)
-    except ArgumentError as e:
-        raise ArgumentError(f"{where}: {e}") from None
+        raise ArgumentError(f"has no {', '.join(map(repr, missing))}; every param group needs them")
+    check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    check_flags(group)
 
 
 def check_params(params, where: str) -> None:
@@ -171,7 +167,8 @@ def number(x, name: str, low: float = 0.0, high: float = math.inf, closed: bool 
     value = _scalar(x, name)
     shown = shown or name
     if math.isnan(value) or not (low <= value <= high if closed else low <= value < high):
-        raise ArgumentError(f"Invalid {shown}: {x} (must lie in [{low}, {high}{']' if closed else ')'})")
+        bounds = f"be >= {low:g}" if high == math.inf else f"lie in [{low:g}, {high:g}{']' if closed else ')'}"
+        raise ArgumentError(f"Invalid {shown}: {x} (must {bounds})")
     if value == math.inf:
         raise ArgumentError(f"Invalid {shown}: inf (must be finite)")
     return value

@@ -9,7 +9,8 @@ An optimizer (one file each: ``adam``, ``sgd``, ``lion``, ``muon``, ``rmsprop``,
   ``_declared(group)`` are kept for a group (by default those the rule's flags name);
 - ``_values(group)`` and ``_formula(x, *values, step, fresh)``: the step's scalars by the rule's field names,
   written once against a math namespace (``ckptq.codec.scalar_math``) for the host and the device;
-- ``__init__`` with its torch counterpart's arguments, and ``_check_group(group, where)``.
+- ``__init__`` with its torch counterpart's arguments, and ``_check_group(group)``: its torch counterpart's
+  checks and message openings ("Invalid learning rate: ..."), raised as ``ArgumentError``.
 
 The engine gives it: options (``bits``, ``block_size``, ``min_size``, ``backend``, ``rounding``), state
 creation (low-bit from ``min_size`` elements, fp32 below), the grouped step (``plan``), ``capturable``,
@@ -41,18 +42,30 @@ class LowBitOptimizer(torch.optim.Optimizer):
     STATES: tuple = ()
     SCALAR_STATES: dict = {}  # per-parameter 0-dim fp32 states beside ``step`` (NAdam's mu_product): initial values
     complex_ok = True  # complex parameters step through view_as_real (torch's elementwise optimizers do)
+    # param-group keys that a loaded state dict may lack and that then keep the optimizer's own values (keys
+    # the counterpart keeps on the optimizer, not in its state dict); other keys it lacks take the class
+    # default, as torch fills the flags an older torch did not save
+    KEPT_ON_LOAD: tuple = ()
 
     def __init__(self, params, defaults: dict, *, block_size=None, min_size=4096, backend="auto", bits=8,
                  rounding="auto"):
         self.block_size = optim_args.check_options(block_size, min_size, backend, bits)
         self.min_size, self.backend, self.bits = int(min_size), backend, bits
         self.rounding = optim_args.check_rounding(rounding)
-        self._checked({**defaults, "params": []}, "the arguments")
+        self._checked({**defaults, "params": []}, None)
+        if not isinstance(params, torch.Tensor):  # (torch refuses a tensor, with its TypeError)
+            params = list(params)  # read once: a generator
+        # messages name a param group only where the caller wrote groups: a plain list of parameters reads
+        # as the constructor's arguments, with torch's message openings
+        self._group_names = bool(params) and isinstance(params[0], dict)
         super().__init__(params, defaults)
+        self._group_names = True
 
     # what each optimizer declares
 
-    def _check_group(self, group: dict, where: str) -> None:
+    def _check_group(self, group: dict) -> None:
+        """Refuse a param group's bad values (every key present: defaults filled in) with ``ArgumentError``
+        (``KeyError``/``TypeError`` read as one), opening as its torch counterpart's messages do."""
         raise NotImplementedError
 
     def _flags(self, group: dict) -> int:
@@ -84,13 +97,17 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     # the engine's own
 
-    def _checked(self, group: dict, where: str) -> None:
-        """The optimizer's checks of a param group, after the engine's own: every switch whose constructor
-        default is a bool (nesterov, centered, amsgrad, ...) a bool, as torch's optimizers assume."""
-        for key, default in optim_args.signature_defaults(type(self)).items():
-            if isinstance(default, bool) and key in group and not isinstance(group[key], bool):
-                raise ArgumentError(f"{where}: {key} must be True or False, got {group[key]!r:.40}")
-        self._check_group(group, where)
+    def _checked(self, group: dict, where: str | None) -> None:
+        """``_check_group`` with the group named first in the message (``where``: "param group 1"; None for
+        the constructor's own arguments, whose messages open as torch's)."""
+        try:
+            for key, default in optim_args.signature_defaults(type(self)).items():
+                if isinstance(default, bool) and key in group and not isinstance(group[key], bool):
+                    raise ArgumentError(f"{key} must be True or False, got {group[key]!r:.40}")
+            self._check_group(group)
+        except (ArgumentError, KeyError, TypeError) as e:
+            message = f"has no {e}" if isinstance(e, KeyError) else str(e)
+            raise ArgumentError(f"{where}: {message}" if where else message) from None
 
     def _rule_flags(self, group: dict) -> int:
         from ..kernels.rules import MAXIMIZE
@@ -122,9 +139,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if not params:
                 continue
             if self._stateless(group):
-                self._plain_step(group, params)
+                self._plain_step(_host_values(group), params)
             elif directions:
-                self._apply(group, params, [directions[id(p)] for p in params])
+                self._apply(_host_values(group), params, [directions[id(p)] for p in params])
         return loss
 
     def _plain_step(self, group: dict, params: list) -> None:
@@ -231,12 +248,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``, with the group's values checked first (``ArgumentError``)."""
         if isinstance(param_group, dict):
-            params = param_group.get("params")
+            where = f"param group {len(self.param_groups)}"
+            if "params" not in param_group:
+                raise ArgumentError(f"{where} has no 'params'; every param group needs them")
+            params = param_group["params"]
             if isinstance(params, torch.Tensor):
                 param_group = {**param_group, "params": [params]}
-            elif params is not None and not isinstance(params, (set, list)):
+            elif not isinstance(params, (set, list)):
                 param_group = {**param_group, "params": list(params)}  # a generator is read once, here
-            self._checked({**self.defaults, **param_group}, f"param group {len(self.param_groups)}")
+            self._checked({**self.defaults, **param_group}, where if getattr(self, "_group_names", True) else None)
         super().add_param_group(param_group)
         self._state_changed()
 
@@ -279,6 +299,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._state_changed()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _host_values(group: dict) -> dict:
+    """A param group as the steps written in torch ops on the host read it (``_plain_step``, ``_apply``): its
+    1-element tensor values (a tensor lr, of any shape torch takes) as floats, as ``_formula_of`` reads them."""
+    return {k: float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v for k, v in group.items()}
 
 
 def _capturing(opt) -> bool:

@@ -19,6 +19,7 @@ class Lion8bit(LowBitOptimizer):
 
     RULE = rules.MOMENTUM
     STATES = (State("exp_avg", roles.FIRST, slot="momentum_buffer"),)
+    KEPT_ON_LOAD = ("decoupled_weight_decay",)  # lion-pytorch keeps it on the optimizer, not in its state dict
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, decoupled_weight_decay=False, *,
                  block_size=None, min_size=4096, backend="auto", bits=8, rounding="auto"):
@@ -30,25 +31,22 @@ class Lion8bit(LowBitOptimizer):
     def _pickled(self) -> tuple:
         return (*super()._pickled(), "_init_lr")
 
-    def _check_group(self, group: dict, where: str) -> None:
-        try:
-            lr = optim_args.number(group["lr"], "lr", shown="learning rate")
-            betas = group["betas"]
-            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-                raise ArgumentError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-            for i, beta in enumerate(betas):
-                optim_args.number(beta, f"betas[{i}]", high=1.0, shown=f"beta parameter at index {i}")
-            wd = optim_args.number(group["weight_decay"], "weight_decay", shown="weight_decay value")
-            if not isinstance(group["decoupled_weight_decay"], bool):
-                raise ArgumentError(f"decoupled_weight_decay must be True or False, got {group['decoupled_weight_decay']!r}")
-            if group["decoupled_weight_decay"]:
-                if getattr(self, "_init_lr", 0.0) == 0:
-                    raise ArgumentError("decoupled_weight_decay divides weight_decay by the initial lr, which is 0")
-                wd = wd / self._init_lr
-            optim_args.check_fp32(**{"lr * weight_decay": lr * wd, "weight_decay / initial lr": wd})
-            optim_args.check_decay(lr, wd)
-        except (ArgumentError, KeyError) as e:
-            raise ArgumentError(f"{where}: {e}") from None
+    def _check_group(self, group: dict) -> None:
+        lr = optim_args.number(group["lr"], "lr", shown="learning rate")
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ArgumentError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        for i, beta in enumerate(betas):
+            optim_args.number(beta, f"betas[{i}]", high=1.0, shown=f"beta parameter at index {i}")
+        wd = optim_args.number(group["weight_decay"], "weight_decay", shown="weight_decay value")
+        if not isinstance(group["decoupled_weight_decay"], bool):
+            raise ArgumentError(f"decoupled_weight_decay must be True or False, got {group['decoupled_weight_decay']!r}")
+        if group["decoupled_weight_decay"]:
+            if getattr(self, "_init_lr", 0.0) == 0:
+                raise ArgumentError("decoupled_weight_decay divides weight_decay by the initial lr, which is 0")
+            wd = wd / self._init_lr
+        optim_args.check_fp32(**{"lr * weight_decay": lr * wd, "weight_decay / initial lr": wd})
+        optim_args.check_decay(lr, wd)
 
     def _flags(self, group: dict) -> int:
         return self.RULE.flag("sign")

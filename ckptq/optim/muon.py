@@ -35,27 +35,24 @@ class Muon8bit(LowBitOptimizer):
         super().__init__(params, defaults, block_size=block_size, min_size=min_size, backend=backend, bits=bits,
                          rounding=rounding)
 
-    def _check_group(self, group: dict, where: str) -> None:
-        try:
-            lr = optim_args.number(group["lr"], "lr", shown="learning rate")
-            optim_args.number(group["momentum"], "momentum", high=1.0, closed=False, shown="momentum value")
-            wd = optim_args.number(group["weight_decay"], "weight_decay", shown="weight_decay value")
-            optim_args.number(group["eps"], "eps", shown="eps value")
-            if group["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
-                raise ArgumentError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
-            if type(group["ns_steps"]) is not int or not 0 <= group["ns_steps"] < 100:
-                raise ArgumentError(f"ns_steps must be an int in [0, 100), got {group['ns_steps']!r}")
-            _check_coefficients(group["ns_coefficients"], group["ns_steps"])
-            for p in group.get("params", ()):
-                if isinstance(p, torch.Tensor) and p.ndim != 2:
-                    raise ArgumentError(f"Muon only supports 2D parameters whereas we found a parameter with size: "
-                                        f"{p.size()}; optimize the others with AdamW8bit")
-            largest = max((_adjusted(1.0, group["adjust_lr_fn"], p.shape) for p in group.get("params", ())
-                           if isinstance(p, torch.Tensor)), default=1.0)
-            optim_args.check_fp32(**{"lr * weight_decay": lr * wd, "the adjusted lr": lr * largest})
-            optim_args.check_decay(lr, wd)
-        except (ArgumentError, KeyError, TypeError) as e:
-            raise ArgumentError(f"{where}: {e}") from None
+    def _check_group(self, group: dict) -> None:
+        lr = optim_args.number(group["lr"], "lr", shown="learning rate")
+        optim_args.number(group["momentum"], "momentum", high=1.0, closed=False, shown="momentum value")
+        wd = optim_args.number(group["weight_decay"], "weight_decay", shown="weight_decay value")
+        optim_args.number(group["eps"], "eps", shown="eps value")
+        if group["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
+            raise ArgumentError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+        if type(group["ns_steps"]) is not int or not 0 <= group["ns_steps"] < 100:
+            raise ArgumentError(f"ns_steps must be an int in [0, 100), got {group['ns_steps']!r}")
+        _check_coefficients(group["ns_coefficients"], group["ns_steps"])
+        for p in group.get("params", ()):
+            if isinstance(p, torch.Tensor) and p.ndim != 2:
+                raise ArgumentError(f"Muon only supports 2D parameters whereas we found a parameter with size: "
+                                    f"{p.size()}; optimize the others with AdamW8bit")
+        largest = max((_adjusted(1.0, group["adjust_lr_fn"], p.shape) for p in group.get("params", ())
+                       if isinstance(p, torch.Tensor)), default=1.0)
+        optim_args.check_fp32(**{"lr * weight_decay": lr * wd, "the adjusted lr": lr * largest})
+        optim_args.check_decay(lr, wd)
 
     def _flags(self, group: dict) -> int:
         return 0  # neither linear nor sign: the kernels write the direction, Newton-Schulz applies it

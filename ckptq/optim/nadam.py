@@ -28,18 +28,15 @@ class NAdam8bit(LowBitOptimizer):
         super().__init__(params, defaults, block_size=block_size, min_size=min_size, backend=backend, bits=bits,
                          rounding=rounding)
 
-    def _check_group(self, group: dict, where: str) -> None:
-        try:
-            optim_args.check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-            optim_args.number(group["momentum_decay"], "momentum_decay", shown="momentum_decay value")
-            if not isinstance(group["decoupled_weight_decay"], bool):
-                raise ArgumentError(f"decoupled_weight_decay must be True or False, got "
-                                    f"{group['decoupled_weight_decay']!r:.40}")
-            optim_args.check_flags(group)
-            if group["decoupled_weight_decay"]:
-                optim_args.check_decay(float(group["lr"]), float(group["weight_decay"]))
-        except (ArgumentError, KeyError) as e:
-            raise ArgumentError(f"{where}: {e}") from None
+    def _check_group(self, group: dict) -> None:
+        optim_args.check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        optim_args.number(group["momentum_decay"], "momentum_decay", shown="momentum_decay value")
+        if not isinstance(group["decoupled_weight_decay"], bool):
+            raise ArgumentError(f"decoupled_weight_decay must be True or False, got "
+                                f"{group['decoupled_weight_decay']!r:.40}")
+        optim_args.check_flags(group)
+        if group["decoupled_weight_decay"]:
+            optim_args.check_decay(float(group["lr"]), float(group["weight_decay"]))
 
     def _values(self, group: dict) -> tuple:
         return (group["lr"], *group["betas"], group["eps"], group["weight_decay"], group["momentum_decay"],
@@ -47,7 +44,7 @@ class NAdam8bit(LowBitOptimizer):
 
     def _formula(self, x, lr, beta1, beta2, eps, weight_decay, momentum_decay, decoupled, *, step, fresh,
                  mu_product=1.0) -> dict:
-        fields = adam_fields(x, lr, beta1, beta2, eps, weight_decay, step, bool(decoupled))
+        fields = adam_fields(x, lr, beta1, beta2, eps, weight_decay, step, decoupled)
         mu = beta1 * (1.0 - 0.5 * x.pow(0.96, step * momentum_decay))
         mu_next = beta1 * (1.0 - 0.5 * x.pow(0.96, (step + 1.0) * momentum_decay))
         mu_product = x.f32(x.f32(mu_product) * x.f32(mu))  # torch: the fp32 tensor mu_product *= mu

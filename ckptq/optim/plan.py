@@ -15,7 +15,8 @@ read back.
 
 Kernel groups share device, dtypes, code widths, codebooks, transforms, block size and flags. Parameters
 with plain fp32 states (below ``min_size``) form dense groups. A parameter the kernels cannot update in
-place (not contiguous) is stepped through a contiguous copy, written back after its group's call.
+place (not contiguous) is stepped through a contiguous copy, refreshed from it before every step and written
+back after (the parameter may change between steps: Muon's update, a loaded checkpoint).
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ class StepPlan:
         self.host_steps = [m.state["step"] for m in self.host]  # read on the host at every step
         self.capturable = len(self.host) < len(members)
         self.fresh = {id(m) for m in members if m.fresh}
+        self.copied = [m for m in members if m.target is not None]  # stepped through a contiguous copy
 
     def step(self, opt) -> dict:
         """One step of every member (step counts, parameters, states), in place; returns the directions of a
@@ -199,6 +201,8 @@ class StepPlan:
         once when capturable, so that the steps after the first change nothing on the host."""
         if self.steps:
             torch._foreach_add_(self.steps, 1.0)
+        for m in self.copied:  # the parameter as it is now (changed since the last step: Muon's update, a load)
+            m.flat.view(m.target.shape).copy_(m.target)
         steps = torch.stack(self.host_steps).tolist() if self.host_steps else []
         step_of = {id(m): s for m, s in zip(self.host, steps)}
         computed: dict[tuple, dict] = {}
@@ -207,9 +211,9 @@ class StepPlan:
             directions.update(self._step_quantized(opt, kg, step_of, computed))
         for dg in self.dense:
             directions.update(self._step_dense(opt, dg, step_of, computed))
+        for m in self.copied:
+            m.target.copy_(m.flat.view(m.target.shape))
         for m in self.members:
-            if m.target is not None:
-                m.target.copy_(m.flat.view(m.target.shape))
             m.fresh = False
         self.fresh = set()
         if self.capturable and opt._step_plan is None:

@@ -28,17 +28,14 @@ class RAdam8bit(LowBitOptimizer):
         super().__init__(params, defaults, block_size=block_size, min_size=min_size, backend=backend, bits=bits,
                          rounding=rounding)
 
-    def _check_group(self, group: dict, where: str) -> None:
-        try:
-            optim_args.check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-            if not isinstance(group["decoupled_weight_decay"], bool):
-                raise ArgumentError(f"decoupled_weight_decay must be True or False, got "
-                                    f"{group['decoupled_weight_decay']!r:.40}")
-            optim_args.check_flags(group)
-            if group["decoupled_weight_decay"]:
-                optim_args.check_decay(float(group["lr"]), float(group["weight_decay"]))
-        except (ArgumentError, KeyError) as e:
-            raise ArgumentError(f"{where}: {e}") from None
+    def _check_group(self, group: dict) -> None:
+        optim_args.check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        if not isinstance(group["decoupled_weight_decay"], bool):
+            raise ArgumentError(f"decoupled_weight_decay must be True or False, got "
+                                f"{group['decoupled_weight_decay']!r:.40}")
+        optim_args.check_flags(group)
+        if group["decoupled_weight_decay"]:
+            optim_args.check_decay(float(group["lr"]), float(group["weight_decay"]))
 
     def _ratio_eps(self, group: dict, step: float) -> float:
         return max(float(group["eps"]), policy.MIN_RATIO_EPS)  # the denominator is sqrt(v) + eps
@@ -54,8 +51,8 @@ class RAdam8bit(LowBitOptimizer):
         tractable = rho_t > 5.0
         inner = x.div((rho_t - 4.0) * (rho_t - 2.0) * rho_inf, (rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
         rect = x.sqrt(x.maximum(inner, 0.0))  # used only where tractable (inner > 0 there)
-        decoupled = bool(decoupled)
-        return {"decay": 1.0 - lr * weight_decay if decoupled else 1.0, "l2": 0.0 if decoupled else weight_decay,
+        decoupled = decoupled != 0  # a value like any other: one per member on the device (capturable)
+        return {"decay": x.where(decoupled, 1.0 - lr * weight_decay, 1.0), "l2": x.where(decoupled, 0.0, weight_decay),
                 "one_minus_beta1": 1.0 - beta1, "beta2": beta2, "one_minus_beta2": 1.0 - beta2, "eps": eps,
                 "neg_step_size": x.where(tractable, x.div(-lr * rect * x.sqrt(bc2), bc1), x.div(-lr, bc1)),
                 "bc2_sqrt": 1.0, "encode_eps": x.maximum(eps, policy.MIN_RATIO_EPS),

@@ -29,24 +29,21 @@ class RMSprop8bit(LowBitOptimizer):
         super().__init__(params, defaults, block_size=block_size, min_size=min_size, backend=backend, bits=bits,
                          rounding=rounding)
 
-    def _check_group(self, group: dict, where: str) -> None:
-        try:
-            lr = optim_args.number(group["lr"], "lr", shown="learning rate")
-            optim_args.number(group["eps"], "eps", shown="epsilon value")
-            mom = optim_args.number(group["momentum"], "momentum", high=1.0, shown="momentum value")
-            wd = optim_args.number(group["weight_decay"], "weight_decay", shown="weight_decay value")
-            optim_args.number(group["alpha"], "alpha", high=1.0, shown="alpha value")
-            if not isinstance(group["centered"], bool):
-                raise ArgumentError(f"centered must be True or False, got {group['centered']!r:.40}")
-            if group["centered"] and self.bits < 8:
-                raise ArgumentError("centered=True needs 8-bit state: at 4 bits square_avg - grad_avg^2 is mostly "
-                                    "rounding error and the steps diverge (tests/test_optim_breadth.py); use "
-                                    "RMSprop8bit")
-            optim_args.check_flags(group)
-            optim_args.check_fp32(**{"lr * weight_decay": lr * wd,
-                                     "lr / (1 - momentum)": lr / (1.0 - mom) if mom < 1 else lr})
-        except (ArgumentError, KeyError) as e:
-            raise ArgumentError(f"{where}: {e}") from None
+    def _check_group(self, group: dict) -> None:
+        lr = optim_args.number(group["lr"], "lr", shown="learning rate")
+        optim_args.number(group["eps"], "eps", shown="epsilon value")
+        mom = optim_args.number(group["momentum"], "momentum", high=1.0, shown="momentum value")
+        wd = optim_args.number(group["weight_decay"], "weight_decay", shown="weight_decay value")
+        optim_args.number(group["alpha"], "alpha", high=1.0, shown="alpha value")
+        if not isinstance(group["centered"], bool):
+            raise ArgumentError(f"centered must be True or False, got {group['centered']!r:.40}")
+        if group["centered"] and self.bits < 8:
+            raise ArgumentError("centered=True needs 8-bit state: at 4 bits square_avg - grad_avg^2 is mostly "
+                                "rounding error and the steps diverge (tests/test_optim_breadth.py); use "
+                                "RMSprop8bit")
+        optim_args.check_flags(group)
+        optim_args.check_fp32(**{"lr * weight_decay": lr * wd,
+                                 "lr / (1 - momentum)": lr / (1.0 - mom) if mom < 1 else lr})
 
     def _flags(self, group: dict) -> int:
         heavy = self.RULE.flag("heavy") if group["momentum"] > 0 else 0

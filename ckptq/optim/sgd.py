@@ -26,20 +26,17 @@ class SGD8bit(LowBitOptimizer):
         super().__init__(params, defaults, block_size=block_size, min_size=min_size, backend=backend, bits=bits,
                          rounding=rounding)
 
-    def _check_group(self, group: dict, where: str) -> None:
-        try:
-            lr = optim_args.number(group["lr"], "lr", shown="learning rate")
-            mom = optim_args.number(group["momentum"], "momentum", high=1.0, shown="momentum value")
-            optim_args.number(group["dampening"], "dampening", high=1.0, shown="dampening value")
-            wd = optim_args.number(group["weight_decay"], "weight_decay", shown="weight_decay value")
-            if group["nesterov"] and (mom <= 0 or group["dampening"] != 0):
-                raise ArgumentError("Nesterov momentum requires a momentum and zero dampening")
-            optim_args.check_flags(group)
-            optim_args.check_decay(lr, wd)
-            optim_args.check_fp32(**{"lr * weight_decay": lr * wd,
-                                     "lr / (1 - momentum)": lr / (1.0 - mom) if mom < 1 else lr})
-        except (ArgumentError, KeyError) as e:
-            raise ArgumentError(f"{where}: {e}") from None
+    def _check_group(self, group: dict) -> None:
+        lr = optim_args.number(group["lr"], "lr", shown="learning rate")
+        mom = optim_args.number(group["momentum"], "momentum", high=1.0, shown="momentum value")
+        optim_args.number(group["dampening"], "dampening", high=1.0, shown="dampening value")
+        wd = optim_args.number(group["weight_decay"], "weight_decay", shown="weight_decay value")
+        if group["nesterov"] and (mom <= 0 or group["dampening"] != 0):
+            raise ArgumentError("Nesterov momentum requires a momentum and zero dampening")
+        optim_args.check_flags(group)
+        optim_args.check_decay(lr, wd)
+        optim_args.check_fp32(**{"lr * weight_decay": lr * wd,
+                                 "lr / (1 - momentum)": lr / (1.0 - mom) if mom < 1 else lr})
 
     def _flags(self, group: dict) -> int:
         return self.RULE.flag("linear")

@@ -112,16 +112,16 @@ def check_saved_group(i: int, group: dict, saved) -> str:
 
 def _import_group(opt, i: int, group: dict, saved: dict) -> dict:
     """The group to install for saved group ``i``: saved values over the optimizer's defaults (what an older
-    torch did not save filled in as torch fills it), torch's implementation flags and ``params`` (and
-    ``param_names`` when the saved group has none) kept from the optimizer's group ``group``. Checked like a
-    constructor argument."""
+    torch did not save filled in as torch fills it; the class's ``KEPT_ON_LOAD`` keys from ``group``), torch's
+    implementation flags and ``params`` (and ``param_names`` when the saved group has none) kept from the
+    optimizer's group ``group``. Checked like a constructor argument."""
     where = f"param group {i} of the state dict"
     flags = {k: v for k, v in optim_args.signature_defaults(type(opt)).items()  # flags an older torch did not save,
              if k in opt.defaults and (v is None or isinstance(v, bool))}  # filled as torch fills them
     missing = [k for k in ("params", *opt.defaults) if k not in saved and k not in flags]
     if missing:
         raise StateMismatchError(f"{where} has no {', '.join(map(repr, missing))}; every param group needs them")
-    new = {**flags, **saved, "params": group["params"]}
+    new = {**flags, **{k: group[k] for k in opt.KEPT_ON_LOAD if k in group}, **saved, "params": group["params"]}
     new.update({k: group[k] for k in IMPL_FLAGS if k in group})
     if "param_names" in group and "param_names" not in saved:
         new["param_names"] = group["param_names"]
