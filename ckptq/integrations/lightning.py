@@ -85,7 +85,7 @@ class CkptqCheckpointIO(TorchCheckpointIO):
                 continue
             copy, count = _state.stored_low_bit(value, **self.options)
             if count:
-                out[key] = signpost.make(copy, _fabric_message(key, name, self.bits), copy)
+                out[key] = signpost.make(copy, signpost.fabric_message(key, name, self.bits), copy)
                 out[key][TORCHAO_FLAG] = any(foreign.is_torchao(t) for t in iter_tensors(value["state"]))
         return out
 
@@ -125,10 +125,6 @@ def _signpost_message(index: int, name: str) -> str:
     return (f"ckptq: the state of optimizer {index} is stored under ckptq_optimizer_states in {name}, not in "
             "optimizer_states; resume with plugins=[ckptq.integrations.lightning.CkptqCheckpointIO()], or run "
             f"`ckptq expand {name} -o OUT.ckpt` for a checkpoint that Lightning resumes without ckptq")
-
-
-def _fabric_message(key: str, name: str, bits: int) -> str:
-    return signpost.fabric_message(key, name).replace("stored 8-bit", f"stored {bits}-bit", 1)
 
 
 def store_8bit_in_fabric() -> None:
