@@ -64,7 +64,7 @@ def test_stored_low_bit_keeps_adamw8bit_state_as_it_is():
 
 
 @pytest.mark.parametrize("cls", [torch.optim.AdamW, AdamW8bit])
-def test_store_8bit_round_trips_through_torch_save(tmp_path, cls):
+def test_low_bit_checkpoints_round_trips_through_torch_save(tmp_path, cls):
     opt = low_bit_checkpoints(trained(cls))
     torch.save(opt.state_dict(), tmp_path / "opt.pt")
     saved = torch.load(tmp_path / "opt.pt", weights_only=True)

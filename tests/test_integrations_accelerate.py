@@ -83,7 +83,7 @@ def test_accelerate_save_state_stores_8bit_and_resumes(tmp_path, optimizer, eage
         assert torch.equal(quant.dequantize_state(saved), resumed["exp_avg"].dequantize())
 
 
-def test_plain_accelerate_stops_at_a_store_8bit_folder_and_resumes_after_expand(tmp_path):
+def test_plain_accelerate_stops_at_a_low_bit_folder_and_resumes_after_expand(tmp_path):
     """Without low_bit_checkpoints when loading, load_state stops with ckptq's message (it loaded the 8-bit
     dicts and failed at the first step with 'dict' object has no attribute 'lerp_'); after `ckptq expand ckpt
     --replace`, plain accelerate resumes."""
