@@ -6,6 +6,7 @@
     ckptq.save(ckpt, "copy.q8.safetensors")
     ckptq.expand("ckpt.q8.safetensors", "ckpt_fp32.pt")
     opt = ckptq.optim.AdamW8bit(model.parameters())
+    print(ckptq.estimate("7B", world_size=8, zero_stage=3).text())   # memory per device, checkpoint size
 
 Everything is imported on first use (PEP 562), so ``import ckptq`` and ``ckptq --help`` do not import
 torch; ``ckptq.optim``, ``ckptq.dcp`` and ``ckptq.integrations`` are there without importing them first.
@@ -17,9 +18,11 @@ import sys
 __version__ = "0.1.0"
 
 _FUNCTIONS = {"convert": "ckptq.sources.api", "expand": "ckptq.sources.api", "info": "ckptq.sources.api",
-              "load": "ckptq.sources.api", "save": "ckptq.sources.api", "CkptqError": "ckptq.errors"}
-_SUBPACKAGES = ("optim", "dcp", "integrations", "codec", "format", "sources", "deepspeed", "estimate", "kernels")
-__all__ = ["convert", "expand", "info", "load", "save", "CkptqError", "__version__", "optim", "dcp", "integrations"]
+              "load": "ckptq.sources.api", "save": "ckptq.sources.api", "estimate": "ckptq.footprint.memory",
+              "CkptqError": "ckptq.errors"}
+_SUBPACKAGES = ("optim", "dcp", "integrations", "codec", "format", "sources", "deepspeed", "footprint", "kernels")
+__all__ = ["convert", "expand", "info", "load", "save", "estimate", "CkptqError", "__version__", "optim", "dcp",
+           "integrations"]
 
 
 def __getattr__(name: str):
@@ -33,11 +36,17 @@ def __getattr__(name: str):
     return value
 
 
-def lazy_attributes(package: str, names: dict):
+def lazy_attributes(package: str, names: dict, renamed: dict | None = None):
     """A PEP 562 ``__getattr__`` for ``package``: ``names`` maps each public name to the submodule that
-    defines it, imported on first use and the value kept on the package."""
+    defines it, imported on first use and the value kept on the package; ``renamed`` maps old names, kept for
+    a release, to their new names: each serves the new name's value and warns once (``ckptq._deprecated``)."""
 
     def __getattr__(name: str):
+        if renamed and name in renamed:
+            from ._deprecated import warn
+
+            warn(f"{package}.{name}", f"{package}.{renamed[name]}")
+            return __getattr__(renamed[name])
         if name not in names:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(f"{package}.{names[name]}"), name)

@@ -221,9 +221,9 @@ def convert(src, output, bits, block_size, min_size, key, device, compress, leve
 
     shard = _run(parse_size, max_shard_size) or None
     with _progress(quiet or as_json, "convert") as progress:
-        r = _run(run, src, output, bits=bits, block_size=block_size, min_size=min_size, key=key, device=device,
-                 compress_level=level if compress else None, compress_threads=threads, max_shard_size=shard,
-                 force=force, trust=trust, replace=replace, all=all_, keep_last=keep_last, progress=progress)
+        r = _run(run, src, output, bits=bits, replace=replace, force=force, compress=level if compress else False,
+                 all_checkpoints=all_, keep_last=keep_last, max_shard_size=shard, trust=trust, block_size=block_size,
+                 min_size=min_size, key=key, device=device, compress_threads=threads, progress=progress)
     _report(r, quiet, as_json)
 
 
@@ -291,40 +291,8 @@ def estimate(model, batch_size, seq_len, world_size, zero_stage, precision, atte
              as_json):
     """What full fine-tuning with AdamW (or --optimizer) needs per device, and its checkpoint on disk. MODEL: a
     Hugging Face config.json, a folder holding one, or a parameter count (7B, 125M)."""
-    from .estimate.memory import Setup, estimate as run
+    from . import estimate as run  # the public function (ckptq.estimate), imported on first use
 
-    setup = Setup(batch_size, seq_len, world_size, zero_stage, precision, attention, block_size, min_size, optimizer)
-    r = _run(run, model, setup)
-    click.echo(json.dumps(r.as_dict(), indent=1) if as_json else _format_estimate(r.as_dict()))
-
-
-def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:,.2f} GiB"
-
-
-_OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon", "sgd": "SGD", "lion": "Lion", "adafactor": "Adafactor"}
-
-
-def _format_estimate(r: dict) -> str:
-    s, d, t, c = r["setup"], r["per_device"], r["totals"], r["checkpoint"]
-    tokens = f"batch {s['batch_size']} x {s['seq_len']} tokens" if s["seq_len"] else f"batch {s['batch_size']}"
-    lines = [f"{_shown(r['model'])}: {r['params']:,} parameters; {s['precision']}, {tokens}, {s['attention']} attention, "
-             f"{s['world_size']} device(s), ZeRO stage {s['zero_stage']}",
-             f"per device{'':<24}{_OPTIMIZER_NAMES[s['optimizer']] + ' fp32':>14}{'ckptq 8-bit':>14}{'4-bit':>14}"]
-    opts = (f"{s['optimizer']}_fp32", "ckptq_8bit", "ckptq_4bit")
-    single = [("weights", "weights (compute dtype)"), ("master_weights", "master weights (fp32)"),
-              ("gradients", "gradients"), ("gathered_for_compute", "gathered for compute"),
-              ("activations", "activations"), ("activations_checkpointed", "activations, checkpointed"),
-              ("loss_backward", "loss backward (transient)")]
-    for key, label in single[:4]:
-        lines.append(f"  {label:<32}{_gib(d[key]):>14}")
-    lines.append(f"  {'optimizer state':<32}" + "".join(f"{_gib(d['optimizer_' + o]):>14}" for o in opts))
-    for key, label in single[4:]:
-        lines.append(f"  {label:<32}{_gib(d[key]):>14}")
-    for key, label in (("model_states", "total, model states"), ("peak", "peak of a step"),
-                       ("peak_checkpointed", "peak, act. checkpointing"), ("accumulating", "peak, grad. accumulation"),
-                       ("accumulating_checkpointed", "peak, accum. + act. ckpt.")):
-        lines.append(f"  {label:<32}" + "".join(f"{_gib(t[o][key]):>14}" for o in opts))
-    lines.append(f"checkpoint on disk (all ranks): fp32 {_gib(c['fp32'])}, ckptq 8-bit {_gib(c['ckptq_8bit'])} "
-                 f"({_gib(c['ckptq_8bit_compressed'])} with --compress), 4-bit {_gib(c['ckptq_4bit'])}")
-    return "\n".join(lines + [f"note: {_shown(n)}" for n in r["notes"]])
+    r = _run(run, model, batch_size=batch_size, seq_len=seq_len, world_size=world_size, zero_stage=zero_stage,
+             precision=precision, attention=attention, optimizer=optimizer, block_size=block_size, min_size=min_size)
+    click.echo(json.dumps(r.as_dict(), indent=1) if as_json else r.text())

@@ -88,13 +88,13 @@ def run(a: argparse.Namespace) -> None:
     if a.load:
         msd, osd = get_state_dict(model, opt, options=flat)
         sd = {"model": msd, "optim": osd}
-        dcp.load(sd, checkpoint_id=a.load, planner=ckptq.dcp.LoadPlanner() if a.planners else None)
+        dcp.load(sd, checkpoint_id=a.load, planner=ckptq.dcp.LowBitLoadPlanner() if a.planners else None)
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=flat)
     losses = train(model, opt, a.start, a.stop)
     msd, osd = get_state_dict(model, opt, options=flat)
     if a.save:
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=a.save,
-                 planner=ckptq.dcp.SavePlanner(min_size=1024) if a.planners else None)
+                 planner=ckptq.dcp.LowBitSavePlanner(min_size=1024) if a.planners else None)
     full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))[1]
     local_bytes = sum(t.to_local().numel() * t.element_size() for st in opt.state.values()
                       for v in st.values() for t in (v.values() if isinstance(v, dict) else [v])

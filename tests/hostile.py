@@ -363,7 +363,7 @@ def nested(depth: int, inner=None) -> list:
 
 def dcp_folder(path, lr=1e-3, quantized: bool = False, edit=None):
     """A one-process DCP folder of torch AdamW state: two moments convert stores 8-bit (``quantized``:
-    stored 8-bit already, as ``ckptq.dcp.SavePlanner`` stores them, after ``edit(the 8-bit state)``), ``lr``
+    stored 8-bit already, as ``ckptq.dcp.LowBitSavePlanner`` stores them, after ``edit(the 8-bit state)``), ``lr``
     saved as a byte entry."""
     import torch.distributed.checkpoint as dcp
     from ckptq.dcp.planners import quantized_copy
@@ -376,7 +376,7 @@ def dcp_folder(path, lr=1e-3, quantized: bool = False, edit=None):
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20_000))  # a deeply nested lr pickles only with a deeper stack
     try:
-        if quantized:  # what SavePlanner.set_up_planner does, with a chance to craft the result
+        if quantized:  # what LowBitSavePlanner.set_up_planner does, with a chance to craft the result
             sd = quantized_copy(sd, min_size=4096)
             if edit:
                 edit(sd["optimizer"]["state"]["w"])

@@ -68,7 +68,7 @@ def ckptq_trainer_folder(d):
     from ckptq.integrations import _state
 
     folder = trainer_folder(d / "out", 500)
-    state, count = _state.stored_8bit(torch.load(folder / "optimizer.pt", weights_only=True))
+    state, count = _state.stored_low_bit(torch.load(folder / "optimizer.pt", weights_only=True))
     assert count
     ckptq.save(state, str(folder / "optimizer.q8.safetensors"))
     torch.save(signpost.make(state, "ckptq: the optimizer state of checkpoint-500 is in optimizer.q8.safetensors"),
@@ -76,12 +76,12 @@ def ckptq_trainer_folder(d):
 
 
 def accelerate_folder(d):
-    """ckpt/ as accelerate's save_state writes it after store_8bit: optimizer.bin holding 8-bit moments."""
-    from ckptq.integrations.accelerate import store_8bit
+    """ckpt/ as accelerate's save_state writes it after low_bit_checkpoints: optimizer.bin holding 8-bit moments."""
+    from ckptq.integrations.accelerate import low_bit_checkpoints
 
     torch.manual_seed(0)
     model = TinyLM()
-    opt = store_8bit(torch.optim.AdamW(param_groups(model), lr=1e-2))
+    opt = low_bit_checkpoints(torch.optim.AdamW(param_groups(model), lr=1e-2))
     train(model, opt, 3)
     folder = d / "ckpt"
     folder.mkdir()
@@ -98,7 +98,7 @@ def lightning_ckpt(d):
     from ckptq.integrations import _state
 
     model, opt = trained_optimizer()
-    state, count = _state.stored_8bit(opt.state_dict())
+    state, count = _state.stored_low_bit(opt.state_dict())
     assert count
     torch.save({"epoch": 0, "global_step": 3, "state_dict": model.state_dict(), "lr_schedulers": [], "loops": {},
                 "callbacks": {}, "optimizer_states": [signpost.make(state, "ckptq: stored under ckptq_optimizer_states")],
@@ -168,7 +168,7 @@ FIXTURES = {
     "lightning": lightning_ckpt, "lightning-back": lightning_ckpt,
     "dcp-folder": dcp_folder, "dcp-folders": dcp_folder, "dcp-torchrun": dcp_folder, "safe-dcp-load": dcp_folder,
     "deepspeed": deepspeed_run, "deepspeed-full": deepspeed_run,
-    "estimate": llama_config, "install": nothing, "fresh-machine": nothing,
+    "estimate": llama_config, "estimate-python": llama_config, "install": nothing, "fresh-machine": nothing,
     "dcp-planners": nothing, "optimizer": nothing, "format-decoder": nothing,
     "trainer-mixin": nothing, "accelerate-store": nothing, "lightning-plugin": nothing, "fsdp2": nothing,
     "fabric": nothing, "cuda-graph": nothing, "muon": nothing,

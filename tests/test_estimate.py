@@ -10,9 +10,9 @@ from click.testing import CliRunner
 
 from ckptq.cli import main
 from ckptq.errors import InputError, UsageError
-from ckptq.estimate.memory import Setup, estimate, moment_bytes, state_bytes
-from ckptq.estimate.activations import activation_bytes, layer_bytes_per_token
-from ckptq.estimate.params import Architecture, Model, model_from_config, parse_count
+from ckptq.footprint.memory import estimate, moment_bytes, state_bytes
+from ckptq.footprint.activations import activation_bytes, layer_bytes_per_token
+from ckptq.footprint.params import Architecture, Model, model_from_config, parse_count
 
 SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
 CONFIGS = {
@@ -142,21 +142,21 @@ def test_each_optimizer_counts_its_own_state():
 
 
 def test_estimate_takes_the_optimizer():
-    r = estimate("1000M", Setup(optimizer="sgd"))
+    r = estimate("1000M", optimizer="sgd")
     assert r.per_device["optimizer_sgd_fp32"] == 4 * 10**9 and r.checkpoint["fp32"] == 8 * 10**9
     assert r.per_device["optimizer_ckptq_8bit"] == 10**9 + 4 * math.ceil(10**9 / 256)
     assert set(r.totals) == {"sgd_fp32", "ckptq_8bit", "ckptq_4bit"}
     out = run("1000M", "--optimizer", "muon")
     assert out.exit_code == 0 and "Muon fp32" in out.output and "3.73 GiB" in out.output  # 4 B per parameter
     with pytest.raises(UsageError, match="optimizer 'adam8' must be one of adamw, muon"):
-        estimate("1B", Setup(optimizer="adam8"))
+        estimate("1B", optimizer="adam8")
     assert run("1B", "--optimizer", "adam8").exit_code == 2
 
 
 @pytest.mark.parametrize("stage,sharded", [(0, ()), (1, ("master_weights", "opt")), (2, ("master_weights", "opt", "gradients")),
                                            (3, ("master_weights", "opt", "gradients", "weights"))])
 def test_zero_stages_shard_what_they_should(stage, sharded):
-    r = estimate("1000M", Setup(world_size=4, zero_stage=stage))
+    r = estimate("1000M", world_size=4, zero_stage=stage)
     n, d = 10**9, r.per_device
     full = {"weights": 2 * n, "master_weights": 4 * n, "gradients": 2 * n, "opt": 8 * n}
     for key, value in full.items():
@@ -171,7 +171,7 @@ def test_zero_stages_shard_what_they_should(stage, sharded):
 
 
 def test_fp32_has_no_master_copy_and_disk_sizes():
-    r = estimate("2B", Setup(precision="fp32"))
+    r = estimate("2B", precision="fp32")
     n = 2 * 10**9
     assert r.per_device["weights"] == 4 * n and r.per_device["master_weights"] == 0 and r.per_device["gradients"] == 4 * n
     assert r.checkpoint["fp32"] == 12 * n
@@ -183,7 +183,7 @@ def test_fp32_has_no_master_copy_and_disk_sizes():
 def test_peak_is_the_backward_start_or_its_end(tmp_path, batch, seq, dominant):
     """A step peaks at the start of the backward (activations + the loss's gradient, no gradients yet) or
     at its end (all gradients, no activations); with gradient accumulation both coexist."""
-    r = estimate(_write(tmp_path, {"model_type": "llama", **SMALL}), Setup(batch, seq, precision="fp32"))
+    r = estimate(_write(tmp_path, {"model_type": "llama", **SMALL}), batch_size=batch, seq_len=seq, precision="fp32")
     d, t = r.per_device, r.totals["adamw_fp32"]
     held = d["weights"] + d["optimizer_adamw_fp32"]
     live = d["activations"] + d["loss_backward"]
@@ -196,7 +196,7 @@ def test_peak_is_the_backward_start_or_its_end(tmp_path, batch, seq, dominant):
 
 def test_stage3_gathers_root_and_layers(tmp_path):
     config = {"model_type": "llama", **SMALL}
-    r = estimate(_write(tmp_path, config), Setup(world_size=2, zero_stage=3, seq_len=16))
+    r = estimate(_write(tmp_path, config), world_size=2, zero_stage=3, seq_len=16)
     model = model_from_config(config)
     layer = sum(math.prod(s) for _, s in model.layer_tensors(0))
     root = model.count - 2 * layer
@@ -225,6 +225,20 @@ def test_cli_table_json_and_folder(tmp_path):
     text = run(tmp_path / "config.json", "-s", 128).output
     assert "x 128 tokens" in text and "optimizer state" in text and "checkpoint on disk" in text
     assert "note: sequence length 4096 is beyond the model's context (512)" in run(tmp_path, "-s", 4096).output
+
+
+def test_ckptq_estimate_is_what_the_cli_prints(tmp_path):
+    """``ckptq.estimate`` (lazy on the package, as convert is) returns the report the CLI prints and serializes;
+    the model may be a path object or a whole parameter count as well as a string."""
+    import ckptq
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **SMALL}))
+    r = ckptq.estimate(tmp_path, batch_size=2, world_size=4, zero_stage=3)
+    assert r.text() == run(tmp_path, "-b", 2, "-n", 4, "--zero-stage", 3).output.rstrip("\n")
+    assert r.as_dict() == json.loads(run(tmp_path, "-b", 2, "-n", 4, "--zero-stage", 3, "--json").output)
+    assert ckptq.estimate(7_000_000_000).params == ckptq.estimate("7B").params == 7 * 10**9
+    with pytest.raises(UsageError, match="model 7.5 must be a config.json path"):
+        ckptq.estimate(7.5)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -256,7 +270,7 @@ def test_library_errors_are_typed(tmp_path):
     with pytest.raises(InputError):
         estimate(_write(tmp_path, {"model_type": "gpt2"}))
     with pytest.raises(UsageError):
-        estimate("7B", Setup(precision="int8"))
+        estimate("7B", precision="int8")
 
 
 LLAMA = {"model_type": "llama", **SMALL}
@@ -318,15 +332,15 @@ def test_absurd_options_are_one_line(args, message):
 
 
 @pytest.mark.parametrize("setup,message", [
-    (Setup(batch_size=True), "batch size True must be a whole number"),
-    (Setup(seq_len=128.0), "sequence length 128.0 must be a whole number"),
-    (Setup(block_size=256.0), "block size 256.0 must be a whole number"),
-    (Setup(zero_stage=True), "ZeRO stage True must be 0, 1, 2 or 3"),
-    (Setup(precision=["fp32"]), "precision ['fp32'] must be one of"),
+    ({"batch_size": True}, "batch size True must be a whole number"),
+    ({"seq_len": 128.0}, "sequence length 128.0 must be a whole number"),
+    ({"block_size": 256.0}, "block size 256.0 must be a whole number"),
+    ({"zero_stage": True}, "ZeRO stage True must be 0, 1, 2 or 3"),
+    ({"precision": ["fp32"]}, "precision ['fp32'] must be one of"),
 ])
 def test_library_setup_values_are_typed(setup, message):
     with pytest.raises(UsageError) as e:
-        estimate("7B", setup)
+        estimate("7B", **setup)
     assert str(e.value).startswith(message)
 
 
@@ -341,7 +355,7 @@ def test_cost_is_independent_of_the_layer_count(tmp_path, monkeypatch):
     figures are the per-layer sums."""
     import tracemalloc
 
-    from ckptq.estimate import params
+    from ckptq.footprint import params
 
     small = model_from_config({**LLAMA, "num_hidden_layers": 3})
     listed = Model(small.source, small.count, tuple(small.tensors), small.arch)  # every tensor, one by one
@@ -356,7 +370,7 @@ def test_cost_is_independent_of_the_layer_count(tmp_path, monkeypatch):
     path = _write(tmp_path, {**LLAMA, "num_hidden_layers": 2**16})
     tracemalloc.start()
     try:
-        deep = estimate(path, Setup(world_size=2, zero_stage=3))
+        deep = estimate(path, world_size=2, zero_stage=3)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -1,7 +1,7 @@
 """Hostile torch.distributed.checkpoint folders (issue #21, items 1, 2 and 6): a folder someone else wrote
 runs no code, reads nothing outside itself, never hangs, and every refusal is one line (InputError, exit 3),
 in ``ckptq info`` / ``convert`` / ``expand``, under ``torchrun -m ckptq convert``, and in a user's own
-``dcp.load`` through ``ckptq.dcp.SafeFileSystemReader`` and ``ckptq.dcp.LoadPlanner``."""
+``dcp.load`` through ``ckptq.dcp.SafeFileSystemReader`` and ``ckptq.dcp.LowBitLoadPlanner``."""
 
 import json
 import os
@@ -74,7 +74,7 @@ def test_safe_reader_keeps_a_users_dcp_load_from_running_metadata_code(tmp_path)
     target = {"model": {"w": torch.empty(16, 256)}}
     with pytest.raises(CheckpointException, match=r"posix\.mkdir"):  # dcp.load wraps what its reader raised
         dcp.load(target, storage_reader=ckptq.dcp.SafeFileSystemReader(str(folder)),
-                 planner=ckptq.dcp.LoadPlanner(), no_dist=True)
+                 planner=ckptq.dcp.LowBitLoadPlanner(), no_dist=True)
     assert not marker.exists()
 
 
@@ -149,13 +149,13 @@ def test_byte_entry_pickle_runs_no_code_in_info_convert_expand(tmp_path):
 
 
 def test_load_planner_reads_byte_entries_without_running_code(tmp_path):
-    """A user's own dcp.load with ckptq.dcp.LoadPlanner, with or without the safe reader."""
+    """A user's own dcp.load with ckptq.dcp.LowBitLoadPlanner, with or without the safe reader."""
     marker = tmp_path / "RAN"
     folder = dcp_folder(tmp_path / "src", lr=Runs(marker))
     template = {"optimizer": {"state": {}, "param_groups": [{"lr": 0.0, "params": ["w"]}]}}
     for reader in (dcp.FileSystemReader(str(folder)), ckptq.dcp.SafeFileSystemReader(str(folder))):
         with pytest.raises((InputError, CheckpointException), match=r"posix\.mkdir"):
-            dcp.load(template, storage_reader=reader, planner=ckptq.dcp.LoadPlanner(), no_dist=True)
+            dcp.load(template, storage_reader=reader, planner=ckptq.dcp.LowBitLoadPlanner(), no_dist=True)
         assert not marker.exists()
 
 
@@ -163,7 +163,7 @@ def test_honest_byte_entries_load_through_the_safe_planner(tmp_path):
     folder = dcp_folder(tmp_path / "src")
     template = {"optimizer": {"state": {}, "param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "params": ["w"]}]}}
     dcp.load(template, storage_reader=ckptq.dcp.SafeFileSystemReader(str(folder)),
-             planner=ckptq.dcp.LoadPlanner(), no_dist=True)
+             planner=ckptq.dcp.LowBitLoadPlanner(), no_dist=True)
     assert template["optimizer"]["param_groups"][0]["lr"] == 1e-3
     assert tuple(template["optimizer"]["param_groups"][0]["betas"]) == (0.9, 0.999)
 

@@ -1,5 +1,5 @@
 """What the framework integrations share, without any framework: imports stay lazy, the in-memory 8-bit
-copy of an optimizer state dict leaves the live optimizer alone, ``store_8bit`` round-trips through a
+copy of an optimizer state dict leaves the live optimizer alone, ``low_bit_checkpoints`` round-trips through a
 plain ``torch.save``, torchao's states move to ckptq's form and back exactly, and signposts stop a stock
 load. The frameworks themselves: tests/test_integrations_{transformers,accelerate,lightning}.py."""
 
@@ -17,7 +17,7 @@ from ckptq.codec.qstate import is_qstate
 from ckptq.codec.quant import count_qstates, dequantize_state
 from ckptq.codec import signpost
 from ckptq.integrations import _state
-from ckptq.integrations.accelerate import store_8bit
+from ckptq.integrations.accelerate import low_bit_checkpoints
 from ckptq.optim import AdamW8bit, to_torch_state_dict
 
 FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning")
@@ -41,10 +41,10 @@ def trained(cls, steps: int = 3) -> torch.optim.Optimizer:
     return opt
 
 
-def test_stored_8bit_quantizes_a_copy_as_convert_does(tmp_path):
+def test_stored_low_bit_quantizes_a_copy_as_convert_does(tmp_path):
     opt = trained(torch.optim.AdamW)
     live = {k: v.clone() for k, v in opt.state[opt.param_groups[0]["params"][0]].items()}
-    stored, count = _state.stored_8bit(opt.state_dict())
+    stored, count = _state.stored_low_bit(opt.state_dict())
     assert count == 2  # the 64x128 weight's two moments; the 128-element bias stays fp32 (below min_size)
     assert is_qstate(stored["state"][0]["exp_avg"]) and is_qstate(stored["state"][0]["exp_avg_sq"])
     assert isinstance(stored["state"][1]["exp_avg"], torch.Tensor)
@@ -57,19 +57,19 @@ def test_stored_8bit_quantizes_a_copy_as_convert_does(tmp_path):
         assert torch.equal(converted["state"][0][key]["codes"], stored["state"][0][key]["codes"])
 
 
-def test_stored_8bit_keeps_adamw8bit_state_as_it_is():
+def test_stored_low_bit_keeps_adamw8bit_state_as_it_is():
     sd = trained(AdamW8bit).state_dict()
-    stored, count = _state.stored_8bit(sd)
+    stored, count = _state.stored_low_bit(sd)
     assert count == 0 and stored["state"][0]["exp_avg"]["codes"] is sd["state"][0]["exp_avg"]["codes"]
 
 
 @pytest.mark.parametrize("cls", [torch.optim.AdamW, AdamW8bit])
-def test_store_8bit_round_trips_through_torch_save(tmp_path, cls):
-    opt = store_8bit(trained(cls))
+def test_low_bit_checkpoints_round_trips_through_torch_save(tmp_path, cls):
+    opt = low_bit_checkpoints(trained(cls))
     torch.save(opt.state_dict(), tmp_path / "opt.pt")
     saved = torch.load(tmp_path / "opt.pt", weights_only=True)
     assert count_qstates(saved) == 2
-    fresh = store_8bit(trained(cls, steps=0))
+    fresh = low_bit_checkpoints(trained(cls, steps=0))
     fresh.load_state_dict(saved)
     if cls is AdamW8bit:  # stored as it is
         assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"]["codes"], saved["state"][0]["exp_avg"]["codes"])
@@ -78,8 +78,8 @@ def test_store_8bit_round_trips_through_torch_save(tmp_path, cls):
         state = fresh.state[fresh.param_groups[0]["params"][0]]
         assert state["exp_avg"].dtype == torch.float32
         assert torch.equal(state["exp_avg_sq"], to_torch_state_dict(saved[signpost.CARRIED])["state"][0]["exp_avg_sq"])
-        with pytest.raises(ValueError, match="b'ckptq: this optimizer state was saved 8-bit"):
-            torch.optim.AdamW(fresh.param_groups[0]["params"]).load_state_dict(saved)  # without store_8bit
+        with pytest.raises(ValueError, match="b'ckptq: this optimizer state was saved low-bit"):
+            torch.optim.AdamW(fresh.param_groups[0]["params"]).load_state_dict(saved)  # without low_bit_checkpoints
 
 
 # torchao's AdamW8bit/AdamW4bit: their states move into ckptq's qstate form and back without a bit changed.
@@ -106,9 +106,9 @@ def test_torchao_states_become_qstates_with_the_same_codes_and_back(torchao_opti
     assert foreign.torchao_state(q, like=like) is None  # another layout: for_optimizer requantizes instead
 
 
-def test_stored_8bit_stores_torchao_state_exactly_and_leaves_the_optimizer_alone(torchao_optim):
+def test_stored_low_bit_stores_torchao_state_exactly_and_leaves_the_optimizer_alone(torchao_optim):
     opt = trained(torchao_optim.AdamW8bit)
-    stored, count = _state.stored_8bit(opt.state_dict())
+    stored, count = _state.stored_low_bit(opt.state_dict())
     assert count == 2  # the weight's two moments; torchao keeps the bias' in fp32, below ckptq's min_size too
     assert is_qstate(stored["state"][0]["exp_avg"]) and isinstance(stored["state"][1]["exp_avg"], torch.Tensor)
     assert type(opt.state[opt.param_groups[0]["params"][0]]["exp_avg"]).__name__ == "OptimState8bit"
@@ -125,7 +125,7 @@ def test_stored_8bit_stores_torchao_state_exactly_and_leaves_the_optimizer_alone
 def test_torchao_optimizer_takes_fp32_state_in_its_own_form(torchao_optim):
     """torchao's load_state_dict keeps fp32 tensors as fp32 for good; for_optimizer quantizes them into
     torchao's states, so that a checkpoint of torch's AdamW does not cost torchao its memory savings."""
-    fp32 = _state.stored_8bit(trained(torch.optim.AdamW).state_dict())[0]  # ckptq 8-bit, ratio exp_avg
+    fp32 = _state.stored_low_bit(trained(torch.optim.AdamW).state_dict())[0]  # ckptq 8-bit, ratio exp_avg
     opt = trained(torchao_optim.AdamW4bit, steps=0)
     opt.load_state_dict(_state.for_optimizer(opt, fp32))
     state = opt.state[opt.param_groups[0]["params"][0]]
@@ -138,7 +138,7 @@ def test_torchao_state_without_an_exact_form_is_stored_as_the_framework_stores_i
     opt = trained(torchao_optim.AdamWFp8)
     sd = opt.state_dict()
     with pytest.warns(UserWarning, match="not OptimStateFp8"):
-        stored, count = _state.stored_8bit(sd)
+        stored, count = _state.stored_low_bit(sd)
     assert count == 0 and stored is sd
 
 

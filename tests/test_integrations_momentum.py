@@ -112,11 +112,11 @@ def test_lightning_checkpoints_of_a_one_state_optimizer_resume_exactly(tmp_path,
 
 
 def test_accelerate_save_state_of_muon8bit_resumes_exactly(tmp_path):
-    """accelerate: store_8bit leaves ckptq's optimizers as they are; a Muon8bit (hidden matrices) + AdamW8bit
-    (the rest) run saved at step 4 and loaded by a new accelerator continues with the same losses, bit for bit,
-    and optimizer.bin holds the momentum's codes."""
+    """accelerate: low_bit_checkpoints leaves ckptq's optimizers as they are; a Muon8bit (hidden matrices) +
+    AdamW8bit (the rest) run saved at step 4 and loaded by a new accelerator continues with the same losses, bit
+    for bit, and optimizer.bin holds the momentum's codes."""
     accelerate = pytest.importorskip("accelerate")
-    from ckptq.integrations.accelerate import store_8bit
+    from ckptq.integrations.accelerate import low_bit_checkpoints
     from ckptq.optim import AdamW8bit, Muon8bit
 
     def run(save=None, load=None):
@@ -127,7 +127,7 @@ def test_accelerate_save_state_of_muon8bit_resumes_exactly(tmp_path):
         opts = [Muon8bit(hidden, lr=0.02), AdamW8bit([p for p in model.parameters() if p.ndim < 2], lr=1e-2)]
         model, *opts = accelerator.prepare(model, *opts)
         for opt in opts:
-            store_8bit(opt)
+            low_bit_checkpoints(opt)
         if load:
             accelerator.load_state(load)
         losses = {}

@@ -21,8 +21,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import ckptq  # noqa: E402
 from ckptq.codec.quant import dequantize_state  # noqa: E402
 from ckptq.codec import signpost  # noqa: E402
-from ckptq.integrations.transformers import OPTIMIZER_8BIT_NAME, CkptqTrainer  # noqa: E402
+from ckptq.errors import UsageError  # noqa: E402
+from ckptq.integrations.transformers import OPTIMIZER_4BIT_NAME, OPTIMIZER_8BIT_NAME, CkptqTrainer  # noqa: E402
+from ckptq.integrations.transformers import CkptqTrainerMixin  # noqa: E402
 from ckptq.optim import AdamW8bit  # noqa: E402
+from integration_optimizers import qstate_widths  # noqa: E402
 
 VOCAB, SEQ, STEPS, SAVE = 256, 32, 8, 4
 # Trainer's optim names; "AdamW8bit" is ckptq's, passed as optimizer_cls_and_kwargs
@@ -46,7 +49,7 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def make_trainer(out: str, optimizer: str, trainer=CkptqTrainer) -> transformers.Trainer:
+def make_trainer(out: str, optimizer: str, trainer=CkptqTrainer, **kwargs) -> transformers.Trainer:
     if "bitsandbytes" in optimizer:
         pytest.importorskip("bitsandbytes")
     if "torchao" in optimizer:
@@ -62,7 +65,7 @@ def make_trainer(out: str, optimizer: str, trainer=CkptqTrainer) -> transformers
     adamw_args = transformers.Trainer.get_optimizer_cls_and_kwargs(args)[1]
     custom = (AdamW8bit, adamw_args) if optimizer == "AdamW8bit" else None
     return trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=Tokens(),
-                   optimizer_cls_and_kwargs=custom)
+                   optimizer_cls_and_kwargs=custom, **kwargs)
 
 
 def logged(trainer, after: int = 0) -> dict[int, tuple[float, float]]:
@@ -71,16 +74,16 @@ def logged(trainer, after: int = 0) -> dict[int, tuple[float, float]]:
             if "loss" in h and h["step"] > after}
 
 
-def check_continues(first, resumed, exact: bool) -> None:
+def check_continues(first, resumed, exact: bool, rel: float = 1e-4) -> None:
     """``resumed`` ran steps SAVE+1..STEPS with ``first``'s learning rates and losses: equal when ``exact``;
-    else within 8-bit storage's error of fp32 moments (measured gaps <= 6e-7 relative, while a resume
-    whose moments were lost (zeroed) is 2e-4 apart at step 6 and 4.5e-3 at step 7)."""
+    else within ``rel``, low-bit storage's error of fp32 moments (8-bit: measured gaps <= 6e-7 relative, while
+    a resume whose moments were lost (zeroed) is 2e-4 apart at step 6 and 4.5e-3 at step 7)."""
     assert resumed.state.global_step == STEPS
     before, after = logged(first), logged(resumed, SAVE)
     assert sorted(after) == list(range(SAVE + 1, STEPS + 1))
     for step, (loss, lr) in after.items():
         assert lr == pytest.approx(before[step][1], rel=1e-9)  # the scheduler resumed at step SAVE
-        assert loss == before[step][0] if exact else loss == pytest.approx(before[step][0], rel=1e-4)
+        assert loss == before[step][0] if exact else loss == pytest.approx(before[step][0], rel=rel)
 
 
 def torchao_states(trainer) -> set[str]:
@@ -179,3 +182,27 @@ def test_a_converted_bitsandbytes_run_resumes_in_bitsandbytes_own_form(tmp_path)
     with pytest.raises(TypeError, match="can't concat int to bytes"):  # bitsandbytes' step reads the signpost's step
         stock.train(resume_from_checkpoint=str(ckpt))
     assert logged(stock, SAVE) == {}
+
+
+class MixedInTrainer(CkptqTrainerMixin, transformers.Trainer):
+    """A Trainer subclass (as TRL's SFTTrainer is) that takes the mixin, and with it ``bits=``."""
+
+
+def test_bits_4_checkpoints_hold_4bit_state_and_resume_at_either_width(tmp_path):
+    """``bits=4`` (here through the mixin): ``optimizer.q4.safetensors`` (6-bit ratio over 2-bit second moment)
+    and a signpost naming it; a trainer at the default 8 bits resumes it, within 4-bit storage's error (measured
+    <= 5e-4 relative; moments lost: 4.5e-3 at step 7), and its own next checkpoints are 8-bit. A width other
+    than 8 or 4 stops at once."""
+    first = make_trainer(str(tmp_path / "a"), "torch AdamW", trainer=MixedInTrainer, bits=4)
+    first.train()
+    ckpt = tmp_path / "a" / f"checkpoint-{SAVE}"
+    assert not (ckpt / OPTIMIZER_8BIT_NAME).exists()
+    assert qstate_widths(ckptq.load(str(ckpt / OPTIMIZER_4BIT_NAME))) == {6, 2}
+    message = torch.load(ckpt / "optimizer.pt", weights_only=True)[signpost.SIGNPOST_KEY]
+    assert f"checkpoint-{SAVE} is in {OPTIMIZER_4BIT_NAME}" in message
+    resumed = make_trainer(str(tmp_path / "b"), "torch AdamW")
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    check_continues(first, resumed, exact=False, rel=1e-3)
+    assert (tmp_path / "b" / f"checkpoint-{STEPS}" / OPTIMIZER_8BIT_NAME).is_file()
+    with pytest.raises(UsageError, match="6-bit state is not supported; use bits=8 or bits=4"):
+        make_trainer(str(tmp_path / "c"), "torch AdamW", bits=6)

@@ -1,5 +1,5 @@
 """Optimizer state per parameter under FSDP2, by model width: torch AdamW, ckptq AdamW8bit and AdamW4bit, and
-the DCP folder of each (and of torch AdamW saved through ckptq's SavePlanner), side by side (gloo, CPU).
+the DCP folder of each (and of torch AdamW saved through ckptq's LowBitSavePlanner), side by side (gloo, CPU).
 
     python tools/bench_dist.py --widths 128,200,576 --worlds 2,4
 
@@ -26,7 +26,7 @@ import tempfile
 
 import torch
 
-VARIANTS = ("torch-adamw", "ckptq-adamw8bit", "ckptq-adamw4bit", "torch-adamw+SavePlanner")
+VARIANTS = ("torch-adamw", "ckptq-adamw8bit", "ckptq-adamw4bit", "torch-adamw+LowBitSavePlanner")
 MIN_SIZE = 4096
 
 
@@ -71,7 +71,7 @@ def worker(a) -> None:
         opt.step()
         opt.zero_grad()
     msd, osd = get_state_dict(model, opt)
-    planner = ckptq.dcp.SavePlanner() if a.variant.endswith("SavePlanner") else None
+    planner = ckptq.dcp.LowBitSavePlanner() if a.variant.endswith("LowBitSavePlanner") else None
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=a.dir, planner=planner)
     state, elements = _state_bytes(opt, list(model.parameters()))
     per = torch.tensor([state / max(elements, 1)])

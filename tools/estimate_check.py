@@ -26,8 +26,8 @@ import tempfile
 
 import torch
 
-from ckptq.estimate.memory import Setup, estimate
-from ckptq.estimate.params import model_from_config
+from ckptq import estimate
+from ckptq.footprint.params import model_from_config
 
 CONFIGS = {  # dropout off, as in current fine-tuning recipes (CPU kernels keep dropout masks at 4 bytes)
     "gpt2-30M": ("GPT2Config", dict(n_layer=6, n_embd=384, n_head=6, vocab_size=50257, n_positions=1024,
@@ -119,7 +119,7 @@ def _state_tensors(obj):
 def estimated(name: str, batch: int, seq: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         _config(name).to_json_file(os.path.join(d, "config.json"))
-        r = estimate(d, Setup(batch, seq, precision="fp32", attention="sdpa"))
+        r = estimate(d, batch_size=batch, seq_len=seq, precision="fp32", attention="sdpa")
     e = {k: r.per_device[k] for k in ("weights", "gradients", "optimizer_adamw_fp32", "optimizer_ckptq_8bit", "activations")}
     return e | {k: r.totals["adamw_fp32"][k] for k in ("peak", "peak_checkpointed")}
 
@@ -155,7 +155,7 @@ def deepspeed_table(worlds: list[int]) -> None:
             for stage in (2, 3):
                 with tempfile.TemporaryDirectory() as d:
                     _config(name).to_json_file(os.path.join(d, "config.json"))
-                    ours = estimate(d, Setup(world_size=world, zero_stage=stage)).totals["adamw_fp32"]["model_states"]
+                    ours = estimate(d, world_size=world, zero_stage=stage).totals["adamw_fp32"]["model_states"]
                 if stage == 2:
                     ds = estimate_zero2_model_states_mem_needs(model.count, world, 1, cpu_offload=False)[1]
                 else:

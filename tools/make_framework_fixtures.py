@@ -116,18 +116,21 @@ def litgpt_resume(run: str) -> None:
         subprocess.run([*ckptq, "expand", os.path.join(copy, "step-00000004"), "--replace"], check=True)
         _litgpt_pretrain(copy, resume=True, max_steps=6)
         print(f"after expand, litgpt resumed and saved {sorted(n for n in os.listdir(copy) if n.startswith('step-'))}")
-    with tempfile.TemporaryDirectory() as tmp:  # the one line: every Fabric stores 8-bit state, and resumes it
-        from ckptq.codec import signpost
-        from ckptq.integrations.lightning import store_8bit_in_fabric
+    # What `python -m ckptq.integrations.litgpt` does around litgpt's main, here around litgpt.pretrain.setup
+    # (called directly for the data module and torch.compile above): litgpt's Fabric gets CkptqCheckpointIO
+    # while litgpt runs, and its --resume reads the 8-bit state back.
+    from ckptq.codec import signpost
+    from ckptq.integrations.litgpt import _fabrics_get
 
-        store_8bit_in_fabric()
+    with tempfile.TemporaryDirectory() as tmp, _fabrics_get(8):
         eight = os.path.join(tmp, "out")
         _litgpt_pretrain(eight)
         full = torch.load(os.path.join(run, "step-00000004", "lit_model.pth"), weights_only=True)
         saved = os.path.join(eight, "step-00000004", "lit_model.pth")
         assert signpost.carries(torch.load(saved, weights_only=True)["optimizer"])
-        print(f"with store_8bit_in_fabric: lit_model.pth {os.path.getsize(saved)} bytes (fp32 optimizer: "
-              f"{sum(t.numel() * 4 for s in full['optimizer']['state'].values() for t in s.values()) } bytes of state)")
+        print(f"through the ckptq.integrations.litgpt launcher: lit_model.pth {os.path.getsize(saved)} bytes (fp32 "
+              f"optimizer: {sum(t.numel() * 4 for s in full['optimizer']['state'].values() for t in s.values())} "
+              "bytes of state)")
         _litgpt_pretrain(eight, resume=True, max_steps=6)
         print(f"and litgpt --resume of it saved {sorted(n for n in os.listdir(eight) if n.startswith('step-'))}")
 

@@ -62,7 +62,8 @@ def is_signpost(obj: Any) -> bool:
 
 def is_signpost_file(path: str) -> bool:
     """Whether ``path`` is a torch.save file holding a signpost that holds no state (``optimizer.pt`` beside a
-    ckptq file); one carrying its state is optimizer state (``store_8bit``'s ``optimizer.bin``)."""
+    ckptq file); one carrying its state is optimizer state (``optimizer.bin`` under accelerate's
+    ``low_bit_checkpoints``)."""
     try:
         if os.path.getsize(path) > _MAX_BYTES:
             return False
@@ -159,9 +160,9 @@ def accelerate_message(folder: str, name: str, stored: str) -> str:
             f"{folder} --replace` to write the fp32 {name} that load_state reads")
 
 
-def fabric_message(key: str, name: str) -> str:
-    """The optimizer state under ``key`` of a file that Fabric saved through ``CkptqCheckpointIO``."""
-    return (f"ckptq: the optimizer state under {key} in {name} is stored 8-bit by ckptq; load it with "
+def fabric_message(key: str, name: str, bits: int = 8) -> str:
+    """The optimizer state under ``key`` of a file that Fabric saved through ``CkptqCheckpointIO(bits=bits)``."""
+    return (f"ckptq: the optimizer state under {key} in {name} is stored {bits}-bit by ckptq; load it with "
             "Fabric(plugins=[ckptq.integrations.lightning.CkptqCheckpointIO()]), or run "
             f"`ckptq expand {name} --replace` for a file that stock Fabric resumes")
 

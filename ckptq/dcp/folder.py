@@ -6,7 +6,7 @@ The output is a DCP folder that DCP's own tools read. Converting, the Adam momen
 ``.exp_avg``, ``.exp_avg_sq``, ``.max_exp_avg_sq``) get the decisions of the one planner (``codec.plan``:
 which go low-bit, the first moment as a ratio, the widths of ``--bits``) and the one quantizer
 (``codec.quant``), in the row layout: exactly what ``AdamW8bit``/``AdamW4bit`` under FSDP2 or
-``ckptq.dcp.SavePlanner`` write, as the parts of a quantized state (``codes``, ``absmax``, ``qmap`` and
+``ckptq.dcp.LowBitSavePlanner`` write, as the parts of a quantized state (``codes``, ``absmax``, ``qmap`` and
 scalars; docs/FORMAT.md). Every low-bit moment has the optimizer's width (``working_width``). Everything else is copied bit for bit. Expanding does the reverse. A parameter's
 moments are read to decide, then again when the writer reaches them, so a process holds about one
 parameter's moments at a time. Under ``torchrun`` each rank takes a share of the parameters and keys and

@@ -1,13 +1,13 @@
 """Quantize on save, for runs that keep fp32 AdamW: a ``torch.distributed.checkpoint`` planner pair.
 
-    dcp.save(state_dict, checkpoint_id=d, planner=ckptq.dcp.SavePlanner())   # Adam moments stored 8-bit
-    dcp.load(state_dict, checkpoint_id=d, planner=ckptq.dcp.LoadPlanner())   # fp32 or 8-bit, as the template
+    dcp.save(state_dict, checkpoint_id=d, planner=ckptq.dcp.LowBitSavePlanner())   # Adam moments stored 8-bit
+    dcp.load(state_dict, checkpoint_id=d, planner=ckptq.dcp.LowBitLoadPlanner())   # fp32 or 8-bit, as the template
 
-``SavePlanner`` stores the fp32 Adam moments of every optimizer state dict inside ``state_dict`` (as
+``LowBitSavePlanner`` stores the fp32 Adam moments of every optimizer state dict inside ``state_dict`` (as
 ``get_state_dict``/``get_optimizer_state_dict`` give them, FQN-keyed) as ckptq 8-bit state, laid out as
 ``AdamW8bit`` lays out its own (``ckptq.codec.sharded``: codes placed like the parameter, one scale per block of a
 row), so the folder is the one an ``AdamW8bit`` run would have written. The optimizer itself stays fp32;
-nothing in ``state_dict`` is changed. ``LoadPlanner`` reads any such folder into any template: 8-bit into
+nothing in ``state_dict`` is changed. ``LowBitLoadPlanner`` reads any such folder into any template: 8-bit into
 fp32 moments (decoded as the last of a parameter's parts arrives) for torch's AdamW, fp32 into an
 ``AdamW8bit`` template (the fp32 moments are left in the state dict, and ``set_state_dict`` /
 ``AdamW8bit.load_state_dict`` quantize them), and like into like as DCP does.
@@ -100,7 +100,7 @@ def _quantize_param(osd: dict, fqn, pstate, min_size: int, block_size: int, bits
     return {**pstate, **sharded.quantize_moments(dense, _group_of(osd, fqn), step, block_size, bits)}
 
 
-class SavePlanner(CompactSavePlanner):
+class LowBitSavePlanner(CompactSavePlanner):
     """``DefaultSavePlanner`` that stores Adam moments low-bit (``quantized_copy``: 8 bits per value, or
     ``bits=4``, as ``AdamW4bit`` keeps them)."""
 
@@ -116,7 +116,7 @@ class SavePlanner(CompactSavePlanner):
         super().set_up_planner(quantized, storage_meta, is_coordinator)
 
 
-class LoadPlanner(SafeLoadPlanner):
+class LowBitLoadPlanner(SafeLoadPlanner):
     """``DefaultLoadPlanner`` that reads 8-bit Adam moments into fp32 templates (torch AdamW) and fp32 moments
     into 8-bit templates (``AdamW8bit``: they stay fp32 in the state dict for ``load_state_dict`` to quantize).
     Byte entries are read with ``torch.load(weights_only=True)``; for a folder someone else wrote, pass
@@ -219,7 +219,7 @@ def _only_saved_group_keys(found, saved: dict) -> None:
 
 def _saved_layout(q: dict, name: str, saved: dict) -> dict:
     """A low-bit template for the parts the folder holds, in the shapes it holds them: the same layout as
-    ``q`` (the row layout of FSDP2 or ckptq's SavePlanner, read by one plain process, is viewed that way), or
+    ``q`` (the row layout of FSDP2 or ckptq's LowBitSavePlanner, read by one plain process, is viewed that way), or
     plain tensors of the saved shapes when the folder holds another layout (a flat 8-bit folder from before
     the row layout, or other widths): ``load_state_dict`` then lays the state out as the optimizer keeps it."""
     parts = {n[len(name) + 1:]: meta for n, meta in saved.items() if n.startswith(f"{name}.")}

@@ -299,7 +299,7 @@ class SafeFileSystemReader(FileSystemReader):
     unpickler and checked, data files opened only if regular. ``dcp.load`` reads ``.metadata`` through its
     storage reader before any planner runs, so this reader, not the planner, is what keeps a crafted
     ``.metadata`` from running code: ``dcp.load(sd, storage_reader=SafeFileSystemReader(path),
-    planner=ckptq.dcp.LoadPlanner())``."""
+    planner=ckptq.dcp.LowBitLoadPlanner())``."""
 
     def __init__(self, path, *args, **kwargs):
         super().__init__(path, *args, **kwargs)

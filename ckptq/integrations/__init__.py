@@ -1,16 +1,24 @@
-"""ckptq inside the training frameworks people already run; each module imports its framework, this
-package imports none of them:
+"""ckptq inside the training frameworks people already run. One shape: one verb per framework, taking
+``bits=8`` (default) or ``bits=4``, after which the checkpoints the framework writes anyway hold the
+optimizer's Adam moments at that width, and its resume reads them back (files of either width):
 
-- ``ckptq.integrations.transformers``: ``CkptqTrainer`` (or ``CkptqTrainerMixin``), a Hugging Face
-  ``Trainer`` whose ``checkpoint-N`` folders hold ``optimizer.q8.safetensors`` and, in place of the fp32
-  ``optimizer.pt``, a signpost that stops a stock Trainer.
-- ``ckptq.integrations.accelerate``: ``store_8bit(optimizer)``: ``accelerator.save_state`` writes the
-  optimizer's Adam moments 8-bit and ``load_state`` restores them.
-- ``ckptq.integrations.lightning``: ``CkptqCheckpointIO``, a Lightning (and Fabric) plugin that stores
-  the optimizer states 8-bit inside the ``.ckpt``; ``store_8bit_in_fabric()`` for code that builds its Fabric.
-- ``ckptq.integrations.litgpt``: ``python -m ckptq.integrations.litgpt pretrain ...``, litgpt with it.
+- ``ckptq.integrations.transformers``: ``CkptqTrainer(..., bits=8)``, a Hugging Face ``Trainer`` (or
+  ``CkptqTrainerMixin`` for a Trainer subclass) whose ``checkpoint-N`` folders hold ``optimizer.q8.safetensors``
+  (``.q4``) and, in place of the fp32 ``optimizer.pt``, a signpost that stops a stock Trainer.
+- ``ckptq.integrations.accelerate``: ``low_bit_checkpoints(optimizer, bits=8)`` after ``accelerator.prepare``:
+  ``accelerator.save_state`` writes the optimizer low-bit and ``load_state`` restores it.
+- ``ckptq.integrations.lightning``: ``CkptqCheckpointIO(bits=8)``, a CheckpointIO plugin for
+  ``lightning.Trainer(plugins=[...])`` and ``lightning.Fabric(plugins=[...])``.
+- ``ckptq.integrations.litgpt``: ``python -m ckptq.integrations.litgpt [--bits 4] pretrain ...``: litgpt's
+  command line, its Fabric given the plugin (litgpt offers no hook; the module says how).
+- ``torch.distributed.checkpoint`` (``ckptq.dcp``): ``LowBitSavePlanner(bits=8)`` / ``LowBitLoadPlanner()``.
 
-torch's optimizers, ckptq's ``AdamW8bit`` and torchao's ``AdamW8bit``/``AdamW4bit`` resume with their own
-state; bitsandbytes' state is stored as bitsandbytes keeps it, and handed back in bitsandbytes' form when a
-file holds it converted (``_bnb``).
+Old names, kept for a release with a DeprecationWarning: ``accelerate.store_8bit`` (``low_bit_checkpoints``),
+``lightning.store_8bit_in_fabric`` (the plugin in ``Fabric(plugins=[...])``), ``ckptq.dcp.SavePlanner`` /
+``LoadPlanner`` (``LowBitSavePlanner`` / ``LowBitLoadPlanner``).
+
+Each module imports its framework; this package imports none of them. torch's optimizers, ckptq's
+``AdamW8bit`` and torchao's ``AdamW8bit``/``AdamW4bit`` resume with their own state; bitsandbytes' state is
+stored as bitsandbytes keeps it, and handed back in bitsandbytes' form when a file holds it converted
+(``_bnb``). ``bits`` applies to fp32 moments: states already low-bit (ckptq's, torchao's) keep their width.
 """

@@ -1,10 +1,10 @@
 """What the framework integrations share: an optimizer state dict as ckptq stores it in memory, and the
 state an optimizer loads back from it.
 
-``stored_8bit`` applies the plan ``ckptq convert`` applies to a file (``ckptq.codec.plan``: which states go
-8-bit, exp_avg as a ratio to exp_avg_sq) to an in-memory state dict, returning a copy: ``state_dict()``
+``stored_low_bit`` applies the plan ``ckptq convert`` applies to a file (``ckptq.codec.plan``: which states go
+8-bit or 4-bit, exp_avg as a ratio to exp_avg_sq) to an in-memory state dict, returning a copy: ``state_dict()``
 of a torch optimizer shares each parameter's state dict with the live optimizer, which must not change.
-A ckptq ``AdamW8bit``/``Adam8bit`` state dict is already 8-bit and comes back as it is.
+A ckptq ``AdamW8bit``/``AdamW4bit`` state dict is already low-bit and comes back as it is.
 
 torchao's ``AdamW8bit``/``AdamW4bit`` keep their moments as tensor subclasses (``OptimState8bit``,
 ``OptimState4bit``), which are blockwise codes with a codebook and scales, as ckptq's are. They are
@@ -49,11 +49,23 @@ def _state_device(obj: Any) -> str:
     return "cuda" if any(t.is_cuda for t in checkpoint.iter_tensors(obj)) else "cpu"
 
 
-def stored_8bit(state_dict: Any, *, block_size: int = 256, min_size: int = policy.DEFAULT_MIN_SIZE) -> tuple[Any, int]:
+def options(bits: int = 8, block_size: int | None = None, min_size: int = policy.DEFAULT_MIN_SIZE) -> dict:
+    """An integration's storage options, checked once, where it is set up (UsageError naming the bad value):
+    ``bits`` per value of the moments, 8 or 4 (as ``ckptq convert --bits``); ``block_size`` values per scale
+    (None: 256 for 8 bits, 128 for 4); states of fewer than ``min_size`` elements stay fp32."""
+    bits = policy.check_budget(bits)
+    block = policy.default_block_size(bits) if block_size is None else policy.check_block_size(block_size)
+    return {"bits": bits, "block_size": block, "min_size": policy.check_min_size(min_size)}
+
+
+def stored_low_bit(state_dict: Any, *, bits: int = 8, block_size: int | None = None,
+                   min_size: int = policy.DEFAULT_MIN_SIZE) -> tuple[Any, int]:
     """``(copy, count)``: a copy of ``state_dict`` (an optimizer state dict, or any object holding some)
-    whose fp32 Adam moments are ckptq's 8-bit state dicts, as ``ckptq convert`` stores them, and whose
-    torchao states are their exact qstates; ``count``: how many states changed form (0: ``state_dict``
-    itself, stored as the optimizer keeps it, e.g. AdamW8bit's, SGD's or bitsandbytes' state)."""
+    whose fp32 Adam moments are ckptq's low-bit state dicts at ``bits`` (``options``), as ``ckptq convert
+    --bits`` stores them, and whose torchao states are their exact qstates (at torchao's own width, whatever
+    ``bits``); ``count``: how many states changed form (0: ``state_dict`` itself, stored as the optimizer keeps
+    it, e.g. AdamW8bit's, SGD's or bitsandbytes' state)."""
+    opts = options(bits, block_size, min_size)
     obj = _copy_containers(state_dict)
     relabeled = foreign.torchao_to_qstates(obj)
     left = sorted({type(t).__name__ for t in checkpoint.iter_tensors(obj) if foreign.is_torchao(t)})
@@ -61,7 +73,7 @@ def stored_8bit(state_dict: Any, *, block_size: int = 256, min_size: int = polic
         warnings.warn(f"ckptq stores torchao's OptimState8bit and OptimState4bit exactly but not {', '.join(left)}: "
                       "this optimizer's state is saved as the framework saves it", stacklevel=3)
         return state_dict, 0
-    marked = tree.mark(obj, None, block_size, min_size, device=_state_device(obj))
+    marked = tree.mark(obj, None, opts["block_size"], opts["min_size"], bits=opts["bits"], device=_state_device(obj))
     for d in marked.quantized:
         node = obj
         for k in d.path:

@@ -1,18 +1,23 @@
-"""Lightning and Fabric checkpoints with the optimizer states stored 8-bit inside the ``.ckpt``.
+"""Lightning and Fabric checkpoints with the optimizer states stored 8-bit (or 4-bit) inside the ``.ckpt``.
 
     from ckptq.integrations.lightning import CkptqCheckpointIO
-    trainer = lightning.Trainer(..., plugins=[CkptqCheckpointIO()])
-    trainer.fit(model, data, ckpt_path="last")           # resumes from the 8-bit state
-    fabric = lightning.Fabric(..., plugins=[CkptqCheckpointIO()])   # Fabric (and so litgpt): the same plugin
+    trainer = lightning.Trainer(..., plugins=[CkptqCheckpointIO()])        # bits=4: half that again
+    trainer.fit(model, data, ckpt_path="last")           # resumes from the low-bit state
+    fabric = lightning.Fabric(..., plugins=[CkptqCheckpointIO()])   # Fabric: the same plugin
     fabric.save(path, {"model": model, "optimizer": optimizer})     # fabric.load(path, state) resumes
 
+One plugin for both: Lightning's Trainer and Fabric take a ``CheckpointIO`` in ``plugins`` (Fabric's
+connector hands it to the strategy, whose ``save_checkpoint``/``load_checkpoint`` go through it on one
+device and under DDP; FSDP and DeepSpeed strategies write their own files). litgpt builds its Fabric itself:
+``python -m ckptq.integrations.litgpt`` gives it this plugin.
+
 Fabric saves each optimizer's state under a key of its own (``"optimizer"``), not in ``optimizer_states``:
-each such top-level state dict is stored as a signpost carrying its 8-bit state (``ckptq.codec.signpost``),
+each such top-level state dict is stored as a signpost carrying its low-bit state (``ckptq.codec.signpost``),
 which stock Fabric stops at (``ValueError: could not convert string to float: b'ckptq: ...'``) and this
 plugin puts back. Files that ``ckptq convert FILE --replace`` converted in place hold the same signposts,
 and this plugin resumes them too.
 
-Saving, each fp32 Adam moment of an optimizer state becomes ckptq's 8-bit state dict (``ckptq
+Saving, each fp32 Adam moment of an optimizer state becomes ckptq's 8-bit or 4-bit state dict (``ckptq
 convert``'s plan: codes, scales and codebook tensors beside PyTorch's state keys), and each state of
 torchao's ``AdamW8bit``/``AdamW4bit`` a qstate holding its very codes (``ckptq.integrations._state``
 says why); ``torch.save`` writes them and ``torch.load(weights_only=True)`` reads them, without torchao.
@@ -53,12 +58,16 @@ TORCHAO_FLAG = "ckptq_torchao"  # in a Fabric signpost: the state it carries is 
 
 
 class CkptqCheckpointIO(TorchCheckpointIO):
-    """Lightning's ``TorchCheckpointIO`` with the optimizer states' Adam moments stored 8-bit (states of at
-    least ``min_size`` elements, blocks of ``block_size``)."""
+    """Lightning's ``TorchCheckpointIO`` with the optimizer states' Adam moments stored at ``bits`` bits per
+    value (8 or 4, as ``ckptq convert --bits``; states of at least ``min_size`` elements, ``block_size`` values
+    per scale, default 256 for 8 bits and 128 for 4), for ``lightning.Trainer(plugins=[...])`` and
+    ``lightning.Fabric(plugins=[...])``. Loading takes files of either width. UsageError for ``bits`` other
+    than 8 or 4."""
 
-    def __init__(self, block_size: int = 256, min_size: int = policy.DEFAULT_MIN_SIZE):
+    def __init__(self, block_size: int | None = None, min_size: int = policy.DEFAULT_MIN_SIZE, *, bits: int = 8):
         super().__init__()
-        self.block_size, self.min_size = block_size, min_size
+        self.options = _state.options(bits, block_size, min_size)
+        self.bits, self.block_size, self.min_size = (self.options[k] for k in ("bits", "block_size", "min_size"))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         name = os.path.basename(str(path))
@@ -69,14 +78,14 @@ class CkptqCheckpointIO(TorchCheckpointIO):
 
     def _fabric_stored(self, checkpoint: dict, name: str) -> dict:
         """Fabric's ``fabric.save(path, {"model": ..., "optimizer": ...})``: each optimizer state dict at the
-        top level (under any key) as a signpost carrying its 8-bit state, torchao's flagged for the load."""
+        top level (under any key) as a signpost carrying its low-bit state, torchao's flagged for the load."""
         out = {}
         for key, value in checkpoint.items():
             if key == "optimizer_states" or not is_optimizer_state(value) or signpost.is_signpost(value):
                 continue
-            copy, count = _state.stored_8bit(value, block_size=self.block_size, min_size=self.min_size)
+            copy, count = _state.stored_low_bit(value, **self.options)
             if count:
-                out[key] = signpost.make(copy, signpost.fabric_message(key, name), copy)
+                out[key] = signpost.make(copy, signpost.fabric_message(key, name, self.bits), copy)
                 out[key][TORCHAO_FLAG] = any(foreign.is_torchao(t) for t in iter_tensors(value["state"]))
         return out
 
@@ -84,7 +93,7 @@ class CkptqCheckpointIO(TorchCheckpointIO):
         """``optimizer_states`` with a signpost for each state stored in another form, and those states."""
         shown, stored, torchao = [], [], []
         for i, state_dict in enumerate(states):
-            copy, count = _state.stored_8bit(state_dict, block_size=self.block_size, min_size=self.min_size)
+            copy, count = _state.stored_low_bit(state_dict, **self.options)
             stored.append(copy if count else None)
             shown.append(signpost.make(copy, _signpost_message(i, name)) if count else state_dict)
             if count and any(foreign.is_torchao(t) for t in iter_tensors(state_dict["state"])):
@@ -119,20 +128,47 @@ def _signpost_message(index: int, name: str) -> str:
 
 
 def store_8bit_in_fabric() -> None:
-    """From now on every ``lightning.Fabric`` made without a CheckpointIO plugin gets ``CkptqCheckpointIO``:
-    the one line for code that builds its Fabric itself (litgpt: ``python -m ckptq.integrations.litgpt``)."""
+    """Deprecated: pass the plugin to the Fabric, ``lightning.Fabric(..., plugins=[CkptqCheckpointIO()])``; litgpt:
+    ``python -m ckptq.integrations.litgpt``. Until removed it does what it did: from now on every
+    ``lightning.Fabric`` of this process made without a CheckpointIO plugin gets ``CkptqCheckpointIO()``."""
+    from .. import _deprecated
+
+    _deprecated.warn("ckptq.integrations.lightning.store_8bit_in_fabric()",
+                     "lightning.Fabric(plugins=[ckptq.integrations.lightning.CkptqCheckpointIO()]), or "
+                     "python -m ckptq.integrations.litgpt for litgpt")
     from lightning.fabric import Fabric
-    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
     if getattr(Fabric.__init__, "_ckptq", False):
         return
-    original = Fabric.__init__
+    Fabric.__init__ = with_default_checkpoint_io(Fabric.__init__, CkptqCheckpointIO)
 
-    def init(self, *args, plugins=None, **kwargs):
+
+def with_default_checkpoint_io(init, make_plugin):
+    """``Fabric.__init__`` (``init``) giving each Fabric made without a CheckpointIO plugin, whose strategy
+    writes through one (``takes_checkpoint_io``), ``make_plugin()``; marked ``_ckptq``, the original as
+    ``__wrapped__``."""
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+    def __init__(self, *args, plugins=None, **kwargs):
         given = list(plugins) if isinstance(plugins, (list, tuple)) else [] if plugins is None else [plugins]
-        if not any(isinstance(p, CheckpointIO) for p in given):
-            given.append(CkptqCheckpointIO())
-        original(self, *args, plugins=given, **kwargs)
+        if not any(isinstance(p, CheckpointIO) for p in given) and takes_checkpoint_io(kwargs.get("strategy", "auto")):
+            given.append(make_plugin())
+        init(self, *args, plugins=given, **kwargs)
 
-    init._ckptq = True
-    Fabric.__init__ = init
+    __init__._ckptq, __init__.__wrapped__ = True, init
+    return __init__
+
+
+def takes_checkpoint_io(strategy) -> bool:
+    """Whether a Fabric with ``strategy`` (a name, as ``Fabric(strategy="ddp")`` takes it, or an instance) saves
+    through a CheckpointIO plugin: FSDP and ModelParallel refuse one (NotImplementedError) and DeepSpeed writes
+    its own files; their checkpoints convert afterwards (``ckptq convert``)."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy, Strategy
+
+    if isinstance(strategy, str):
+        # "auto" (not in the registry) is one of the plain strategies, or FSDP when a plugin asks for it
+        cls = STRATEGY_REGISTRY[strategy]["strategy"] if strategy in STRATEGY_REGISTRY else Strategy
+    else:
+        cls = type(strategy)
+    own_setter = getattr(cls, "checkpoint_io", None)
+    return not issubclass(cls, DeepSpeedStrategy) and getattr(own_setter, "fset", None) is Strategy.checkpoint_io.fset

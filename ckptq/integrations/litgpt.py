@@ -1,31 +1,81 @@
-"""litgpt with its checkpoints' optimizer state stored 8-bit: litgpt's command line, through ckptq.
+"""litgpt with its checkpoints' optimizer state stored 8-bit (or 4-bit): litgpt's command line, through ckptq.
 
     python -m ckptq.integrations.litgpt pretrain --config cfg.yaml          # instead of: litgpt pretrain ...
-    python -m ckptq.integrations.litgpt pretrain --config cfg.yaml --resume auto
+    python -m ckptq.integrations.litgpt --bits 4 pretrain --config cfg.yaml --resume auto
 
-litgpt builds its own ``lightning.Fabric``; this runs litgpt's ``main`` after
-``ckptq.integrations.lightning.store_8bit_in_fabric()``, so that each ``step-N/lit_model.pth`` holds the
-Adam moments 8-bit (a signpost carrying them where litgpt's ``optimizer`` entry was) and ``--resume`` reads
-them back. Stock litgpt stops at such a file with ckptq's message; ``ckptq expand step-N --replace`` writes
-the fp32 ``lit_model.pth`` back.
+Each ``step-N/lit_model.pth`` then holds the Adam moments low-bit (a signpost carrying them where litgpt's
+``optimizer`` entry was) and ``--resume`` reads them back. Stock litgpt stops at such a file with ckptq's
+message; ``ckptq expand step-N --replace`` writes the fp32 ``lit_model.pth`` back.
+
+How the plugin gets in: each litgpt command builds its own Fabric (``L.Fabric(devices=..., strategy=...,
+precision=..., loggers=...)``) and offers no way to add a plugin to it: no command argument or config key
+takes one, and Fabric reads none from the environment (its ``LT_*`` variables set the accelerator, strategy,
+devices and precision only). So this launcher patches ``Fabric.__init__`` (``_fabrics_get``) while litgpt's
+``main`` runs, and only in its own process, which runs nothing but litgpt: a Fabric made without a
+CheckpointIO plugin gets ``CkptqCheckpointIO(bits=...)`` where its strategy saves through one; the original
+``__init__`` is back when litgpt returns. Processes that litgpt's Fabric launches run this module again and
+read ``--bits`` from ``CKPTQ_LITGPT_BITS``. Multi-device litgpt runs use FSDP, which writes its own files
+without a plugin: those checkpoints are litgpt's fp32 ones, which ``ckptq convert --all --replace`` shrinks.
+In your own code, pass the plugin instead: ``lightning.Fabric(..., plugins=[CkptqCheckpointIO(bits=4)])``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from contextlib import contextmanager
 
 from ._requires import framework_missing
-from .lightning import store_8bit_in_fabric
+from .lightning import CkptqCheckpointIO, with_default_checkpoint_io
+
+BITS_VARIABLE = "CKPTQ_LITGPT_BITS"  # --bits, for the processes litgpt's Fabric launches (they get litgpt's argv)
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run litgpt's command line (``argv``: its arguments, default ``sys.argv[1:]``), a leading ``--bits 8|4``
+    taken here, with every Fabric it makes storing its optimizer states at that width."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    bits = _bits(os.environ.get(BITS_VARIABLE, "8"))
+    if args[:1] == ["--bits"] and len(args) > 1:
+        bits, args = _bits(args[1]), args[2:]
+    elif args[:1] and args[0].startswith("--bits="):
+        bits, args = _bits(args[0].split("=", 1)[1]), args[1:]
     try:
         from litgpt.__main__ import main as litgpt_main
     except ImportError as e:
         raise SystemExit(str(framework_missing("ckptq.integrations.litgpt", "litgpt", "litgpt", e))) from None
-    store_8bit_in_fabric()
-    sys.argv = ["litgpt", *(sys.argv[1:] if argv is None else argv)]
-    litgpt_main()
+    saved = sys.argv, os.environ.get(BITS_VARIABLE)
+    sys.argv, os.environ[BITS_VARIABLE] = ["litgpt", *args], str(bits)  # litgpt's CLI parses sys.argv
+    try:
+        with _fabrics_get(bits):
+            litgpt_main()
+    finally:
+        sys.argv = saved[0]
+        if saved[1] is None:
+            os.environ.pop(BITS_VARIABLE, None)
+        else:
+            os.environ[BITS_VARIABLE] = saved[1]
+
+
+def _bits(text: str) -> int:
+    if text not in ("8", "4"):
+        raise SystemExit(f"ckptq.integrations.litgpt: --bits {text!r}: use --bits 8 or --bits 4")
+    return int(text)
+
+
+@contextmanager
+def _fabrics_get(bits: int):
+    """Within the block, each ``lightning.Fabric`` made without a CheckpointIO plugin gets
+    ``CkptqCheckpointIO(bits=bits)`` (``lightning.with_default_checkpoint_io``); ``Fabric.__init__`` as it was
+    afterwards. Private to the launcher: code that builds its Fabric passes the plugin itself."""
+    from lightning.fabric import Fabric
+
+    original = Fabric.__init__
+    Fabric.__init__ = with_default_checkpoint_io(original, lambda: CkptqCheckpointIO(bits=bits))
+    try:
+        yield
+    finally:
+        Fabric.__init__ = original
 
 
 if __name__ == "__main__":

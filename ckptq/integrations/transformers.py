@@ -1,12 +1,13 @@
-"""Hugging Face ``Trainer`` checkpoints with the optimizer state stored 8-bit.
+"""Hugging Face ``Trainer`` checkpoints with the optimizer state stored 8-bit (or 4-bit).
 
     from ckptq.integrations.transformers import CkptqTrainer
-    trainer = CkptqTrainer(model=model, args=args, train_dataset=ds)   # Trainer's arguments, unchanged
+    trainer = CkptqTrainer(model=model, args=args, train_dataset=ds)   # Trainer's arguments; bits=4: 4-bit
     trainer.train(resume_from_checkpoint=True)
 
 With an optimizer that keeps fp32 Adam moments (torch's AdamW, Trainer's default), each ``checkpoint-N``
-holds ``optimizer.q8.safetensors`` (ckptq's format, ~2 bytes per parameter instead of 8) and resuming
-reads it back, decoded to fp32 (8-bit storage is lossy, the optimizer stays fp32). With torchao's
+holds ``optimizer.q8.safetensors`` (ckptq's format, ~2 bytes per parameter instead of 8; with ``bits=4``
+``optimizer.q4.safetensors``, ~1) and resuming reads either back, decoded to fp32 (low-bit storage is lossy,
+the optimizer stays fp32). With torchao's
 ``AdamW8bit``/``AdamW4bit`` (``optim="adamw_torch_8bit"``/``"adamw_torch_4bit"``) the file holds
 torchao's own codes, scales and codebooks as ckptq qstates, and resuming rebuilds the very same states:
 training continues exactly (``ckptq.integrations._state`` says why this form). With an optimizer whose
@@ -50,10 +51,18 @@ from . import _state
 
 OPTIMIZER_8BIT_NAME = "optimizer.q8.safetensors"
 OPTIMIZER_4BIT_NAME = "optimizer.q4.safetensors"
+STORED_NAMES = {8: OPTIMIZER_8BIT_NAME, 4: OPTIMIZER_4BIT_NAME}  # by bits; resuming reads the first found
 
 
 class CkptqTrainerMixin:
-    """Put before ``Trainer`` (or a subclass of it) in the bases: checkpoints store the optimizer 8-bit."""
+    """Put before ``Trainer`` (or a subclass of it) in the bases: checkpoints store the optimizer's Adam
+    moments at ``bits`` bits per value (8 or 4, as ``ckptq convert --bits``), a keyword the subclass takes
+    besides its own (``MyTrainer(..., bits=4)``). Resuming reads a folder of either width. UsageError for
+    ``bits`` other than 8 or 4."""
+
+    def __init__(self, *args, bits: int = 8, **kwargs):
+        self._ckptq_options = _state.options(bits)  # checked before Trainer builds anything
+        super().__init__(*args, **kwargs)
 
     def _ckptq_applies(self) -> bool:
         """The plain single-process / DDP path, where Trainer itself torch.saves ``optimizer.state_dict()``."""
@@ -65,20 +74,22 @@ class CkptqTrainerMixin:
             return super()._save_optimizer_and_scheduler(output_dir)
         if not self.args.should_save:  # DDP: the main process writes, as Trainer does
             return
-        state, count = _state.stored_8bit(self.optimizer.state_dict())
-        stored, plain = os.path.join(output_dir, OPTIMIZER_8BIT_NAME), os.path.join(output_dir, OPTIMIZER_NAME)
+        options = getattr(self, "_ckptq_options", None) or _state.options()
+        state, count = _state.stored_low_bit(self.optimizer.state_dict(), **options)
+        name = STORED_NAMES[options["bits"]]
+        stored, plain = os.path.join(output_dir, name), os.path.join(output_dir, OPTIMIZER_NAME)
         if count:
             api.save(state, stored, force=True)
-            torch.save(signpost.make(state, _signpost_message(output_dir)), plain)
+            torch.save(signpost.make(state, _signpost_message(output_dir, name)), plain)
         else:  # stored as the optimizer keeps it: Trainer's own file, which a stock Trainer resumes
             torch.save(state, plain)
-            for stale in (stored, os.path.join(output_dir, OPTIMIZER_4BIT_NAME)):
-                if os.path.isfile(stale):  # a folder saved over keeps no stale 8-bit copy, which resuming would prefer
-                    os.remove(stale)
+        for stale in (os.path.join(output_dir, n) for n in STORED_NAMES.values() if n != name or not count):
+            if os.path.isfile(stale):  # a folder saved over keeps no stale low-bit copy, which resuming would prefer
+                os.remove(stale)
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        names = (OPTIMIZER_8BIT_NAME, OPTIMIZER_4BIT_NAME)  # what CkptqTrainer or `ckptq convert [--bits 4]` wrote
+        names = STORED_NAMES.values()  # what CkptqTrainer or `ckptq convert [--bits 4]` wrote
         path = next((p for n in names if checkpoint and os.path.isfile(p := os.path.join(checkpoint, n))), None)
         if not (path and self._ckptq_applies()):
             return super()._load_optimizer_and_scheduler(checkpoint)
@@ -87,9 +98,10 @@ class CkptqTrainerMixin:
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
 
-def _signpost_message(output_dir: str) -> str:
-    return signpost.trainer_message(os.path.basename(os.path.normpath(output_dir)), OPTIMIZER_8BIT_NAME)
+def _signpost_message(output_dir: str, stored: str) -> str:
+    return signpost.trainer_message(os.path.basename(os.path.normpath(output_dir)), stored)
 
 
 class CkptqTrainer(CkptqTrainerMixin, Trainer):
-    """``transformers.Trainer`` whose checkpoints hold the optimizer state 8-bit (``optimizer.q8.safetensors``)."""
+    """``transformers.Trainer`` whose checkpoints hold the optimizer state 8-bit (``optimizer.q8.safetensors``),
+    or 4-bit with ``bits=4`` (``optimizer.q4.safetensors``); its other arguments are Trainer's."""

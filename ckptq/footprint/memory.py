@@ -1,16 +1,17 @@
-"""What a full fine-tuning run needs, per device and on disk: ``ckptq estimate``.
+"""What a full fine-tuning run needs, per device and on disk: ``ckptq.estimate`` / ``ckptq estimate``.
 
 Model states follow ZeRO's accounting (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
 Trillion Parameter Models", §3): under mixed precision a device holds the 16-bit weights the kernels use,
 their 16-bit gradients, and the optimizer's fp32 master weights and moments; stage 1 shards the optimizer
 state (master weights included), stage 2 the gradients too, stage 3 (FSDP's full sharding) the weights as
-well. In fp32 there is no master copy: the weights are the master. Activations: ``ckptq.estimate_activations``.
+well. In fp32 there is no master copy: the weights are the master. Activations: ``ckptq.footprint.activations``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+import os
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -19,6 +20,7 @@ from ..errors import UsageError
 from .activations import activation_bytes
 from .config import MAX_POSITIONS
 from .params import Model, load_model
+from .report import Estimate
 
 PRECISIONS = {"fp32": 4, "bf16-mixed": 2, "fp16-mixed": 2}  # bytes of the weights/activations kernels use
 ATTENTIONS = ("sdpa", "eager")
@@ -128,24 +130,6 @@ def _check_count(name: str, value, low: int, high: int | None) -> None:
         raise UsageError(f"{words} {str(value)[:40]} is beyond {high:,}, far beyond any training run")
 
 
-@dataclass
-class Estimate:
-    """Bytes per device (``per_device``: rows; ``totals``: per optimizer, see ``_totals``) and on disk
-    (``checkpoint``); ``None`` where the input cannot say (activations of a bare parameter count)."""
-
-    model: str
-    params: int
-    architecture: dict | None
-    setup: dict
-    per_device: dict = field(default_factory=dict)
-    totals: dict = field(default_factory=dict)
-    checkpoint: dict = field(default_factory=dict)
-    notes: list = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
 def _shard(nbytes: int, setup: Setup, from_stage: int) -> int:
     return -(-nbytes // setup.world_size) if setup.zero_stage >= from_stage else nbytes
 
@@ -200,10 +184,35 @@ def _totals(rows: dict, optimizer: int) -> dict:
     return out
 
 
-def estimate(spec: str, setup: Setup | None = None) -> Estimate:
-    """Memory per device and checkpoint size for full fine-tuning of ``spec`` (a ``config.json``, a folder
-    holding one, or a parameter count like ``7B``) with the setup's optimizer (AdamW by default)."""
-    setup = setup or Setup()
+def estimate(model: str | os.PathLike | int, *, batch_size: int = 1, seq_len: int | None = None,
+             world_size: int = 1, zero_stage: int = 0, precision: str = "bf16-mixed", attention: str = "sdpa",
+             optimizer: str = "adamw", block_size: int = policy.DEFAULT_BLOCK_SIZE,
+             min_size: int = policy.DEFAULT_MIN_SIZE) -> Estimate:
+    """What full fine-tuning of ``model`` needs per device, and its checkpoints on disk: ``ckptq estimate``.
+
+    ``model``: a Hugging Face ``config.json``, a folder holding one, or a parameter count (``"7B"``,
+    ``125_000_000``: no shapes, so no activations). ``batch_size`` sequences of ``seq_len`` tokens per device and micro-step
+    (default: the config's context, at most 2048); ``world_size`` devices, of which ZeRO ``zero_stage`` shards
+    the optimizer state and master weights (1), + gradients (2), + weights (3, FSDP's full sharding);
+    ``precision`` ``"bf16-mixed"``, ``"fp16-mixed"`` or ``"fp32"``; ``attention`` ``"sdpa"`` (no scores kept) or
+    ``"eager"``; ``optimizer`` whose state is counted (``"adamw"``, ``"muon"``, ``"sgd"``, ``"lion"``,
+    ``"adafactor"``), fp32 and as ckptq stores it 8-bit (``block_size``, ``min_size`` as in ``convert``) and
+    4-bit. Returns an ``Estimate`` (bytes; ``text()`` is the table the CLI prints); UsageError naming a bad
+    value, InputError for a config ckptq cannot count."""
+    if isinstance(model, int) and not isinstance(model, bool):
+        model = str(model)
+    elif isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if not isinstance(model, str):
+        raise UsageError(f"model {model!r:.40} must be a config.json path, a folder holding one, or a parameter "
+                         "count such as '7B'")
+    setup = Setup(batch_size, seq_len, world_size, zero_stage, precision, attention, block_size, min_size, optimizer)
+    return estimate_for(model, setup)
+
+
+def estimate_for(spec: str, setup: Setup) -> Estimate:
+    """``estimate`` of ``spec`` (a ``config.json``, a folder holding one, or a parameter count like ``7B``)
+    under ``setup``."""
     setup.check()
     model = load_model(spec)
     p = PRECISIONS[setup.precision]
