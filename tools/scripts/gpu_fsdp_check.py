@@ -1,8 +1,8 @@
-"""The FSDP2 path on a GPU (part of tools/gpu_check.sh): AdamW8bit's Triton step on DTensor shards over
+"""The FSDP2 path on a GPU (part of tools/scripts/gpu_check.sh): AdamW8bit's Triton step on DTensor shards over
 NCCL, against the same model without FSDP on the same device, then a DCP save and resume.
 
-    torchrun --standalone --nproc-per-node 1 tools/gpu_fsdp_check.py          # NCCL, CUDA
-    torchrun --standalone --nproc-per-node 2 tools/gpu_fsdp_check.py --cpu    # gloo smoke test
+    torchrun --standalone --nproc-per-node 1 tools/scripts/gpu_fsdp_check.py          # NCCL, CUDA
+    torchrun --standalone --nproc-per-node 2 tools/scripts/gpu_fsdp_check.py --cpu    # gloo smoke test
 
 Every rank trains on the same batch, so the averaged gradient equals one process's and the losses must
 match the unsharded run exactly; prints one line per check and exits non-zero on a mismatch.

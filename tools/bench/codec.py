@@ -3,7 +3,7 @@
 One run, interleaved rounds (ckptq and bitsandbytes alternate on the same tensors, so load from other
 processes hits both alike); prints medians and ratios as a markdown table.
 
-    PYTHONPATH=. python tools/bench_codec.py --numel 16777216 --rounds 7
+    PYTHONPATH=. python tools/bench/codec.py --numel 16777216 --rounds 7
 
 Tensors: an Adam first moment (randn * 1e-3; ckptq: signed map) and a second moment spread over six
 decades (randn^2 * 10^U(-8, -2); ckptq: sqrt transform + unsigned map, as ``ckptq.qstate`` stores it).

@@ -1,7 +1,7 @@
 """Sizes of real DeepSpeed ZeRO checkpoints before and after ``ckptq convert`` (needs deepspeed; CPU, 2
 ranks over gloo):
 
-    python tools/zero_sizes.py [--width 1024 --depth 6 --stages 1,2,3]
+    python tools/bench/zero_sizes.py [--width 1024 --depth 6 --stages 1,2,3]
 
 Trains an MLP (16 -> width, depth x width*width, -> 8; 6.3 M parameters, 25 MB of fp32 weights by
 default) 2 AdamW steps with ZeRO stage 1, 2 and 3, saves, converts the global_step folder and prints per
@@ -18,8 +18,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from zero_worker import launch  # noqa: E402
 
 import ckptq  # noqa: E402

@@ -1,7 +1,7 @@
 """Beyond Adam: how well 8- and 4-bit state keeps each optimizer's *update*, on checkpoints it trains.
 
 For every optimizer ckptq reads by role (docs/FORMAT.md, "Roles") it trains the tiny GPT of
-``tools/make_checkpoint.py`` for ``--steps`` steps (Muon as real runs use it: Muon for the hidden matrices,
+``tools/scripts/make_checkpoint.py`` for ``--steps`` steps (Muon as real runs use it: Muon for the hidden matrices,
 AdamW for embeddings, head and 1-D parameters, both state dicts saved side by side), then measures the
 update of one more real step of the real optimizer class, from the fp32 state and from the decoded state,
 with the same gradient: per parameter tensor the relative L2 error ``||dp_q - dp|| / ||dp||`` (weight decay
@@ -14,7 +14,7 @@ set to 0 for that step, so that it does not dilute the error), over the tensors 
 - ``--sweep``: the candidates each role's codec was chosen from (codebook, transform, width, block),
   one role at a time, the other states exact.
 
-    PYTHONPATH=. python tools/optimizer_fidelity.py [--steps 300] [--sweep] [--only sgd,lion] [--json out.json]
+    PYTHONPATH=. python tools/bench/optimizer_fidelity.py [--steps 300] [--sweep] [--only sgd,lion] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from make_checkpoint import GPT, SIZES, _transition_table, make_batch  # noqa: E402
 
 from ckptq.codec import codebooks, ops  # noqa: E402
@@ -204,7 +204,7 @@ CANDIDATES = {
 }
 ROLE_KEYS = {"exp_avg": "first", "momentum_buffer": "first", "grad_avg": "first", "exp_avg_sq": "second",
              "square_avg": "second", "sum": "second", "exp_inf": "max-norm"}
-SKIP = {"adamw", "nadam", "radam"}  # Adam's pair is stored as the ratio (tools/fidelity.py measures it)
+SKIP = {"adamw", "nadam", "radam"}  # Adam's pair is stored as the ratio (tools/bench/fidelity.py measures it)
 
 
 def sweep(name: str, steps: int, codecs: str = "") -> list[dict]:

@@ -1,6 +1,6 @@
 """Does training resume from 8-bit optimizer state as if it had never stopped? Loss curves, side by side.
 
-Trains the GPT of ``tools/make_checkpoint.py`` on the CPU with ``torch.optim.AdamW`` for ``--pretrain``
+Trains the GPT of ``tools/scripts/make_checkpoint.py`` on the CPU with ``torch.optim.AdamW`` for ``--pretrain``
 steps, saves a checkpoint, then continues ``--steps`` steps on identical batches from:
 
   (a) fp32      torch AdamW with the checkpoint's own state (the reference)
@@ -26,10 +26,10 @@ the mid model, lr 3e-3 from step 1. Both use betas (0.9, 0.95) and weight decay 
 Per variant: mean loss over the continuation and max loss over its first 20 steps, each against (a)
 (difference and ratio). (b) and (c) should sit as close to (a) as (d) does; (e) spikes.
 
-    python tools/resume_fidelity.py --plot /tmp/resume.png          # ~3 min on 2 cores
-    python tools/resume_fidelity.py --size small --pretrain 600 --steps 500
-    python tools/resume_fidelity.py --preset english --seeds 0,1,2,3,4 --steps 1000 --windows 300,1000
-    python tools/resume_fidelity.py --from-scratch --seeds 0,1,2,3,4 --steps 1000 --windows 300,1000 \
+    python tools/bench/resume_fidelity.py --plot /tmp/resume.png          # ~3 min on 2 cores
+    python tools/bench/resume_fidelity.py --size small --pretrain 600 --steps 500
+    python tools/bench/resume_fidelity.py --preset english --seeds 0,1,2,3,4 --steps 1000 --windows 300,1000
+    python tools/bench/resume_fidelity.py --from-scratch --seeds 0,1,2,3,4 --steps 1000 --windows 300,1000 \
         --variants noise1,noise001,ckptq,ckptq4,bnb --json /tmp/curves.json
 
 bitsandbytes cannot load a torch state dict (its state is ``state1``/``state2`` codes with
@@ -49,8 +49,8 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import make_checkpoint as mc  # noqa: E402  (tools/ is not a package)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import make_checkpoint as mc  # noqa: E402  (tools/scripts/ is not a package)
 
 import ckptq  # noqa: E402
 from ckptq.optim import AdamW4bit, AdamW8bit  # noqa: E402

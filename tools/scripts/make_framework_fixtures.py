@@ -4,10 +4,10 @@ libraries, under tests/fixtures/ (tests/test_framework_fixtures.py reads them wi
     python3 -m venv /work/venv-fixtures                       # outside the repository
     /work/venv-fixtures/bin/pip install torch==2.13.0         # first: the CPU build, so nothing pulls CUDA's
     /work/venv-fixtures/bin/pip install ai2-olmo-core==3.0.0 litgpt==0.5.13
-    /work/venv-fixtures/bin/python tools/make_framework_fixtures.py litgpt [--out tests/fixtures/litgpt]
-    /work/venv-fixtures/bin/python tools/make_framework_fixtures.py litgpt-resume RUN   # the checks below
-    /work/venv-fixtures/bin/python tools/make_framework_fixtures.py olmo-core [--out tests/fixtures/olmo_core]
-    /work/venv-fixtures/bin/python tools/make_framework_fixtures.py olmo-core-resume RUN
+    /work/venv-fixtures/bin/python tools/scripts/make_framework_fixtures.py litgpt [--out tests/fixtures/litgpt]
+    /work/venv-fixtures/bin/python tools/scripts/make_framework_fixtures.py litgpt-resume RUN   # the checks below
+    /work/venv-fixtures/bin/python tools/scripts/make_framework_fixtures.py olmo-core [--out tests/fixtures/olmo_core]
+    /work/venv-fixtures/bin/python tools/scripts/make_framework_fixtures.py olmo-core-resume RUN
 
 ``litgpt``: ``litgpt.pretrain.setup`` of a 1-layer GPT (n_embd 32, vocab 128) on 4 steps of random tokens,
 one device, fp32, a checkpoint every 2 steps: ``out/step-00000002/lit_model.pth`` and ``step-00000004/``
@@ -205,7 +205,7 @@ def main() -> None:
     ap.add_argument("what", choices=["litgpt", "litgpt-resume", "olmo-core", "olmo-core-resume"])
     ap.add_argument("path", nargs="?", default=None)
     args = ap.parse_args()
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures")
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fixtures")
     if args.what == "litgpt":
         make_litgpt(args.path or os.path.join(here, "litgpt"))
     elif args.what == "litgpt-resume":

@@ -1,7 +1,7 @@
 """``ckptq convert`` of a DCP folder with 1 and N processes: wall time, peak memory of the largest
 process, output size, against copying the folder (the I/O floor), interleaved rounds in one run.
 
-    python tools/bench_dcp_convert.py --size-gb 2 --procs 1,2 --rounds 3
+    python tools/bench/dcp_convert.py --size-gb 2 --procs 1,2 --rounds 3
 
 The folder is a ``dcp.save`` of ``{"model", "optimizer"}`` holding fp32 weights and torch AdamW moments of
 ``--tensor-mb``-sized parameters (12 bytes per parameter in all), written once. Each step runs in fresh

@@ -12,7 +12,7 @@
    for the same parameter counts. DeepSpeed also counts an fp32 copy of each rank's gradient partition
    (4 bytes/param / world); ZeRO's paper and ckptq's estimate do not, so the table shows ours with it too.
 
-    PYTHONPATH=. HF_HUB_OFFLINE=1 python tools/estimate_check.py
+    PYTHONPATH=. HF_HUB_OFFLINE=1 python tools/bench/estimate_check.py
 
 Needs transformers (and deepspeed for part 2; without it part 2 is skipped).
 """

@@ -4,7 +4,7 @@ the contract's (no FMA, IEEE ``div.rn`` / ``sqrt.rn``), that aligned layouts get
 nothing spills (no stack frame, no local memory: ``cuobjdump -res-usage``). Prints registers, stack and
 local bytes and instruction counts per kernel; exits 1 if a check fails or a count cannot be read.
 
-    python tools/triton_compile_check.py [--quick] [--arch 80 --arch 90]
+    python tools/scripts/triton_compile_check.py [--quick] [--arch 80 --arch 90]
 
 ``--quick``: one configuration of every kernel (the suite runs it for sm_80 and sm_90:
 tests/test_triton_compile.py); without it, more widths, dtypes and flags. Run without TRITON_INTERPRET

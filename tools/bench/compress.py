@@ -10,7 +10,7 @@ Compares, per data set, on 4 MiB chunks with ``--threads`` threads: zstd-3 on ra
 (planes as they are, all zstd), ckptq.compress at levels 3 and 19, and zstd-19 on the byte-grouped planes
 of the first 8 MiB only (it runs at ~1 MB/s). Prints a markdown table of medians over ``--reps`` runs.
 
-    PYTHONPATH=. python tools/bench_compress.py --steps 20 --reps 3
+    PYTHONPATH=. python tools/bench/compress.py --steps 20 --reps 3
 """
 
 from __future__ import annotations

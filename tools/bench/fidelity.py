@@ -15,7 +15,7 @@ through its own quantizer (``torchao.optim.subclass_4bit.OptimState4bit``: block
 map for m, a linear map without zero for v). torchao keeps tensors whose size is not a multiple of 128
 in fp32; those rows show ``nan`` for it.
 
-    PYTHONPATH=. python tools/fidelity.py /tmp/small.pt [--json out.json] [--no-4bit]
+    PYTHONPATH=. python tools/bench/fidelity.py /tmp/small.pt [--json out.json] [--no-4bit]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 item 4): one tensor as A row strips plus A column strips (2A chunks that form no grid), and P parameters
 whose groups are found among G ``param_groups.N.params`` lists of N names.
 
-    python tools/bench_dcp_checks.py [--strips 1000,4000,20000] [--groups 2000 --names 1000]
+    python tools/bench/dcp_checks.py [--strips 1000,4000,20000] [--groups 2000 --names 1000]
 
 Prints the median of three runs per size. The pairwise sweep these replace took 6.4 s at A=1000, 41.6 s at
 4000 and over 60 s at 20,000; the per-parameter group search over 60 s at 2,000 x 2,000 x 1,000.

@@ -1,8 +1,8 @@
 """Benchmark the C kernels: the Adam step (per-element cost, the grouped step against a per-member loop)
 and the codec (quantize / dequantize throughput beside a memory copy).
 
-    PYTHONPATH=. python tools/bench_kernels.py --rounds 9 [--against REV] [--march native,x86-64-v2]
-    PYTHONPATH=. python tools/bench_kernels.py --what codec --numel 67108864 --against main --march native,x86-64-v2
+    PYTHONPATH=. python tools/bench/cpu_kernels.py --rounds 9 [--against REV] [--march native,x86-64-v2]
+    PYTHONPATH=. python tools/bench/cpu_kernels.py --what codec --numel 67108864 --against main --march native,x86-64-v2
 
 ``step``: the fused 8-bit step (the AdamW8bit layout: ratio codes on power-signed-1.5, sqrt(v) on
 power-unsigned-3, block 256, fp32 params and grads; on 16.8 M elements in 4 tensors, and on 262 K that
@@ -46,7 +46,7 @@ import torch
 
 from ckptq.codec import ops, policy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TSC_HZ = 2.6e9  # this machine's nominal (TSC) clock; cycles are wall time x this, not counted events
 
 

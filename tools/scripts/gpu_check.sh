@@ -10,10 +10,10 @@
 #            (tests/test_triton_{rows,group,cuda}.py, tests/test_capturable.py, ...)
 #   compile  every kernel compiled for this GPU's arch: registers, no spills, no FMA (triton_compile_check)
 #   optim    the grouped step vs torch fused AdamW on gpt2-124m and llama-1b shapes, eager and CUDA-graph
-#            replays of both, bitsandbytes beside them (tools/bench_optim.py --gpu)
+#            replays of both, bitsandbytes beside them (tools/bench/optim.py --gpu)
 #   triton   the grouped kernels alone: ms and achieved GB/s vs a device copy (HBM bandwidth) and fused
-#            (tools/bench_triton.py)
-#   io       convert of a 1 GB checkpoint quantizing on the GPU, vs the I/O floor (tools/bench_io.py)
+#            (tools/bench/triton_steps.py)
+#   io       convert of a 1 GB checkpoint quantizing on the GPU, vs the I/O floor (tools/bench/convert_io.py)
 #   fsdp     FSDP2 + AdamW8bit on the GPU (Triton on DTensor shards, NCCL) through a DCP save and resume
 # Works offline: the package runs from the tree (ckptq.kernels linked to kernels/), and wheels the image
 # lacks (zstandard) come from .whl/ if present. Figures go to $OUT (or ./gpu_results), one file per part,
@@ -62,7 +62,7 @@ part() {
 optim_bench() {
   for layout in gpt2-124m llama-1b; do
     echo "## $layout"
-    python3 tools/bench_optim.py --gpu --layout "$layout" --rounds 7 \
+    python3 tools/bench/optim.py --gpu --layout "$layout" --rounds 7 \
       --only torch-fused,torch-graph,bnb,ckptq,ckptq-cap,ckptq-graph,ckptq4 2>&1 | grep -v -i warn | tail -12
   done
 }
@@ -70,17 +70,17 @@ optim_bench() {
 fsdp_check() {
   python3 -m torch.distributed.run --standalone \
     --nproc-per-node "$(python3 -c 'import torch; print(min(torch.cuda.device_count(), 2))')" \
-    tools/gpu_fsdp_check.py 2>&1 | grep -v '^W'
+    tools/scripts/gpu_fsdp_check.py 2>&1 | grep -v '^W'
 }
 
 export -f optim_bench fsdp_check
 part tests 300 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_kernels_quant.py \
   tests/test_kernels_adam.py tests/test_fourbit_kernels.py tests/test_end_to_end.py tests/test_triton_rows.py \
   tests/test_triton_step.py tests/test_triton_cuda.py tests/test_capturable.py
-part compile 90 python3 tools/triton_compile_check.py --quick --arch "$arch"
+part compile 90 python3 tools/scripts/triton_compile_check.py --quick --arch "$arch"
 part optim 200 optim_bench
-part triton 150 python3 tools/bench_triton.py --layout gpt2-124m,llama-1b --rounds 20
-part io 120 python3 tools/bench_io.py --size-gb 1 --rounds 2 --no-compress --device cuda --dir /tmp/ckptq_bench
+part triton 150 python3 tools/bench/triton_steps.py --layout gpt2-124m,llama-1b --rounds 20
+part io 120 python3 tools/bench/convert_io.py --size-gb 1 --rounds 2 --no-compress --device cuda --dir /tmp/ckptq_bench
 part fsdp 120 fsdp_check
 cat "$out/summary.txt"
 exit $tests_rc

@@ -12,7 +12,7 @@ then, in one run with interleaved rounds, times in fresh processes:
 Peak RssAnon (anonymous memory: what the process itself needs; file-backed pages of a memory-mapped
 input are page cache) is sampled from /proc every 5 ms, interpreter and torch included.
 
-    python tools/bench_io.py --size-gb 2 --rounds 3
+    python tools/bench/convert_io.py --size-gb 2 --rounds 3
 """
 
 from __future__ import annotations

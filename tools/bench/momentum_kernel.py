@@ -4,7 +4,7 @@ and ``torch.optim.SGD(momentum=0.9, foreach=True)`` with its fp32 buffer, on one
 elements (fp32 param and grad). Median wall time (and CPU time of all threads) of ``--rounds`` steps each
 (``--reference-rounds`` for the reference, which is slow), after one warm-up step.
 
-    PYTHONPATH=. python tools/bench_momentum_kernel.py [--n 16777216] [--rounds 10] [--threads 2]
+    PYTHONPATH=. python tools/bench/momentum_kernel.py [--n 16777216] [--rounds 10] [--threads 2]
 """
 
 from __future__ import annotations

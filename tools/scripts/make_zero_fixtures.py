@@ -1,7 +1,7 @@
 """Make the small real DeepSpeed ZeRO checkpoints under tests/fixtures/zero/ (needs deepspeed; CPU, 2
 processes over gloo, about 20 s each):
 
-    python tools/make_zero_fixtures.py [--out tests/fixtures/zero]
+    python tools/scripts/make_zero_fixtures.py [--out tests/fixtures/zero]
 
 zero1/, zero2/, zero3/ (fp32) and zero2_bf16/ (bf16 training: ``bf16_`` rank files): a DeepSpeed save
 dir each (``latest`` + ``global_step3/``) of a 1,928-parameter MLP after 3 AdamW steps on 2 ranks, and
@@ -38,7 +38,7 @@ def universal(src_step: str, dst: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "zero"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "zero"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in CASES.items():

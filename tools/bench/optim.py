@@ -18,8 +18,8 @@ Optimizers (``--only``): torch-fused, torch-foreach, bnb, torchao, torchao4, ckp
 (AdamW4bit), ckptq-torch (the PyTorch reference backend), ckptq-cap (AdamW8bit capturable=True, eager);
 on CUDA also ckptq-graph and torch-graph: a capturable step captured once in a CUDA graph and replayed.
 
-    python tools/bench_optim.py --layout d256x48 --rounds 9 --threads 2
-    python tools/bench_optim.py --layout gpt2-124m --gpu --rounds 20       # a CUDA machine
+    python tools/bench/optim.py --layout d256x48 --rounds 9 --threads 2
+    python tools/bench/optim.py --layout gpt2-124m --gpu --rounds 20       # a CUDA machine
 
 Columns: ms/step (median), µs per tensor, and GB/s of the bytes the update must move at least: read the
 gradient (its dtype), read and write the parameter and the state; for fp32 Adam 4 + 8 + 16 = 28 B/param,

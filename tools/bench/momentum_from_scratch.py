@@ -2,7 +2,7 @@
 RAdam8bit, AdEMAMix8bit and the 4-bit variants) train a tiny GPT from scratch as their fp32 counterparts do?
 Issues 29's and 35's figures, with a 1% gradient-noise control beside each.
 
-Setting: ``tools/resume_fidelity.py``'s ``--preset english`` at half its width and context (``--size byte64``: a
+Setting: ``tools/bench/resume_fidelity.py``'s ``--preset english`` at half its width and context (``--size byte64``: a
 byte-level GPT-2, n_embd 64, 2 layers, 4 heads, 0.12 M parameters, on 16 x 64 bytes of English text, every
 matrix at or above min_size 4096 so every one has low-bit state; ``--size byte128`` is --preset english's own model);
 gradients clipped at 1.0, linear lr warm-up of 30 steps, then constant; ``--steps`` steps from the same
@@ -47,10 +47,10 @@ over the seeds with the draws' largest over the seeds.
 State bytes per parameter: every distinct storage reachable from ``opt.state`` (``bench_optim.state_bytes``),
 after training, over the model's parameters (the tied embedding once).
 
-    python tools/momentum_from_scratch.py --threads 2                      # 3 seeds x 3 families x 300 steps
-    python tools/momentum_from_scratch.py --threads 1 --families sgd --json /tmp/sgd.json   # one family
-    python tools/momentum_from_scratch.py --families muon --variants noise1.1,muon+adam8 --json /tmp/more.json
-    python tools/momentum_from_scratch.py --from-json /tmp/sgd.json /tmp/more.json    # tables, runs merged
+    python tools/bench/momentum_from_scratch.py --threads 2                      # 3 seeds x 3 families x 300 steps
+    python tools/bench/momentum_from_scratch.py --threads 1 --families sgd --json /tmp/sgd.json   # one family
+    python tools/bench/momentum_from_scratch.py --families muon --variants noise1.1,muon+adam8 --json /tmp/more.json
+    python tools/bench/momentum_from_scratch.py --from-json /tmp/sgd.json /tmp/more.json    # tables, runs merged
 """
 
 from __future__ import annotations

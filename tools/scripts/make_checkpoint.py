@@ -5,7 +5,7 @@ have (two param groups, tied embedding/head, betas (0.9, 0.95), weight decay 0.1
 train.py). Tokens follow a Zipf law over a few thousand ids, so rare tokens' embedding rows get tiny
 gradients and their second moments spread over many decades: the hard case for 8-bit state.
 
-    PYTHONPATH=. python tools/make_checkpoint.py --size small --steps 400 --out /tmp/small.pt
+    PYTHONPATH=. python tools/scripts/make_checkpoint.py --size small --steps 400 --out /tmp/small.pt
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """One DeepSpeed ZeRO training process (run under torchrun, CPU, gloo): trains a small MLP on fixed
 batches, saves a checkpoint, or resumes from one and continues; writes the losses it saw as JSON.
 
-    torchrun --standalone --nproc-per-node 2 tools/zero_worker.py --stage 2 --steps 6 --save-at 3 \
+    torchrun --standalone --nproc-per-node 2 tools/scripts/zero_worker.py --stage 2 --steps 6 --save-at 3 \
         --save-dir out/zero2 --losses out/full.json
-    torchrun --standalone --nproc-per-node 2 tools/zero_worker.py --stage 2 --steps 6 --load-dir out/zero2 \
+    torchrun --standalone --nproc-per-node 2 tools/scripts/zero_worker.py --stage 2 --steps 6 --load-dir out/zero2 \
         --losses out/resumed.json
 
-Used by tools/make_zero_fixtures.py, tools/zero_sizes.py and tests/test_zero.py (the end-to-end test).
+Used by tools/scripts/make_zero_fixtures.py, tools/bench/zero_sizes.py and tests/test_zero.py (the end-to-end test).
 Every rank sees its own batches (seeded by step and rank), so data parallelism is real.
 """
 
@@ -62,7 +62,7 @@ def engine_for(args: argparse.Namespace):
 def launch(*args: str, nproc: int = 2, timeout: int = 600) -> None:
     """Run this worker under torchrun (``--standalone``, ``nproc`` CPU processes); RuntimeError with the
     tail of its output if it fails. The worker imports ckptq from this checkout."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",

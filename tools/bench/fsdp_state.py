@@ -1,7 +1,7 @@
 """Optimizer state per parameter under FSDP2, by model width: torch AdamW, ckptq AdamW8bit and AdamW4bit, and
 the DCP folder of each (and of torch AdamW saved through ckptq's SavePlanner), side by side (gloo, CPU).
 
-    python tools/bench_dist.py --widths 128,200,576 --worlds 2,4
+    python tools/bench/fsdp_state.py --widths 128,200,576 --worlds 2,4
 
 For each width and world size the driver launches torchrun once per optimizer; every rank builds the same
 model, a 4-Linear MLP of width d (d -> 4d -> d -> 4d -> d, with biases; each Linear and the whole model

@@ -18,7 +18,7 @@ saving ``checkpoint-N`` folders every ``--save-steps``:
 Every resumed run must log steps save+1..steps with the uninterrupted run's learning rates. Prints the
 file sizes, each run's loss right after the resume and its largest gap; exits non-zero on any problem.
 
-    python tools/hf_trainer_resume.py [--steps 40 --save-steps 20] [--eager-torchao]
+    python tools/scripts/hf_trainer_resume.py [--steps 40 --save-steps 20] [--eager-torchao]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ interleaved; medians and the ratio of each ``--replace`` run to the same command
 check: checksums, exact tensors compared, 8-bit states re-quantized; expand: the written file reloaded
 and compared with the decoding).
 
-    python tools/bench_replace.py --mparams 16 --rounds 3
+    python tools/bench/replace.py --mparams 16 --rounds 3
 """
 
 from __future__ import annotations

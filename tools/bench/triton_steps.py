@@ -16,7 +16,7 @@ Bytes per parameter: param read + write, grad read, and per moment its codes and
 written (8-bit state at fp32 params: 8 + 4 + 2 * (1 + 4 / 256) * 2 = 16.06, "16.1 B"); the dense part
 counts 28 B. ``--sweep`` also times the 8-bit group over tile sizes and warps (triton_blocks knobs).
 
-    python tools/bench_triton.py [--layout 16.8m,gpt2-124m,llama-1b,many-small] [--rounds 20] [--sweep]
+    python tools/bench/triton_steps.py [--layout 16.8m,gpt2-124m,llama-1b,many-small] [--rounds 20] [--sweep]
 """
 
 from __future__ import annotations
