@@ -14,9 +14,9 @@ round so that clocks and other processes hit all alike, timed with CUDA events:
 
 Bytes per parameter: param read + write, grad read, and per moment its codes and block scales read and
 written (8-bit state at fp32 params: 8 + 4 + 2 * (1 + 4 / 256) * 2 = 16.06, "16.1 B"); the dense part
-counts 28 B. ``--sweep`` also times the 8-bit group over tile sizes and warps (triton_blocks knobs).
+counts 28 B.
 
-    python tools/bench/triton_steps.py [--layout 16.8m,gpt2-124m,llama-1b,many-small] [--rounds 20] [--sweep]
+    python tools/bench/triton_steps.py [--layout 16.8m,gpt2-124m,llama-1b,many-small] [--rounds 20]
 """
 
 from __future__ import annotations
@@ -174,28 +174,11 @@ def bench_layout(name: str, rounds: int, dtype) -> list[tuple]:
     return out
 
 
-def sweep(name: str, rounds: int, dtype) -> None:
-    from ckptq.kernels import triton_blocks as tb
-
-    print(f"\n8-bit group on {name}: tile elements x warps (ms, median of {rounds})\n")
-    print("| tile | warps | ms |\n|--:|--:|--:|")
-    default = (tb.TILE_ELEMENTS, tb.TILE_WARPS)
-    for tile in (1024, 2048, 4096):
-        for warps in (2, 4, 8):
-            tb.TILE_ELEMENTS, tb.TILE_WARPS = tile, warps
-            setup = Setup(LAYOUTS[name](), "cuda", dtype)  # fresh caches: the tiles are cut when they are built
-            run = _grouped(setup, 8)
-            run()
-            print(f"| {tile} | {warps} | {statistics.median(_time(run) for _ in range(rounds)):.3f} |")
-    tb.TILE_ELEMENTS, tb.TILE_WARPS = default
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", default="16.8m,gpt2-124m,llama-1b,many-small")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--bf16", action="store_true", help="bf16 params and grads (torch fused stays fp32)")
-    parser.add_argument("--sweep", action="store_true", help="also time tile sizes x warps on the first layout")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_triton.py times CUDA kernels: no CUDA device here", file=sys.stderr)
@@ -207,8 +190,6 @@ def main() -> int:
         for row in bench_layout(name, args.rounds, dtype):
             print("| {} | {} | {:.3f} | {:.0f} | {:.0%} | {:.2f}x | {:.1f} |".format(*row))
         torch.cuda.empty_cache()
-    if args.sweep:
-        sweep(args.layout.split(",")[0], args.rounds, dtype)
     return 0
 
 
