@@ -3,7 +3,7 @@
 One run, interleaved rounds (ckptq and bitsandbytes alternate on the same tensors, so load from other
 processes hits both alike); prints medians and ratios as a markdown table.
 
-    PYTHONPATH=. python tools/bench/codec.py --numel 16777216 --rounds 7
+    python tools/bench/codec.py --numel 16777216 --rounds 7
 
 Tensors: an Adam first moment (randn * 1e-3; ckptq: signed map) and a second moment spread over six
 decades (randn^2 * 10^U(-8, -2); ckptq: sqrt transform + unsigned map, as ``ckptq.qstate`` stores it).
@@ -16,13 +16,27 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
-import time
+import sys
 
-import torch
 
-from ckptq.codec import codebooks, ops, policy
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=1 << 24, help="elements per tensor (default 16M)")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds, interleaved (default 7)")
+    parser.add_argument("--block-size", type=int, default=None, help="8-bit block size (default: ckptq's)")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P leaves the tool's folder off sys.path
+import harness  # noqa: E402
+import torch  # noqa: E402
+
+from ckptq.codec import codebooks, ops, policy  # noqa: E402
 
 
 def make_tensors(numel: int, seed: int) -> dict[str, tuple[torch.Tensor, bool, str]]:
@@ -32,12 +46,6 @@ def make_tensors(numel: int, seed: int) -> dict[str, tuple[torch.Tensor, bool, s
     decades = torch.empty(numel).uniform_(-8, -2, generator=g)
     second = torch.randn(numel, generator=g) ** 2 * torch.pow(10.0, decades)
     return {"exp_avg": (first, True, "none"), "exp_avg_sq": (second, False, "sqrt")}
-
-
-def timed(fn) -> tuple[float, object]:
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
 
 
 def run_round(tensors, block_size: int, times: dict[str, list[float]], buffers: dict) -> None:
@@ -68,8 +76,7 @@ def run_round(tensors, block_size: int, times: dict[str, list[float]], buffers: 
         for j, (op, (ours, bnb)) in enumerate(cases.items()):
             order = (("ckptq", ours), ("bnb", bnb), ("ckptq4", four[op]))
             for who, fn in order if (i + j + round_no) % 2 else order[::-1]:
-                t, result = timed(fn)
-                del result
+                t = harness.timed(fn)
                 times.setdefault(f"{op} {name}|{who}", []).append(t)
 
 
@@ -86,21 +93,18 @@ def _four_bit_cases(x, signed: bool, transform: str, buf) -> dict:
 
 
 def table(times: dict[str, list[float]], numel: int) -> str:
-    rows = ["| operation | ckptq M elem/s | bitsandbytes M elem/s | ratio | ckptq 4-bit M elem/s | 4-bit / 8-bit |",
-            "|---|---:|---:|---:|---:|---:|"]
+    rows = []
     for op in dict.fromkeys(k.split("|")[0] for k in times):
         ours, bnb, four = (numel / statistics.median(times[f"{op}|{who}"]) / 1e6 for who in ("ckptq", "bnb", "ckptq4"))
-        rows.append(f"| {op} | {ours:,.0f} | {bnb:,.0f} | {ours / bnb:.2f}x | {four:,.0f} | {four / ours:.2f}x |")
-    return "\n".join(rows)
+        rows.append([op, f"{ours:,.0f}", f"{bnb:,.0f}", harness.ratio(ours, bnb), f"{four:,.0f}",
+                     harness.ratio(four, ours)])
+    return harness.markdown_table(["operation", "ckptq M elem/s", "bitsandbytes M elem/s", "ratio",
+                                   "ckptq 4-bit M elem/s", "4-bit / 8-bit"], rows)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=1 << 24, help="elements per tensor (default 16M)")
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds, interleaved (default 7)")
-    parser.add_argument("--block-size", type=int, default=policy.DEFAULT_BLOCK_SIZE)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = build_parser().parse_args()
+    args.block_size = args.block_size or policy.DEFAULT_BLOCK_SIZE
     import bitsandbytes
 
     tensors = make_tensors(args.numel, args.seed)
@@ -109,11 +113,8 @@ def main() -> None:
     run_round(tensors, args.block_size, {}, buffers)  # warm-up: thread pool, lookup tables, allocator
     for _ in range(args.rounds):
         run_round(tensors, args.block_size, times, buffers)
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__} with {torch.get_num_threads()} threads, bitsandbytes {bitsandbytes.__version__}; "
-        f"{args.numel:,} fp32 elements, block {args.block_size}, median of {args.rounds} interleaved rounds"
-    )
+    print(f"{harness.machine_line()}, bitsandbytes {bitsandbytes.__version__}; {args.numel:,} fp32 elements, "
+          f"block {args.block_size}, median of {args.rounds} interleaved rounds")
     print(table(times, args.numel))
 
 

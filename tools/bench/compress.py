@@ -10,24 +10,39 @@ Compares, per data set, on 4 MiB chunks with ``--threads`` threads: zstd-3 on ra
 (planes as they are, all zstd), ckptq.compress at levels 3 and 19, and zstd-19 on the byte-grouped planes
 of the first 8 MiB only (it runs at ~1 MB/s). Prints a markdown table of medians over ``--reps`` runs.
 
-    PYTHONPATH=. python tools/bench/compress.py --steps 20 --reps 3
+    python tools/bench/compress.py --steps 20 --reps 3
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import time
 import zipfile
 
-import click
-import numpy as np
-import torch
-import zstandard
 
-from ckptq.format.compress import compress, decompress
-from ckptq.codec.quant import quantize_state
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20,
+                        help="AdamW fine-tuning steps before measuring (~3 s each on 2 cores)")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--end-to-end", dest="e2e_dir", metavar="DIR", help="instead: save a MiniLM checkpoint "
+                        "(weights + AdamW state) in this folder and time ckptq convert on it")
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import zstandard  # noqa: E402
+
+from ckptq.codec.quant import quantize_state  # noqa: E402
+from ckptq.format.compress import compress, decompress  # noqa: E402
 
 CHUNK = 4 << 20
 
@@ -123,14 +138,11 @@ def end_to_end(steps: int, folder: str) -> None:
         print(f"| {label} | {r.output_bytes / 1e6:.1f} | {r.ratio:.3f}x | {r.seconds:.2f} |")
 
 
-@click.command()
-@click.option("--steps", default=20, help="AdamW fine-tuning steps before measuring (≈3 s each on 2 cores).")
-@click.option("--reps", default=3, help="Repetitions; medians are reported.")
-@click.option("--threads", default=2)
-@click.option("--end-to-end", "e2e_dir", default=None,
-              help="Instead: save a MiniLM checkpoint (weights + AdamW state) in this folder and time ckptq convert on it.")
-def main(steps: int, reps: int, threads: int, e2e_dir: str | None) -> None:
+def main() -> None:
     from concurrent.futures import ThreadPoolExecutor
+
+    args = build_parser().parse_args()
+    steps, reps, threads, e2e_dir = args.steps, args.reps, args.threads, args.e2e_dir
 
     if e2e_dir:
         return end_to_end(steps, e2e_dir)

@@ -25,10 +25,25 @@ import sys
 import threading
 import time
 
-import torch
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/ckptq_bench")
+    ap.add_argument("--no-compress", action="store_true", help="skip the convert --compress variant")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where convert quantizes (cuda: Triton kernels on the GPU, overlapped with the I/O)")
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import torch  # noqa: E402
 
 FLOOR = r"""
-import os, sys, torch
+import os, sys, torch  # noqa: E402
 src, dst = sys.argv[1], sys.argv[2]
 ck = torch.load(src, mmap=True, weights_only=True)
 def tensors(o):
@@ -90,14 +105,7 @@ def run_measured(cmd: list[str]) -> tuple[float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-gb", type=float, default=2.0)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--dir", default="/tmp/ckptq_bench")
-    ap.add_argument("--no-compress", action="store_true", help="skip the convert --compress variant")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="where convert quantizes (cuda: Triton kernels on the GPU, overlapped with the I/O)")
-    args = ap.parse_args()
+    args = build_parser().parse_args()
     os.makedirs(args.dir, exist_ok=True)
     src = os.path.join(args.dir, f"ckpt_{args.size_gb:g}gb.pt")
     if not os.path.exists(src):

@@ -42,9 +42,24 @@ import time
 from pathlib import Path
 from unittest import mock
 
-import torch
 
-from ckptq.codec import ops, policy
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--against", help="a git revision whose kernels/ to measure beside this checkout's")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--what", default="step,group", help="comma-separated: step, group, codec")
+    ap.add_argument("--march", help="comma-separated -march caps (CKPTQ_NATIVE_MARCH): this checkout built with each")
+    ap.add_argument("--numel", type=int, default=1 << 26, help="elements of the codec's tensor (default 64M)")
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import torch  # noqa: E402
+
+from ckptq.codec import ops, policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TSC_HZ = 2.6e9  # this machine's nominal (TSC) clock; cycles are wall time x this, not counted events
@@ -296,14 +311,7 @@ def table(cases: list[Case], impls: dict, times: dict, threads: int, hz: float) 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--against", help="a git revision whose kernels/ to measure beside this checkout's")
-    ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--what", default="step,group", help="comma-separated: step, group, codec")
-    ap.add_argument("--march", help="comma-separated -march caps (CKPTQ_NATIVE_MARCH): this checkout built with each")
-    ap.add_argument("--numel", type=int, default=1 << 26, help="elements of the codec's tensor (default 64M)")
-    args = ap.parse_args()
+    args = build_parser().parse_args()
     impls = {f"{args.against}": load_kernels(args.against)} if args.against else {}
     for march in (args.march or "native").split(","):
         impls["new" if march == "native" else f"new@{march}"] = load_kernels(None, None if march == "native" else march)

@@ -14,7 +14,19 @@ import argparse
 import statistics
 import time
 
-from ckptq.dcp import boxes, folder
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--strips", default="1000,4000,20000", help="values of A, comma-separated")
+    ap.add_argument("--groups", type=int, default=2000)
+    ap.add_argument("--names", type=int, default=1000)
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+from ckptq.dcp import boxes, folder  # noqa: E402
 
 
 def _strips(a: int) -> list[tuple]:
@@ -33,11 +45,7 @@ def _median_seconds(fn, runs: int = 3) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--strips", default="1000,4000,20000", help="values of A, comma-separated")
-    ap.add_argument("--groups", type=int, default=2000)
-    ap.add_argument("--names", type=int, default=1000)
-    args = ap.parse_args()
+    args = build_parser().parse_args()
     print("| check | size | median s |\n|---|---:|---:|")
     for a in (int(x) for x in args.strips.split(",")):
         chunks = _strips(a)

@@ -20,7 +20,24 @@ import sys
 import threading
 import time
 
-import torch
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--tensor-mb", type=int, default=64)
+    ap.add_argument("--procs", default="1,2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/ckptq_bench_dcp")
+    ap.add_argument("--baseline", help="another ckptq checkout (e.g. a git worktree of an older commit) whose "
+                                       "convert runs interleaved with this one's: before/after in one run (through "
+                                       "PYTHONPATH; ckptq.kernels still comes from the installed package)")
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import torch  # noqa: E402
 
 
 def make_folder(path: str, size_gb: float, tensor_mb: int) -> None:
@@ -86,16 +103,7 @@ def timed(cmd: list[str], pythonpath: str | None = None) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size-gb", type=float, default=2.0)
-    ap.add_argument("--tensor-mb", type=int, default=64)
-    ap.add_argument("--procs", default="1,2")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--dir", default="/tmp/ckptq_bench_dcp")
-    ap.add_argument("--baseline", help="another ckptq checkout (e.g. a git worktree of an older commit) whose "
-                                       "convert runs interleaved with this one's: before/after in one run (through "
-                                       "PYTHONPATH; ckptq.kernels still comes from the installed package)")
-    a = ap.parse_args()
+    a = build_parser().parse_args()
     src = os.path.join(a.dir, "src")
     if not os.path.isdir(src):
         os.makedirs(a.dir, exist_ok=True)

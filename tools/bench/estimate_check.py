@@ -24,10 +24,22 @@ import math
 import os
 import tempfile
 
-import torch
 
-from ckptq.estimate.memory import Setup, estimate
-from ckptq.estimate.params import model_from_config
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--worlds", default="1,8,64")
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import torch  # noqa: E402
+
+from ckptq.estimate.memory import Setup, estimate  # noqa: E402
+from ckptq.estimate.params import model_from_config  # noqa: E402
 
 CONFIGS = {  # dropout off, as in current fine-tuning recipes (CPU kernels keep dropout masks at 4 bytes)
     "gpt2-30M": ("GPT2Config", dict(n_layer=6, n_embd=384, n_head=6, vocab_size=50257, n_positions=1024,
@@ -176,11 +188,7 @@ def _largest_module(tensors) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--worlds", default="1,8,64")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
     measured_table(args.batch, args.seq)
     deepspeed_table([int(w) for w in args.worlds.split(",")])

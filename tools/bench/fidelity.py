@@ -26,9 +26,22 @@ import json
 import statistics
 from dataclasses import asdict, dataclass
 
-import torch
 
-from ckptq.codec import qstate
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--json", metavar="PATH", help="also write rows and summary as JSON here")
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--no-4bit", dest="four_bit", action="store_false", help="8-bit columns only")
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import torch  # noqa: E402
+
+from ckptq.codec import qstate  # noqa: E402
 
 MIN_NUMEL = 4096  # bitsandbytes keeps smaller tensors in fp32
 BLOCK_SIZE = 256
@@ -250,12 +263,7 @@ def markdown_4bit(rows: list[Row], summary: dict, top: int = 10) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint")
-    parser.add_argument("--json", metavar="PATH", help="also write rows and summary as JSON here")
-    parser.add_argument("--top", type=int, default=10)
-    parser.add_argument("--no-4bit", dest="four_bit", action="store_false", help="8-bit columns only")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     opt = find_optimizer_state(torch.load(args.checkpoint, map_location="cpu", weights_only=True))
     if opt is None:
         raise SystemExit(f"{args.checkpoint}: no optimizer state dict (a dict with 'state' and 'param_groups')")

@@ -24,10 +24,25 @@ import subprocess
 import sys
 import tempfile
 
-import torch
-
 VARIANTS = ("torch-adamw", "ckptq-adamw8bit", "ckptq-adamw4bit", "torch-adamw+SavePlanner")
 MIN_SIZE = 4096
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--widths", default="128,200,576")
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
+    ap.add_argument("--width", type=int, help=argparse.SUPPRESS)
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import torch  # noqa: E402
 
 
 def _state_bytes(opt, params) -> tuple[int, int]:
@@ -126,14 +141,7 @@ def drive(a) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--widths", default="128,200,576")
-    ap.add_argument("--worlds", default="2,4")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
-    ap.add_argument("--dir", help=argparse.SUPPRESS)
-    ap.add_argument("--width", type=int, help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = build_parser().parse_args()
     worker(a) if a.worker else drive(a)
 
 

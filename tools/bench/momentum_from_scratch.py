@@ -44,7 +44,7 @@ perturbation of that size does to the loss. The verdict columns: a run is "withi
 is at most the largest |distance| of the noise draws on that seed; "within max" compares its largest |distance|
 over the seeds with the draws' largest over the seeds.
 
-State bytes per parameter: every distinct storage reachable from ``opt.state`` (``bench_optim.state_bytes``),
+State bytes per parameter: every distinct storage reachable from ``opt.state`` (``harness.state_bytes``),
 after training, over the model's parameters (the tied embedding once).
 
     python tools/bench/momentum_from_scratch.py --threads 2                      # 3 seeds x 3 families x 300 steps
@@ -62,12 +62,32 @@ import statistics
 import sys
 import time
 
-import torch
+FAMILY_NAMES = ("muon", "sgd", "lion", "rmsprop", "adagrad", "nadam", "radam", "ademamix")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_optim  # noqa: E402  (tools/ is not a package)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default="muon,sgd,lion", help="comma list of " + ", ".join(FAMILY_NAMES))
+    parser.add_argument("--size", choices=("byte64", "byte128"), default="byte64")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--variants", help="comma list of variants (fp32 always runs; default: all)")
+    parser.add_argument("--json", help="write every loss curve and state size here (rewritten after each seed)")
+    parser.add_argument("--from-json", nargs="+", metavar="JSON", help="print the tables of earlier --json runs "
+                        "(no training)")
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P leaves the tool's folder off sys.path
+import harness  # noqa: E402
+import resume_fidelity as rf  # noqa: E402  (puts tools/scripts/ on sys.path for make_checkpoint)
 import make_checkpoint as mc  # noqa: E402
-import resume_fidelity as rf  # noqa: E402
 
 from ckptq.optim import (AdamW8bit, AdEMAMix4bit, AdEMAMix8bit, Adagrad4bit, Adagrad8bit, Lion4bit,  # noqa: E402
                          Lion8bit, Muon4bit, Muon8bit, NAdam4bit, NAdam8bit, RAdam4bit, RAdam8bit, RMSprop4bit,
@@ -266,7 +286,7 @@ def run_seed(args, family: str, seed: int) -> tuple[dict[str, list[float]], dict
         opt = make(family, variant, model, seed)
         start = time.perf_counter()
         rf.train_steps(model, opt, data, curves.setdefault(variant, []), rf.warmup_schedule(args.warmup))
-        state[variant] = bench_optim.state_bytes(opt) / sum(p.numel() for p in model.parameters())
+        state[variant] = harness.state_bytes(opt) / sum(p.numel() for p in model.parameters())
         print(f"{family} seed {seed} {variant}: last {rf.LAST_WINDOW} mean "
               f"{statistics.fmean(curves[variant][-rf.LAST_WINDOW:]):.4f}, state {state[variant]:.3f} B/param, "
               f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
@@ -336,16 +356,7 @@ def print_saved(paths: list[str]) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default="muon,sgd,lion", help="comma list of " + ", ".join(FAMILIES))
-    parser.add_argument("--size", choices=("byte64", "byte128"), default="byte64")
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--variants", help="comma list of variants (fp32 always runs; default: all)")
-    parser.add_argument("--json", help="write every loss curve and state size here (rewritten after each seed)")
-    parser.add_argument("--from-json", nargs="+", metavar="JSON", help="print the tables of earlier --json runs "
-                        "(no training)")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.from_json:
         print_saved(args.from_json)

@@ -13,11 +13,27 @@ import argparse
 import statistics
 import time
 
-import torch
 
-from ckptq.codec import codebooks, policy
-from ckptq.kernels import backend_native, backend_torch, contract, momentum_torch
-from ckptq.kernels.contract import UPDATE_LINEAR, UPDATE_NONE, UPDATE_SIGN, MomentumFlags, StepState
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=1 << 24)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--block", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (the C pool follows them)")
+    parser.add_argument("--reference-rounds", type=int, default=3,
+                        help="rounds of the PyTorch reference (~25 s a step at 16M elements on 2 cores)")
+    parser.add_argument("--skip-reference", action="store_true", help="not the (slow) PyTorch reference")
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import torch  # noqa: E402
+
+from ckptq.codec import codebooks, policy  # noqa: E402
+from ckptq.kernels import backend_native, backend_torch, contract, momentum_torch  # noqa: E402
+from ckptq.kernels.contract import UPDATE_LINEAR, UPDATE_NONE, UPDATE_SIGN, MomentumFlags, StepState  # noqa: E402
 
 # (l2, keep, take, c_old, c_new, c_grad, decay, neg_lr)
 HYPER = {"SGD": (UPDATE_LINEAR, (0.0, 0.9, 1.0, 0.0, 1.0, 0.0, 1.0, -1e-2)),
@@ -48,15 +64,7 @@ def state(n: int, bits: int, block: int, gen) -> StepState:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=1 << 24)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--block", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (the C pool follows them)")
-    parser.add_argument("--reference-rounds", type=int, default=3,
-                        help="rounds of the PyTorch reference (~25 s a step at 16M elements on 2 cores)")
-    parser.add_argument("--skip-reference", action="store_true", help="not the (slow) PyTorch reference")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     n, gen = args.n, torch.Generator().manual_seed(0)

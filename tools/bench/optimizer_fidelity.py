@@ -28,7 +28,21 @@ import sys
 import tempfile
 import warnings
 
-import torch
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--sweep", action="store_true", help="the codec candidates per role, not the real convert")
+    ap.add_argument("--only", default="", help="comma-separated optimizer names (default: all)")
+    ap.add_argument("--codecs", default="", help="--sweep: only the candidates whose label holds one of these comma-separated texts")
+    ap.add_argument("--json", help="also write the rows here")
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from make_checkpoint import GPT, SIZES, _transition_table, make_batch  # noqa: E402
@@ -272,13 +286,7 @@ def _table(rows: list[dict], cols: list[str]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--sweep", action="store_true", help="the codec candidates per role, not the real convert")
-    ap.add_argument("--only", default="", help="comma-separated optimizer names (default: all)")
-    ap.add_argument("--codecs", default="", help="--sweep: only the candidates whose label holds one of these comma-separated texts")
-    ap.add_argument("--json", help="also write the rows here")
-    args = ap.parse_args()
+    args = build_parser().parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     names = [n for n in (args.only.split(",") if args.only else OPTIMIZERS) if not (args.sweep and n in SKIP)]

@@ -18,7 +18,18 @@ import sys
 import tempfile
 import time
 
-import torch
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mparams", type=float, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import torch  # noqa: E402
 
 
 def make_checkpoint(path: str, mparams: float) -> None:
@@ -43,10 +54,7 @@ def timed(*args: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mparams", type=float, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     with tempfile.TemporaryDirectory() as d:
         src, work = os.path.join(d, "src.pt"), os.path.join(d, "ckpt.pt")
         make_checkpoint(src, args.mparams)

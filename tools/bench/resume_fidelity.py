@@ -47,7 +47,50 @@ import statistics
 import sys
 import tempfile
 
-import torch
+VARIANTS = ("fp32", "ckptq", "expanded", "bnb", "fresh", "ckptq4", "expanded4")
+SCRATCH_VARIANTS = ("fp32", "noise1", "noise001", "ckptq", "ckptq-sr", "ckptq4", "bnb", "ao4", "ao8")
+NOISE = {"noise1": 1e-2, "noise001": 1e-4}  # the controls: relative Gaussian gradient noise
+# Issue 23's setting: byte-level GPT-2 (n_embd 128, 2 layers, 4 heads), 16 x 128 bytes of English text,
+# lr 3e-3 after 30 linear warm-up steps, betas (0.9, 0.95) and weight decay 0.1 (make_checkpoint's).
+PRESETS = {"english": dict(size="byte128", data="text", lr=3e-3, warmup=30),
+           # #31's second model/corpus pair: a 3-layer byte-level GPT of width 96 on Python source (the standard
+           # library's own modules, offline), lr 2e-3 after 30 warm-up steps
+           "pysrc": dict(size="byte96x3", data="pysrc", lr=2e-3, warmup=30),
+           # the project's default setting (make_checkpoint's Zipf chains, the mid model), warmed up as the others
+           "zipf": dict(size="mid", data="zipf", lr=3e-3, warmup=30)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="mid", help="tiny, small, mid, byte128 or byte96x3")
+    parser.add_argument("--pretrain", type=int, default=400, help="torch AdamW steps before the checkpoint")
+    parser.add_argument("--steps", type=int, default=300, help="steps after resuming (from scratch: in all)")
+    parser.add_argument("--lr", type=float, default=None, help="default: make_checkpoint's, 3e-3")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--plot", help="write the loss curves to this PNG")
+    parser.add_argument("--workdir", help="keep the checkpoints here (default: a temporary folder)")
+    parser.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (--from-scratch: "
+                        f"{', '.join(SCRATCH_VARIANTS)}; fp32 always runs)")
+    parser.add_argument("--from-scratch", action="store_true", help="train every variant from initialization instead")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="from scratch in a named setting (sets --size, "
+                        "--data, --lr, --warmup)")
+    parser.add_argument("--data", choices=("zipf", "text", "pysrc"), default="zipf", help="from scratch: "
+                        "make_checkpoint's Zipf chains, English text bytes or Python source bytes")
+    parser.add_argument("--warmup", type=int, default=0, help="from scratch: linear lr warm-up steps")
+    parser.add_argument("--betas", type=lambda x: tuple(float(b) for b in x.split(",")), default=None,
+                        help="from scratch: Adam's betas (default: make_checkpoint's, 0.9,0.95)")
+    parser.add_argument("--seeds", help="from scratch: comma list of seeds, all run; a table per --windows")
+    parser.add_argument("--windows", help="from scratch with --seeds: comma list of last steps of the 100-step "
+                        "windows compared (default: --steps)")
+    parser.add_argument("--json", help="from scratch with --seeds: write every loss curve here")
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import make_checkpoint as mc  # noqa: E402  (tools/scripts/ is not a package)
@@ -61,17 +104,6 @@ from ckptq.optim import AdamW4bit, AdamW8bit  # noqa: E402
 SIZES = {**mc.SIZES, "mid": dict(vocab_size=2048, n_layer=2, n_head=4, n_embd=128, block_size=64, batch_size=16),
          "byte128": dict(vocab_size=256, n_layer=2, n_head=4, n_embd=128, block_size=128, batch_size=16),
          "byte96x3": dict(vocab_size=256, n_layer=3, n_head=4, n_embd=96, block_size=128, batch_size=16)}
-VARIANTS = ("fp32", "ckptq", "expanded", "bnb", "fresh", "ckptq4", "expanded4")
-SCRATCH_VARIANTS = ("fp32", "noise1", "noise001", "ckptq", "ckptq-sr", "ckptq4", "bnb", "ao4", "ao8")
-NOISE = {"noise1": 1e-2, "noise001": 1e-4}  # the controls: relative Gaussian gradient noise
-# Issue 23's setting: byte-level GPT-2 (n_embd 128, 2 layers, 4 heads), 16 x 128 bytes of English text,
-# lr 3e-3 after 30 linear warm-up steps, betas (0.9, 0.95) and weight decay 0.1 (make_checkpoint's).
-PRESETS = {"english": dict(size="byte128", data="text", lr=3e-3, warmup=30),
-           # #31's second model/corpus pair: a 3-layer byte-level GPT of width 96 on Python source (the standard
-           # library's own modules, offline), lr 2e-3 after 30 warm-up steps
-           "pysrc": dict(size="byte96x3", data="pysrc", lr=2e-3, warmup=30),
-           # the project's default setting (make_checkpoint's Zipf chains, the mid model), warmed up as the others
-           "zipf": dict(size="mid", data="zipf", lr=3e-3, warmup=30)}
 VAL_BATCHES = 8  # held-out batches for the validation loss (text: the corpus' last 10%, never trained on)
 # More --from-scratch variants by name: name -> f(param groups, lr, seed) -> optimizer (for experiments
 # that import this module).
@@ -431,33 +463,15 @@ def plot(curves: dict[str, list[float]], path: str, title: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="mid")
-    parser.add_argument("--pretrain", type=int, default=400, help="torch AdamW steps before the checkpoint")
-    parser.add_argument("--steps", type=int, default=300, help="steps after resuming (from scratch: in all)")
-    parser.add_argument("--lr", type=float, default=mc.LEARNING_RATE)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--plot", help="write the loss curves to this PNG")
-    parser.add_argument("--workdir", help="keep the checkpoints here (default: a temporary folder)")
-    parser.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (--from-scratch: "
-                        f"{', '.join(SCRATCH_VARIANTS)}; fp32 always runs)")
-    parser.add_argument("--from-scratch", action="store_true", help="train every variant from initialization instead")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="from scratch in a named setting (sets --size, "
-                        "--data, --lr, --warmup)")
-    parser.add_argument("--data", choices=("zipf", "text", "pysrc"), default="zipf", help="from scratch: "
-                        "make_checkpoint's Zipf chains, English text bytes or Python source bytes")
-    parser.add_argument("--warmup", type=int, default=0, help="from scratch: linear lr warm-up steps")
-    parser.add_argument("--betas", type=lambda x: tuple(float(b) for b in x.split(",")), default=mc.BETAS,
-                        help="from scratch: Adam's betas (default %(default)s, make_checkpoint's)")
-    parser.add_argument("--seeds", help="from scratch: comma list of seeds, all run; a table per --windows")
-    parser.add_argument("--windows", help="from scratch with --seeds: comma list of last steps of the 100-step "
-                        "windows compared (default: --steps)")
-    parser.add_argument("--json", help="from scratch with --seeds: write every loss curve here")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.preset:
         args.from_scratch = True
         vars(args).update(PRESETS[args.preset])
+    if args.size not in SIZES:
+        parser.error(f"unknown --size {args.size}; choose from {', '.join(sorted(SIZES))}")
+    args.lr = mc.LEARNING_RATE if args.lr is None else args.lr
+    args.betas = args.betas or mc.BETAS
     if args.seeds:
         args.from_scratch = True
         args.seed_list = [int(s) for s in args.seeds.split(",")]

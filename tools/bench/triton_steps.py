@@ -25,7 +25,19 @@ import argparse
 import statistics
 import sys
 
-import torch
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layout", default="16.8m,gpt2-124m,llama-1b,many-small")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--bf16", action="store_true", help="bf16 params and grads (torch fused stays fp32)")
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import torch  # noqa: E402
 
 LAYOUTS = {
     "16.8m": lambda: [(4096, 1024)] * 4,
@@ -175,11 +187,7 @@ def bench_layout(name: str, rounds: int, dtype) -> list[tuple]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layout", default="16.8m,gpt2-124m,llama-1b,many-small")
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--bf16", action="store_true", help="bf16 params and grads (torch fused stays fp32)")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     if not torch.cuda.is_available():
         print("bench_triton.py times CUDA kernels: no CUDA device here", file=sys.stderr)
         return 2

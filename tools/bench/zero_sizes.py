@@ -18,6 +18,18 @@ import sys
 import tempfile
 import time
 
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--stages", default="1,2,3")
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 from zero_worker import launch  # noqa: E402
 
@@ -47,11 +59,7 @@ def measure(stage: int, width: int, depth: int, tmp: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--depth", type=int, default=6)
-    ap.add_argument("--stages", default="1,2,3")
-    args = ap.parse_args()
+    args = build_parser().parse_args()
     mb = lambda n: f"{n / 1e6:,.1f}"  # noqa: E731
     print("| ZeRO stage | parameters | optimizer files fp32 MB | converted MB | ratio | model states MB "
           "| global_step folder MB: fp32 -> 8-bit optimizer | convert s |")

@@ -14,13 +14,23 @@ import argparse
 import sys
 import tempfile
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
 
-from ckptq.optim import AdamW8bit
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="gloo on the CPU (a smoke test of this script)")
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+from ckptq.optim import AdamW8bit  # noqa: E402
 
 
 def build(device: str, shard: bool):
@@ -48,9 +58,7 @@ def train(model, opt, device: str, start: int, stop: int) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cpu", action="store_true", help="gloo on the CPU (a smoke test of this script)")
-    a = ap.parse_args()
+    a = build_parser().parse_args()
     device = "cpu" if a.cpu else "cuda"
     dist.init_process_group("gloo" if a.cpu else "nccl")
     if not a.cpu:

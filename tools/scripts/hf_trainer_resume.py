@@ -30,6 +30,20 @@ import os
 import sys
 import tempfile
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--save-steps", type=int, default=20, help="resume from checkpoint-<save-steps>")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="relative loss gap allowed after an 8-bit resume")
+    parser.add_argument("--eager-torchao", action="store_true",
+                        help="run torchao's step without torch.compile (a CPU without time for its C++ builds)")
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
@@ -122,13 +136,7 @@ def row(name: str, reference: dict, resumed: dict, start: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--save-steps", type=int, default=20, help="resume from checkpoint-<save-steps>")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="relative loss gap allowed after an 8-bit resume")
-    parser.add_argument("--eager-torchao", action="store_true",
-                        help="run torchao's step without torch.compile (a CPU without time for its C++ builds)")
-    a = parser.parse_args()
+    a = build_parser().parse_args()
     if a.eager_torchao:
         torch.compile = lambda fn, **kwargs: fn
     rows, problems = [], []

@@ -13,15 +13,29 @@ from __future__ import annotations
 import argparse
 import math
 
-import torch
-from torch import nn
-from torch.nn import functional as F
-
 # size -> model and batch shape; "tiny" trains in a few seconds, "small" (~2.8 M params) in ~2 minutes.
 SIZES = {
     "tiny": dict(vocab_size=1024, n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=8),
     "small": dict(vocab_size=4096, n_layer=4, n_head=4, n_embd=192, block_size=64, batch_size=16),
 }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch loads
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1
 LEARNING_RATE = 3e-3
@@ -132,12 +146,7 @@ def train(steps: int, size: str = "tiny", seed: int = 0) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     ckpt = train(args.steps, args.size, args.seed)
     torch.save(ckpt, args.out)
     n = sum(p.numel() for p in ckpt["model"].values())

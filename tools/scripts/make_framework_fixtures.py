@@ -38,7 +38,18 @@ import subprocess
 import sys
 import tempfile
 
-import torch
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["litgpt", "litgpt-resume", "olmo-core", "olmo-core-resume"])
+    ap.add_argument("path", nargs="?", default=None)
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
+import torch  # noqa: E402
 
 
 class _Loader(torch.utils.data.DataLoader):
@@ -201,10 +212,7 @@ def olmo_core_resume(run: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["litgpt", "litgpt-resume", "olmo-core", "olmo-core-resume"])
-    ap.add_argument("path", nargs="?", default=None)
-    args = ap.parse_args()
+    args = build_parser().parse_args()
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fixtures")
     if args.what == "litgpt":
         make_litgpt(args.path or os.path.join(here, "litgpt"))

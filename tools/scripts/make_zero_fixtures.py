@@ -20,6 +20,16 @@ import subprocess
 import sys
 import tempfile
 
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "zero"))
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_worker import launch  # noqa: E402
 
@@ -37,9 +47,7 @@ def universal(src_step: str, dst: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "zero"))
-    args = ap.parse_args()
+    args = build_parser().parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in CASES.items():
             save = os.path.join(tmp, name)

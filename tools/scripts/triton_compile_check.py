@@ -20,6 +20,18 @@ import subprocess
 import sys
 import tempfile
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one configuration of every kernel")
+    parser.add_argument("--arch", type=int, action="append", help="compute capability, e.g. 80 or 90 (repeatable; "
+                        "default 90)")
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
 os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be JIT functions, not interpreted ones
 
 import triton  # noqa: E402
@@ -159,11 +171,7 @@ def check(name: str, constexprs: dict, r: dict) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one configuration of every kernel")
-    parser.add_argument("--arch", type=int, action="append", help="compute capability, e.g. 80 or 90 (repeatable; "
-                        "default 90)")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     failures = []
     for arch in args.arch or [90]:
         print(f"\nsm_{arch}\n\n| kernel | regs | stack | local | fma | approx | div.rn | sqrt.rn | v4 loads |\n"

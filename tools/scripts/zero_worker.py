@@ -18,6 +18,25 @@ import os
 import subprocess
 import sys
 
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stage", type=int, required=True)
+    ap.add_argument("--steps", type=int, required=True, help="train until this global step")
+    ap.add_argument("--save-at", type=int, default=0, help="save a checkpoint after this many steps")
+    ap.add_argument("--save-dir")
+    ap.add_argument("--load-dir", help="resume from this save dir (its `latest` tag)")
+    ap.add_argument("--losses", required=True, help="JSON file for rank 0's losses, by step")
+    ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--depth", type=int, default=1)
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--universal", action="store_true", help="with --load-dir: load its universal checkpoint")
+    return ap
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
@@ -73,18 +92,7 @@ def launch(*args: str, nproc: int = 2, timeout: int = 600) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--stage", type=int, required=True)
-    ap.add_argument("--steps", type=int, required=True, help="train until this global step")
-    ap.add_argument("--save-at", type=int, default=0, help="save a checkpoint after this many steps")
-    ap.add_argument("--save-dir")
-    ap.add_argument("--load-dir", help="resume from this save dir (its `latest` tag)")
-    ap.add_argument("--losses", required=True, help="JSON file for rank 0's losses, by step")
-    ap.add_argument("--width", type=int, default=32)
-    ap.add_argument("--depth", type=int, default=1)
-    ap.add_argument("--bf16", action="store_true")
-    ap.add_argument("--universal", action="store_true", help="with --load-dir: load its universal checkpoint")
-    args = ap.parse_args()
+    args = build_parser().parse_args()
     torch.set_num_threads(1)
     engine = engine_for(args)
     rank = torch.distributed.get_rank()
