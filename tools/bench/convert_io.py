@@ -40,10 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
 if __name__ == "__main__":
     build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P leaves the tool's folder off sys.path
+import harness  # noqa: E402
 import torch  # noqa: E402
 
 FLOOR = r"""
-import os, sys, torch  # noqa: E402
+import os, sys, torch
 src, dst = sys.argv[1], sys.argv[2]
 ck = torch.load(src, mmap=True, weights_only=True)
 def tensors(o):
@@ -131,8 +133,7 @@ def main() -> None:
         for name, cmd in variants.items():
             results[name].append(run_measured(cmd))
     floor = statistics.median(t for t, _ in results["floor (mmap load + raw write)"])
-    print(f"checkpoint: {size / 1e9:.2f} GB, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{args.rounds} interleaved rounds (medians)\n")
+    print(f"checkpoint: {size / 1e9:.2f} GB, {args.rounds} interleaved rounds (medians); {harness.machine_line()}\n")
     print("| step | wall s | GB/s of input | vs floor | peak RssAnon MB | output MB |")
     print("|---|---|---|---|---|---|")
     outputs = {"convert": "c.safetensors", "convert --compress": "cz.safetensors", "expand": "e.pt",

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -57,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
 if __name__ == "__main__":
     build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P leaves the tool's folder off sys.path
+import harness  # noqa: E402
 import torch  # noqa: E402
 
 from ckptq.codec import ops, policy  # noqa: E402
@@ -73,18 +74,6 @@ def tsc_hz() -> float:
         return mhz[0] * 1e6 if mhz else TSC_HZ
     except OSError:
         return TSC_HZ
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform says."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        if names:
-            return f"{names[0]} ({len(names)} threads)"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def load_kernels(rev: str | None, march: str | None = None):
@@ -327,7 +316,7 @@ def main() -> None:
         cases += group_cases("256 x 4096", [(16, 256)] * 256, [], gen)
         cases += group_cases("d=256 x 48", *d256x48(), gen)
     hz = tsc_hz()
-    print(f"{cpu_name()}; cycles at {hz / 1e9:.2f} GHz (nominal clock); medians of {args.rounds} interleaved rounds")
+    print(f"{harness.machine_line()}; cycles at {hz / 1e9:.2f} GHz (nominal clock); medians of {args.rounds} interleaved rounds")
     for t in map(int, args.threads.split(",")):
         for part in ([c for c in cases if c.moved], [c for c in cases if not c.moved]):
             if part:

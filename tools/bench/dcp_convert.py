@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 if __name__ == "__main__":
     build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P leaves the tool's folder off sys.path
+import harness  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -130,7 +132,8 @@ def main() -> None:
             sizes[name] = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
     floor = statistics.median(times["copy (I/O floor)"])
     src_bytes = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
-    print(f"DCP folder of {src_bytes / 2**30:.2f} GB (fp32 weights + AdamW moments), {a.rounds} rounds, medians\n")
+    print(f"DCP folder of {src_bytes / 2**30:.2f} GB (fp32 weights + AdamW moments), {a.rounds} rounds, medians; "
+          f"{harness.machine_line()}\n")
     print("| step | wall s | vs floor | output | peak RssAnon of the largest process |")
     print("|---|---:|---:|---:|---:|")
     for name in steps:

@@ -10,7 +10,9 @@ elements (fp32 param and grad). Median wall time (and CPU time of all threads) o
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 
@@ -29,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
 if __name__ == "__main__":
     build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P leaves the tool's folder off sys.path
+import harness  # noqa: E402
 import torch  # noqa: E402
 
 from ckptq.codec import codebooks, policy  # noqa: E402
@@ -69,7 +73,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     n, gen = args.n, torch.Generator().manual_seed(0)
     p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
-    print(f"{n} elements, block {args.block}, {torch.get_num_threads()} threads, median of {args.rounds}\n")
+    print(f"{n} elements, block {args.block}, median of {args.rounds}; {harness.machine_line()}\n")
     print("| step | wall ms | wall ns / element | CPU ns / element (all threads) |\n|---|--:|--:|--:|")
 
     def row(label: str, ms: tuple[float, float]) -> None:

@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
 if __name__ == "__main__":
     build_parser().parse_args()  # --help and usage errors answer here, before torch and ckptq load
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P leaves the tool's folder off sys.path
+import harness  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -70,7 +72,8 @@ def main() -> None:
                     if os.path.exists(p):
                         os.unlink(p)
         size = os.path.getsize(src) / 1e6
-    print(f"{args.mparams:g} M params, fp32 checkpoint {size:,.0f} MB, {args.rounds} rounds (fresh process each)")
+    print(f"{args.mparams:g} M params, fp32 checkpoint {size:,.0f} MB, {args.rounds} rounds (fresh process each); "
+          f"{harness.machine_line()}")
     print("| command | wall s | vs without --replace | CPU s | vs without --replace |\n|---|---:|---:|---:|---:|")
     for name, ts in times.items():
         base = times[name.removesuffix(" --replace")]
