@@ -189,7 +189,7 @@ def bench_layout(name: str, rounds: int, dtype) -> list[tuple]:
 def main() -> int:
     args = build_parser().parse_args()
     if not torch.cuda.is_available():
-        print("bench_triton.py times CUDA kernels: no CUDA device here", file=sys.stderr)
+        print("triton_steps.py times CUDA kernels: no CUDA device here", file=sys.stderr)
         return 2
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, params {dtype}; medians of {args.rounds} rounds\n")
