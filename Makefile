@@ -42,7 +42,7 @@ setup-test: $(TEST_STAMP)
 
 demo: setup
 	mkdir -p demo
-	$(BIN)/python tools/make_checkpoint.py --size tiny --out demo/ckpt.pt
+	$(BIN)/python tools/scripts/make_checkpoint.py --size tiny --out demo/ckpt.pt
 	$(BIN)/ckptq info demo/ckpt.pt
 	$(BIN)/ckptq convert demo/ckpt.pt --force
 	$(BIN)/ckptq info demo/ckpt.q8.safetensors

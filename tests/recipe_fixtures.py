@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _tool(name):
-    spec = importlib.util.spec_from_file_location(f"_ckptq_tool_{name}", ROOT / "tools" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_ckptq_tool_{name}", ROOT / "tools" / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -49,7 +49,7 @@ def _copy_of(build):
 
 
 def _ckpt_file(d):
-    """nanoGPT's ckpt.pt (tools/make_checkpoint.py's GPT after 3 AdamW steps)."""
+    """nanoGPT's ckpt.pt (tools/scripts/make_checkpoint.py's GPT after 3 AdamW steps)."""
     torch.save(_tool("make_checkpoint").train(steps=3), d / "ckpt.pt")
 
 

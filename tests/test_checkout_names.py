@@ -1,7 +1,7 @@
 """Python started in a checkout puts the checkout (``python -m pytest``, ``python -c``), tests/ (pytest) or
-tools/ (``python tools/x.py``) first on ``sys.path``: a folder or module there with the name of an installed
-package hides that package. transformers 5 imports Hugging Face's ``kernels``, which the top-level
-``kernels/`` folder (installed as ``ckptq.kernels``) used to hide."""
+a tool's folder (``python tools/bench/x.py``: tools/bench/, tools/scripts/) first on ``sys.path``: a folder or
+module there with the name of an installed package hides that package. transformers 5 imports Hugging Face's
+``kernels``, which the top-level ``kernels/`` folder (installed as ``ckptq.kernels``) used to hide."""
 
 import importlib.machinery
 import importlib.metadata
@@ -29,7 +29,7 @@ def _names_on_path(folder: pathlib.Path) -> set[str]:
 def test_no_folder_of_the_checkout_hides_an_installed_or_standard_module():
     installed = set(importlib.metadata.packages_distributions()) | set(sys.stdlib_module_names)
     hidden = {}
-    for folder in (ROOT, ROOT / "tests", ROOT / "tools"):
+    for folder in (ROOT, ROOT / "tests", ROOT / "tools" / "bench", ROOT / "tools" / "scripts"):
         for name in (_names_on_path(folder) - {"ckptq", "conftest", "__init__"}) & installed:
             if name not in HANDED_ON:
                 hidden[name] = str(folder)

@@ -1,6 +1,6 @@
 """ckptq's 8-bit state must preserve the Adam update at least as well as bitsandbytes, tensor by tensor.
 
-Trains a tiny GPT for a few steps (tools/make_checkpoint.py), then measures with tools/fidelity.py.
+Trains a tiny GPT for a few steps (tools/scripts/make_checkpoint.py), then measures with tools/bench/fidelity.py.
 """
 
 import importlib.util
@@ -14,10 +14,11 @@ import torch
 pytest.importorskip("bitsandbytes")
 
 TOOLS = pathlib.Path(__file__).resolve().parent.parent / "tools"
+FOLDER = {"make_checkpoint": "scripts", "fidelity": "bench"}
 
 
 def _load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(f"_ckptq_tool_{name}", TOOLS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_ckptq_tool_{name}", TOOLS / FOLDER[name] / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up here
     spec.loader.exec_module(module)
@@ -65,15 +66,3 @@ def test_adam_update_matches_torch_adamw():
     u = fidelity.adam_update(st["exp_avg"], st["exp_avg_sq"], float(st["step"]), (0.9, 0.95), 1e-8)
     torch.testing.assert_close((before - p.detach()).double(), u, rtol=1e-5, atol=1e-6)
 
-
-def test_bit_split_simulation_reproduces_the_4bit_codec(rows, tmp_path):
-    """tools/bit_split.py's fake quantization at 6 + 2 bits (geometric sqrt(v) levels) gives the update
-    errors that ``convert --bits 4`` gives (its Lloyd codebook is refitted, not copied: within 0.3
-    points), so its other splits can be trusted as a preview."""
-    _, measured, ckpt = rows
-    path = tmp_path / "ck.pt"
-    torch.save(ckpt, path)
-    worst, median = _load_tool("bit_split").update_errors(str(path), (6, 2), ("geometric", 0.0))
-    real = [r.u_ckptq4 for r in measured]
-    assert worst == pytest.approx(max(real), abs=0.003)
-    assert median == pytest.approx(sorted(real)[len(real) // 2], abs=0.003)

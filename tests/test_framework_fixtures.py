@@ -1,5 +1,5 @@
 """Run folders of frameworks whose own files ckptq must read as they are: litgpt's ``step-N/lit_model.pth``
-(tests/fixtures/litgpt, made by the real litgpt: tools/make_framework_fixtures.py, which also checks that
+(tests/fixtures/litgpt, made by the real litgpt: tools/scripts/make_framework_fixtures.py, which also checks that
 litgpt's own ``--resume`` stops after ``convert --replace`` and resumes after ``expand``), nanoGPT-style
 ``checkpoint-N/ckpt.pt`` runs, a Lightning ``checkpoints/`` folder of several ``.ckpt`` files, and ``--all``
 over checkpoints some of which hold nothing to convert. Fabric (what litgpt saves with) loads the litgpt files
@@ -128,7 +128,7 @@ def test_olmo_core_run_converts_and_its_loader_stops_then_resumes(tmp_path):
     flattened optim.state.<fqn>.exp_avg keys and OLMo-core's own _StorageInfo): info and convert --all of the
     run, a signpost where OLMo-core loads (torch's reader, which OLMo-core's goes through, stops with
     ckptq's message), and expand gives the moments back within 8-bit storage's error. OLMo-core's own load
-    after expand: tools/make_framework_fixtures.py olmo-core-resume."""
+    after expand: tools/scripts/make_framework_fixtures.py olmo-core-resume."""
     import torch.distributed.checkpoint as dcp
 
     from ckptq.dcp import SafeFileSystemReader

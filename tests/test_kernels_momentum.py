@@ -362,7 +362,7 @@ def test_triton_group_matches_members(bits, update, maximize, seeded):
 
 _COMPILE = """
 import sys
-sys.path.insert(0, "tools")
+sys.path.insert(0, "tools/scripts")
 import triton_compile_check as t  # clears TRITON_INTERPRET before importing triton
 from ckptq.kernels import triton_step
 types = {**t._STEP_TYPES, "p_like": "*bf16"}
@@ -389,7 +389,7 @@ def _has_ptxas() -> bool:
 
 @pytest.mark.skipif(not _has_ptxas(), reason="this Triton build ships no ptxas to compile for CUDA")
 def test_triton_kernels_compile_for_sm90_exact_and_without_spills():
-    """What the interpreter cannot check (tools/triton_compile_check.py): the one step's template with the
+    """What the interpreter cannot check (tools/scripts/triton_compile_check.py): the one step's template with the
     momentum rule (SGD, Lion, Muon) compiles for an H100/H200, with no FMA or approximate op, IEEE division,
     no spills, 128-bit loads where aligned."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

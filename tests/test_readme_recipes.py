@@ -2,7 +2,7 @@
 
 A recipe is the fenced code blocks between ``<!-- recipe: NAME -->`` and ``<!-- /recipe -->``; every bash
 and python block of those pages must sit in one. Each recipe runs in a fresh folder holding what its
-commands expect, built by tests/recipe_fixtures.py: nanoGPT-style checkpoints from tools/make_checkpoint.py,
+commands expect, built by tests/recipe_fixtures.py: nanoGPT-style checkpoints from tools/scripts/make_checkpoint.py,
 the folders Trainer, accelerate and Lightning write (with tests/conftest.py's TinyLM), a run folder of
 checkpoint-N/, a DCP folder from ``dcp.save`` in one process, DeepSpeed's files from tests/fixtures/zero/.
 
@@ -221,7 +221,7 @@ def test_recipe_runs_as_written(name, tmp_path, monkeypatch):
 
 
 INLINE_CLI = re.compile(r"`(ckptq (?:convert|expand|info|estimate) [^`]*)`")
-INLINE_TOOL = re.compile(r"`(?:PYTHONPATH=\. )?(?:HF_HUB_OFFLINE=1 )?python3? (tools/\w+\.py)([^`]*)`")
+INLINE_TOOL = re.compile(r"`(?:PYTHONPATH=\. )?(?:HF_HUB_OFFLINE=1 )?python3? (tools/[\w/]+\.py)([^`]*)`")
 HTML_COMMENT = re.compile(r"<!--.*?-->", re.S)
 
 

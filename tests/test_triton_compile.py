@@ -1,5 +1,5 @@
 """The Triton kernels compiled for an A100 (sm_80) and an H100/H200 (sm_90) without a GPU, in a subprocess
-without TRITON_INTERPRET (``tools/triton_compile_check.py --quick``, one configuration of every kernel):
+without TRITON_INTERPRET (``tools/scripts/triton_compile_check.py --quick``, one configuration of every kernel):
 what the interpreter cannot check, that every kernel compiles for both, keeps the contract's rounding (no
 FMA or approximate ops, IEEE div/sqrt), vectorizes aligned rows and spills nothing (no stack frame, no
 local memory), with its registers reported. About 25 s.
@@ -25,7 +25,7 @@ ROW = re.compile(r"^\| (?P<name>[^|]+) \| (?P<regs>\d+) \| (?P<stack>\d+) \| (?P
 def test_every_kernel_compiles_for_sm80_and_sm90_exact_vectorized_and_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences Triton 3.9's notice; the kernels set their own
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "triton_compile_check.py"), "--quick",
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "scripts", "triton_compile_check.py"), "--quick",
                            "--arch", "80", "--arch", "90"], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -1,4 +1,4 @@
-"""What only a GPU can check of the Triton template's grouped steps (tools/gpu_check.sh runs these; elsewhere
+"""What only a GPU can check of the Triton template's grouped steps (tools/scripts/gpu_check.sh runs these; elsewhere
 they skip): a step captured in a CUDA graph, with hyper and seeds on the device and gradients (and, for a
 rule that writes its direction, outs) allocated inside the capture, replays exactly as the eager step, bit
 for bit; and no step, the first included, ever waits for the device (torch's sync debug mode raises on any

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO checkpoints: info, convert and expand of real DeepSpeed files (tests/fixtures/zero/, made
-by tools/make_zero_fixtures.py: a 1,928-parameter MLP, 3 AdamW steps, 2 ranks, ZeRO stage 1, 2, 3 and
+by tools/scripts/make_zero_fixtures.py: a 1,928-parameter MLP, 3 AdamW steps, 2 ranks, ZeRO stage 1, 2, 3 and
 stage 2 with bf16), without DeepSpeed installed. The end-to-end test at the bottom trains, converts,
 expands and resumes with real DeepSpeed (skipped unless deepspeed is importable)."""
 
@@ -298,7 +298,7 @@ def test_deepspeed_resumes_from_expanded_files_with_the_losses_of_an_uninterrupt
     """ZeRO 1, 2, 3 and a universal checkpoint of stage 2: 8 steps uninterrupted, saved after 4; the
     optimizer files converted, the fp32 ones deleted, expanded back, and DeepSpeed resumes from them."""
     pytest.importorskip("deepspeed")
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools", "scripts"))
     from make_zero_fixtures import universal
     from zero_worker import launch
 
