@@ -176,7 +176,7 @@ int ckq_quantize(const void *src, int dtype, int64_t row_len, int64_t block, int
 
 /* Fault in the pages of [p, p + bytes) for writing in one call (Linux 5.14+; a no-op elsewhere or on
  * error). On freshly mapped output this is measurably faster than faulting page by page from the loop:
- * with 2 MB pages 16 MB of output went from 12 to 9 ms on 2 threads (tools/bench_codec.py). */
+ * with 2 MB pages 16 MB of output went from 12 to 9 ms on 2 threads (tools/bench/codec.py). */
 static void prefault(void *p, int64_t bytes) {
 #ifdef __linux__
     uintptr_t start = (uintptr_t)p & ~(uintptr_t)4095, end = ((uintptr_t)p + (uintptr_t)bytes + 4095) & ~(uintptr_t)4095;

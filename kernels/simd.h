@@ -304,7 +304,7 @@ SIMD_INLINE void encode_block(const float *x, int len, float absmax, const int32
 
 /* 8-bit codes to nearest of two blocks in one loop (the step's ratio and sqrt(v), each with its scale and code
  * table): two independent table reads in flight and one loop's overhead instead of two
- * (tools/bench_kernels.py measures the step with it). */
+ * (tools/bench/cpu_kernels.py measures the step with it). */
 static inline void encode_nearest8_pair(const float *x0, const float *x1, int len, float absmax0, float absmax1,
                                  const int32_t *table0, const int32_t *table1, uint8_t *codes0, uint8_t *codes1) {
     float safe0 = absmax0 > 0.0f ? absmax0 : 1.0f, safe1 = absmax1 > 0.0f ? absmax1 : 1.0f;

@@ -193,7 +193,7 @@ def search_tree(thresholds: torch.Tensor) -> torch.Tensor:
     return thresholds[_TREE_ORDER[key]]
 
 
-TILE_ELEMENTS = 2048  # elements per program: ROWS blocks of BLOCK (tools/bench_triton.py --sweep tries others)
+TILE_ELEMENTS = 2048  # elements per program: ROWS blocks of BLOCK (docs/design.md, "Finished experiments": the sweep that chose it)
 TILE_WARPS = 4  # warps per program of TILE_ELEMENTS (twice as many for the one 4096-element block)
 
 

@@ -29,7 +29,7 @@ from .contract import KERNEL_DTYPES, is_flat, layout_rows, num_blocks
 
 _TILE, _DENSE_WARPS = 2048, 4  # elements and warps per program of the dense step
 # unaligned tiles run on twice the warps: their masked scalar loads and stores (of packed codes) hold more
-# registers per element, and at 16 elements per thread three slots spill (tools/triton_compile_check.py)
+# registers per element, and at 16 elements per thread three slots spill (tools/scripts/triton_compile_check.py)
 UNALIGNED_WARPS = 2
 _KEY = "triton"  # this backend's entry in a group's cache
 

@@ -13,11 +13,12 @@ ROOT = Path(__file__).resolve().parent.parent
 FORMAT_KEYS = {"ckptq.format", "ckptq.version", "ckptq.skeleton", "ckptq.info", "ckptq.tensors",
                "ckptq.header_crc32", "ckptq.shards", "ckptq.shard"}
 DOTTED = re.compile(r"`{1,2}(ckptq(?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
-PATH = re.compile(r"\b((?:ckptq|kernels|tools|tests|docs)/[A-Za-z0-9_/.-]+\.(?:py|md|c|h|sh))\b")
+PATH = re.compile(r"\b((?:ckptq|kernels|tools|tests|docs)/(?:[a-z0-9_-]+/)*[a-z0-9_-]+\.(?:py|md|c|h|sh))\b")
 
 
 def _sources() -> list[Path]:
-    found = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+    """The pages and code a reader follows; docs/notes/ is history, its paths as they were then."""
+    found = [ROOT / "README.md", *(p for p in (ROOT / "docs").rglob("*.md") if "notes" not in p.parts)]
     for folder in ("ckptq", "kernels", "tools"):
         found += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".c", ".h", ".sh", ".md")]
     return found

@@ -73,7 +73,7 @@ def power_map(signed: bool, exponent: float, bits: int = 8) -> torch.Tensor:
 # Max, 1960) for y = x / max|x| over blocks of 128 Gaussian values, with -1, 0 and +1 held fixed (the
 # block's extreme is exact, and an all-zero block still has the code of 0): 200 Lloyd iterations on
 # 40,000 blocks of torch.randn (seed 0), rounded to 4 digits. Seven levels below zero, eight above (16
-# in all). On the ratios of real Adam states (tools/fidelity.py) its worst-tensor error was lower than
+# in all). On the ratios of real Adam states (tools/bench/fidelity.py) its worst-tensor error was lower than
 # power maps' (|k/7|^e, e = 1..2) and than a Lloyd fit to those ratios themselves.
 LLOYD_GAUSSIAN_128 = (-1.0, -0.7417, -0.5674, -0.4288, -0.3097, -0.2014, -0.0991, 0.0,
                       0.0867, 0.1752, 0.268, 0.3676, 0.4785, 0.6073, 0.7685, 1.0)
@@ -86,7 +86,7 @@ def lloyd_gaussian_map() -> torch.Tensor:
 
 # The 6-bit ratio codebook of the 4-bit budget (64 entries, -1, 0 and +1 held fixed): built as
 # LLOYD_GAUSSIAN_128, 100 Lloyd iterations on 20,000 blocks of 128 torch.randn values (seed 0;
-# tools/bit_split.py ``lloyd_map(64)``), rounded to 4 digits. 31 levels below zero, 32 above.
+# ``lloyd_map(64)`` of the bit-split experiment, docs/design.md "Finished experiments"), rounded to 4 digits. 31 levels below zero, 32 above.
 LLOYD_GAUSSIAN_128_6BIT = (
     -1.0, -0.957, -0.9166, -0.8776, -0.8412, -0.806, -0.7725, -0.7396, -0.708, -0.6766, -0.6454, -0.6146,
     -0.5837, -0.5534, -0.5232, -0.4925, -0.4621, -0.4319, -0.4013, -0.3709, -0.3406, -0.31, -0.2795, -0.2489,

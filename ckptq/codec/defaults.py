@@ -10,7 +10,7 @@ DEFAULT_MIN_SIZE = 4096  # smaller states stay exact fp32: their codebooks and s
 BLOCK_SIZES = tuple(2**k for k in range(6, 13))  # 64 ... 4096: values per absmax scale
 # What users choose: bits per value on average over a param's two moments (``policy.convert_width`` gives
 # each state of a converted file its width), and the block size by that budget, chosen by update fidelity
-# (tools/fidelity.py): 4 bits at block 128 keep the two moments at 1.0625 bytes per parameter.
+# (tools/bench/fidelity.py): 4 bits at block 128 keep the two moments at 1.0625 bytes per parameter.
 BUDGETS = (8, 4)
 DEFAULT_BLOCK_SIZES = {8: 256, 4: 128}
 DEFAULT_BLOCK_SIZE = DEFAULT_BLOCK_SIZES[8]

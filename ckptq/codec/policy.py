@@ -59,7 +59,7 @@ class Policy:
         return CODEBOOKS[self.codebook]()
 
 
-# Chosen by the Adam *update* error u = m_hat / (sqrt(v_hat) + eps) (tools/fidelity.py, figures in
+# Chosen by the Adam *update* error u = m_hat / (sqrt(v_hat) + eps) (tools/bench/fidelity.py, figures in
 # README): an element's share of ||u|| does not shrink with its magnitude, so small entries of a
 # block need relative precision, and large ones most of the codes.
 # Second moments are stored as sqrt(v) on an unsigned power map (sqrt(v)/absmax = (k/255)**3): a
@@ -80,7 +80,7 @@ RATIO_POLICY = Policy("power-signed-1.5", RATIO_TRANSFORM)
 # block-normalized Gaussian values (codebooks.LLOYD_GAUSSIAN_128). Second moments keep the sqrt transform
 # on 1.3**(k - 15): the step rounds them stochastically, and on (k/15)**3 (gaps of 8x near 0, a level at
 # 0) that put small elements' sqrt(v) a factor of several off; equal 30% gaps and no zero kept resumed
-# training within 0.1% of fp32 on three seeds, where (k/15)**3 reached 0.102% (tools/resume_fidelity.py).
+# training within 0.1% of fp32 on three seeds, where (k/15)**3 reached 0.102% (tools/bench/resume_fidelity.py).
 POLICIES_4BIT = {
     "exp_avg": Policy("4bit-power-signed-1.5", "none"),
     "exp_avg_sq": Policy("4bit-geometric-1.3", "sqrt"),
@@ -97,7 +97,7 @@ RATIO_POLICIES = {8: RATIO_POLICY, 6: Policy("6bit-lloyd-gaussian", RATIO_TRANSF
 
 # The roles of other optimizers than Adam (``ckptq.codec.roles``), by code width. Chosen by the update error
 # of one real step of each optimizer from the decoded state, on checkpoints of a tiny GPT trained 300 steps
-# with it (tools/optimizer_fidelity.py --sweep; the table is in docs/FORMAT.md, "Roles"):
+# with it (tools/bench/optimizer_fidelity.py --sweep; the table is in docs/FORMAT.md, "Roles"):
 # - first moments alone: at 8 bits ±(k/127)^1.5 was best on all six optimizers (SGD 0.51% worst tensor,
 #   Muon 6.4%, Lion 7.2%, against 0.58%, 8.2%, 8.3% on Adam's ±(k/127)^2.5 and 0.88%, 10.1%, 9.2% on
 #   bitsandbytes' dynamic map); at 4 bits the 16-level Lloyd-Max map (SGD 7.6% against 8.3% for ±(k/7)^1.5).
@@ -143,7 +143,7 @@ def convert_width(bits: int, key: str, ratio: bool = False, divisor: bool = Fals
 
     Why 6 + 2 in a file: the update error a checkpoint carries is the ratio's own rounding error (v's
     cancels out), and at 4 bits per value no code brings it below 6.25% (a Gaussian's rate-distortion
-    bound); 6 bits reach 2.3-2.6% where 4 gave 9-10% (bitsandbytes 8-bit: 3.0-6.7%; tools/fidelity.py).
+    bound); 6 bits reach 2.3-2.6% where 4 gave 9-10% (bitsandbytes 8-bit: 3.0-6.7%; tools/bench/fidelity.py).
 
     Why not in training: the 4-bit optimizer requantizes its state at every step, and sqrt(v) on 4 levels
     cannot follow v (README): rounded to nearest, each element's level freezes where the first steps put

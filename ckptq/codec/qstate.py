@@ -35,7 +35,7 @@ stored as r = m / (sqrt(v) + eps') (exact v), and decoded as m_q = r_q * (s_q + 
 the *decoded* sqrt-domain value of the sibling second moment (``divisor``). With eps' = eps *
 sqrt(1 - beta2^step), the update computed from the decoded states is m_q / (s_q + eps') ~ r_q: v's
 quantization error cancels out of the update, which only carries r's own 8-bit error. Measured on a 400-step
-checkpoint (tools/fidelity.py): worst tensor update error 1.04% instead of 1.82% with independent
+checkpoint (tools/bench/fidelity.py): worst tensor update error 1.04% instead of 1.82% with independent
 power maps, bitsandbytes 6.7%. r is bounded (|m_hat| / sqrt(v_hat) <= ~1 for Adam), so a mild power map
 suits it.
 """

@@ -25,7 +25,7 @@ Here the same count is taken tensor by tensor, so that it also holds for other w
 Full activation checkpointing (one checkpoint per layer) keeps each layer's input, ``p*s*b*h`` per layer
 (Korthikanti's 2sbhL), and during the backward recomputes one layer at a time, whose activations are
 added once. The backward begins with the loss: the gradient of the log-probabilities and of the logits,
-fp32, while the log-probabilities are released; measured (torch's MemTracker, tools/estimate_check.py),
+fp32, while the log-probabilities are released; measured (torch's MemTracker, tools/bench/estimate_check.py),
 this adds 4·V bytes per token to the activations at the start of the backward, the peak of a step.
 """
 

@@ -29,9 +29,9 @@ FP32_MOMENTS = 8  # AdamW: exp_avg + exp_avg_sq, fp32
 # 1.06 bytes per parameter for both moments (``convert --bits 4`` stores 6 + 2 bits: the same bytes).
 FOUR_BIT = {"bits": 4, "block_size": 128}
 # The lossless stage (``convert --compress``), measured per role with ``ckptq info --json`` on
-# ``tools/make_checkpoint.py --size small --steps 400`` converted with and without ``--compress``: the
+# ``tools/scripts/make_checkpoint.py --size small --steps 400`` converted with and without ``--compress``: the
 # weights (and the few states kept fp32) 10.40 -> 8.76 MB, 1.19x (as MiniLM's pretrained fp32 weights in
-# tools/bench_compress.py); the 8-bit moments 5.22 -> 4.88 MB, 1.07x (ratio-encoded first-moment codes
+# tools/bench/compress.py); the 8-bit moments 5.22 -> 4.88 MB, 1.07x (ratio-encoded first-moment codes
 # are near their entropy and stay raw; the second moment's codes shrink ~1.14x). bf16 weights do better.
 COMPRESS_GAIN = {"weights": 1.19, "moments": 1.07}
 

@@ -46,7 +46,7 @@ _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 # Strategy "fast" with min_match 7 finds almost no matches in byte planes and leaves zstd's Huffman
 # literal coder to do the work: on MiniLM fp32 weights the exponent plane reaches 2.87x at ~230 MB/s,
-# against 2.45x at 67 MB/s for level 3 and 2.99x at 1.3 MB/s for level 19 (tools/bench_compress.py).
+# against 2.45x at 67 MB/s for level 3 and 2.99x at 1.3 MB/s for level 19 (tools/bench/compress.py).
 _ENTROPY_PROFILE = dict(window_log=20, strategy=zstandard.STRATEGY_FAST, min_match=7, hash_log=17, search_log=1)
 
 

@@ -6,7 +6,7 @@ processes hits both alike); prints medians and ratios as a markdown table.
     python tools/bench/codec.py --numel 16777216 --rounds 7
 
 Tensors: an Adam first moment (randn * 1e-3; ckptq: signed map) and a second moment spread over six
-decades (randn^2 * 10^U(-8, -2); ckptq: sqrt transform + unsigned map, as ``ckptq.qstate`` stores it).
+decades (randn^2 * 10^U(-8, -2); ckptq: sqrt transform + unsigned map, as ``ckptq.codec.qstate`` stores it).
 bitsandbytes uses its default dynamic map on both, at the same block size. The ckptq 4-bit column runs the
 same operations with ``bits=4`` (16-entry codebooks at block 128: the 4-bit optimizer's layout;
 ``convert --bits 4`` writes 6- and 2-bit codes); its ratio is against ckptq's own 8-bit figure.

