@@ -18,45 +18,7 @@
 #define CKQ_CODEC_ONLY  /* the codec, without the steps (much faster to compile) */
 #include "cpu_kernels.c"
 
-#include <stdio.h>
-#include <stdlib.h>
-
-static void *read_file(const char *path, size_t *size) {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        fprintf(stderr, "cannot open %s\n", path);
-        exit(1);
-    }
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    void *p = malloc((size_t)n + 64);
-    if (!p || fread(p, 1, (size_t)n, f) != (size_t)n) {
-        fprintf(stderr, "cannot read %s\n", path);
-        exit(1);
-    }
-    fclose(f);
-    if (size) *size = (size_t)n;
-    return p;
-}
-
-static void write_file(const char *path, const void *p, size_t n) {
-    FILE *f = fopen(path, "wb");
-    if (!f || fwrite(p, 1, n, f) != n) {
-        fprintf(stderr, "cannot write %s\n", path);
-        exit(1);
-    }
-    fclose(f);
-}
-
-/* A buffer of exactly n bytes at the end of a page-sized allocation's tail is not needed: the tests give
- * sizes that end mid-block, and a read past the codes' last byte would show as a wrong bit, not a crash.
- * Fill outputs with a pattern, so that a byte the kernel should write and does not shows up. */
-static void *filled(size_t n) {
-    void *p = malloc(n + 64);
-    memset(p, 0xA5, n + 64);
-    return p;
-}
+#include "driver_io.h"
 
 typedef struct { int64_t rows, row_len, per_row, blocks, row_bytes; } layout_t;
 
@@ -103,8 +65,8 @@ int main(int argc, char **argv) {
             float *absmax = filled((size_t)l.blocks * 4);
             check(ckq_quantize(src, (int)dtype, row_len, block, 0, l.blocks, (int)sqrt_t, table, codes, absmax,
                                (int)bits, thr), "ckq_quantize");
-            write_file(a[3], codes, (size_t)(l.rows * l.row_bytes));
-            write_file(a[4], absmax, (size_t)l.blocks * 4);
+            write_back(a[3], codes, (size_t)(l.rows * l.row_bytes));
+            write_back(a[4], absmax, (size_t)l.blocks * 4);
         } else if (!strcmp(op, "dequantize")) {
             if (sscanf(line, "%*s %1023s %1023s %1023s %lld %lld %lld %lld %lld %1023s", a[0], a[1], a[2], &n, &row_len,
                        &block, &sqrt_t, &bits, a[3]) != 9)
@@ -113,7 +75,7 @@ int main(int argc, char **argv) {
             float *out = filled((size_t)n * 4);
             check(ckq_dequantize(read_file(a[0], 0), read_file(a[1], 0), read_file(a[2], 0), row_len, block, 0,
                                  l.blocks, (int)sqrt_t, out, 0, (int)bits), "ckq_dequantize");
-            write_file(a[3], out, (size_t)n * 4);
+            write_back(a[3], out, (size_t)n * 4);
         } else if (!strcmp(op, "stochastic")) {
             if (sscanf(line, "%*s %1023s %lld %lld %lld %lld %1023s %1023s %1023s %lld %lld %1023s %1023s", a[0], &n,
                        &row_len, &block, &bits, a[1], a[2], a[3], &seed, &high, a[4], a[5]) != 12)
@@ -135,20 +97,20 @@ int main(int argc, char **argv) {
                 encode_block(x + off, len, absmax[b], table, codes + rows_code_byte(&at, (int)bits), (int)bits, q, h,
                              (int)high, thr);
             }
-            write_file(a[4], codes, (size_t)(l.rows * l.row_bytes));
-            write_file(a[5], absmax, (size_t)l.blocks * 4);
+            write_back(a[4], codes, (size_t)(l.rows * l.row_bytes));
+            write_back(a[5], absmax, (size_t)l.blocks * 4);
         } else if (!strcmp(op, "load")) {
             if (sscanf(line, "%*s %1023s %lld %lld %1023s", a[0], &dtype, &n, a[1]) != 4)
                 return fprintf(stderr, "bad line: %s", line), 1;
             float *out = filled((size_t)n * 4);
             load_block(read_file(a[0], 0), 0, (int)n, (int)dtype, 0, out);
-            write_file(a[1], out, (size_t)n * 4);
+            write_back(a[1], out, (size_t)n * 4);
         } else if (!strcmp(op, "store")) {
             if (sscanf(line, "%*s %1023s %lld %lld %1023s", a[0], &n, &dtype, a[1]) != 4)
                 return fprintf(stderr, "bad line: %s", line), 1;
             uint16_t *out = filled((size_t)n * 2);
             store_block(out, 0, (int)n, (int)dtype, read_file(a[0], 0));
-            write_file(a[1], out, (size_t)n * 2);
+            write_back(a[1], out, (size_t)n * 2);
         } else if (!strcmp(op, "partial")) {
             if (sscanf(line, "%*s %1023s %lld %1023s", a[0], &n, a[1]) != 3)
                 return fprintf(stderr, "bad line: %s", line), 1;
@@ -166,7 +128,7 @@ int main(int argc, char **argv) {
                 for (int j = k; j < VL; j++)
                     if (f2u(lanes[j]) != 0) return fprintf(stderr, "v_load_n(%d) left lane %d nonzero\n", k, j), 1;
             }
-            write_file(a[1], out, (size_t)(n + 16) * 4);
+            write_back(a[1], out, (size_t)(n + 16) * 4);
         } else {
             return fprintf(stderr, "unknown operation: %s", line), 1;
         }
