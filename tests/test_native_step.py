@@ -6,9 +6,11 @@ and 2 (alone and mixed), one group of three members per case: the flat layout en
 that end in short blocks, rows of whole blocks (sizes that leave every vector path a partial vector), fp32 /
 bf16 / fp16 params and grads, nearest and stochastic rounding, NaN and Inf in gradients and parameters; the
 transforms as optimizers declare them and as older files store them; the fp32 states of small parameters.
-Each case runs on every build of tests/test_native.py's ``build`` fixture: this CPU's, scalar C
-(x86-64-v2), AVX2 and AVX-512 builds where the CPU has them. The aarch64 NEON path runs the same cases
-under qemu (tests/test_simd_driver.py, from ``make_group``).
+Each case runs here, through ctypes, on every build of tests/test_native.py's ``build`` fixture that this
+machine can load: this CPU's, scalar C (x86-64-v2), AVX2 and AVX-512 builds where the CPU has them. The
+builds it cannot load (aarch64 NEON and aarch64 scalar C under qemu-user, beside the x86 ones) run the same
+cases (this module's ``FLAG_WORDS``, ``VARIANTS``, ``UNSHAPED``, ``make_group``, ``make_dense``) through a
+standalone driver: tests/test_step_driver.py.
 """
 
 from __future__ import annotations

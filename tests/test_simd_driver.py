@@ -11,8 +11,8 @@ Operations: quantize and dequantize at every width (8, 6, 4, 2), transform (none
 dtype (fp32, bf16, fp16), flat and in rows with short last blocks, codes of 4 and 2 bits from the
 code table and from the thresholds; stochastic rounding's encode (hashes of the elements' indices,
 either half) at every width; the 16-bit <-> fp32 conversions; the partial vectors (v_load_n, v_store_n)
-a block's last len % VL values take. Values: many decades, zeros, -0.0,
-subnormals, NaN, +-inf, and every threshold of the codebook with its neighbours (blocks whose absmax is 1).
+a block's last len % VL values take (the steps: tests/test_step_driver.py, on the same targets). Values:
+many decades, zeros, -0.0, subnormals, NaN, +-inf, and every threshold of the codebook with its neighbours (blocks whose absmax is 1).
 """
 
 from __future__ import annotations
