@@ -335,7 +335,7 @@ def _mutate_indexes(trials: int, rng: random.Random, workdir: str, counts, examp
             examples.append(f"sharded index {key}: {detail}")
 
 
-# --- DCP folders and DeepSpeed checkpoints (issue #21) ------------------------------------------------------
+# --- DCP folders and DeepSpeed checkpoints ----------------------------------------------------------------
 # Outcomes of one trial, over every command that reads the input (info, convert, expand): "refused" (each
 # a one-line CkptqError), "loaded" (some succeeded: damaged data bytes carry no checksum in DCP or
 # DeepSpeed files), and what must never happen: "ran code" (a marker folder appeared), "wrote unsafe" (an
@@ -567,7 +567,7 @@ class Shadowed:
 def _shadowed_metadata(folder: str, rng: random.Random) -> str:
     """Stored items pointed outside the folder, behind state that hides them from a check that iterates:
     a container pickled as an OrderedDict whose instance state shadows one of its methods, or a metadata
-    object carrying attributes beyond its fields (issue #27, item 1)."""
+    object carrying attributes beyond its fields."""
     target = rng.choice(["../victim/__0_0.distcp", "/etc/passwd", "__0_0.distcp"])
     where = []
 

@@ -1,4 +1,4 @@
-"""What ckptq removes and replaces (issue #34, items 1 and 3): seeded campaigns over signpost folders and
+"""What ckptq removes and replaces (signposts, ``--replace``): seeded campaigns over signpost folders and
 the in-place ``--replace``, each trial ending "refused" (one ``ckptq: error:`` line, exit neither 0 nor 70,
 nothing changed on disk), "handled" (the command did what it should, or after a kill the name holds a
 complete checkpoint and a later run cleaned up) or "other" (what must never happen: a folder ckptq did not

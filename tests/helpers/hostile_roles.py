@@ -1,4 +1,4 @@
-"""Hostile optimizer state read by role (issue #34, items 2, 5 and 6): seeded campaigns whose trials each
+"""Hostile optimizer state read by role (foreign 8-bit views, odd groups, names): seeded campaigns whose trials each
 end "refused" (every call a one-line typed error, exit neither 0 nor 70, the input unchanged, nothing
 written), "handled" (the calls succeed, their outputs bounded by the input's bytes) or "other" (what must
 never happen: exit 70 or another exception, a traceback, several lines, an allocation out of proportion to

@@ -1,4 +1,4 @@
-"""Hostile torch.save files (issue #27, items 2, 3 and 5): a seeded campaign over the zip records, the
+"""Hostile torch.save files: a seeded campaign over the zip records (cut, extended, doubled, aliased), the
 pickled state of the objects inside, and tensors whose views repeat their bytes. Every trial runs
 ``info``, ``convert`` and ``expand`` (and ``convert --bits 4`` of a ckptq file holding the same object);
 what must never happen: a traceback, a hang, an output that no input bytes back (larger than the

@@ -69,7 +69,7 @@ SKELETON_EDITS = {
     "stride out of bounds": ('"offset": 0, "stride": [1, 3]', '"offset": 0, "stride": [1, 30]', "reaches element"),
     "negative stride": ('"offset": 0, "stride": [1, 3]', '"offset": 0, "stride": [1, -3]', "invalid stride"),
     "huge offset": ('"offset": 0, "stride": [1, 3]', '"offset": 1000000000000, "stride": [1, 3]', "reaches element"),
-    # #27.8: views that torch.save writes but torch.load cannot read back
+    # views that torch.save writes but torch.load cannot read back
     "stride 2**70": ('"offset": 0, "stride": [1, 3]', '"offset": 0, "stride": [1, 1180591620717411303424]', "invalid stride"),
     "offset 2**70 of an empty view": ('"shape": [3, 2], "data": "model/pos", "offset": 0, "stride": [1, 3]',
                                       '"shape": [0, 2], "data": "model/pos", "offset": 1180591620717411303424, "stride": [1, 3]',
@@ -334,7 +334,7 @@ def test_a_flip_anywhere_in_the_header_is_reported_as_a_header_checksum_failure(
 
 @pytest.mark.parametrize("dtype", [torch.qint8, torch.quint8, torch.qint32])
 def test_tensors_ckptq_could_not_read_back_are_refused_before_writing(tmp_path, dtype):
-    """#27.8: a qint8 moment: convert exited 0 and ckptq's own reader then called the output corrupt."""
+    """A qint8 moment: convert exited 0 and ckptq's own reader then called the output corrupt."""
     import warnings
 
     from click.testing import CliRunner

@@ -1,4 +1,4 @@
-"""Hostile torch.distributed.checkpoint folders (issue #21, items 1, 2 and 6): a folder someone else wrote
+"""Hostile torch.distributed.checkpoint folders: a folder someone else wrote
 runs no code, reads nothing outside itself, never hangs, and every refusal is one line (InputError, exit 3),
 in ``ckptq info`` / ``convert`` / ``expand``, under ``torchrun -m ckptq convert``, and in a user's own
 ``dcp.load`` through ``ckptq.dcp.SafeFileSystemReader`` and ``ckptq.dcp.LowBitLoadPlanner``."""
@@ -86,7 +86,7 @@ def test_metadata_globals_are_matched_by_exact_name(tmp_path):
     refused_by_cli(["info", folder], "needs torch.load, which DCP metadata never holds")
 
 
-# --- #27 item 1: containers whose pickled state hides entries from a check that iterates them ------------
+# --- containers whose pickled state hides entries from a check that iterates them ---------------------
 
 def _hide_behind(where: str, name: str, target: str):
     """Point every stored item at ``target`` and pickle ``where`` (a Metadata field) as an OrderedDict whose
@@ -359,7 +359,7 @@ def test_honest_folder_info_convert_expand_still_work(tmp_path):
 def test_dcp_campaign_runs_no_code_never_hangs_and_refuses_in_one_line(tmp_path):
     """Bit flips and truncations of .metadata and .distcp, crafted metadata values, crafted pickles in
     .metadata and in byte entries, odd 8-bit state fields, FIFOs, containers and objects whose pickled
-    state hides entries (#27): 25 folders of each kind, in a child
+    state hides entries: 25 folders of each kind, in a child
     with a time limit."""
     code = ("import json, logging, warnings; from tests.helpers import hostile; "
             "warnings.filterwarnings('ignore'); logging.disable(logging.CRITICAL); "
@@ -411,7 +411,7 @@ def test_olmo_core_storage_info_is_read_by_name_without_importing_olmo_core(tmp_
     assert back["optimizer"]["state"]["w"]["exp_avg"].abs().sum() > 0
 
 
-# --- #27 items 4 and 5: small metadata that claims much, or costs quadratic time ---------------------------
+# --- small metadata that claims much, or costs quadratic time --------------------------------------------
 
 def _strips(key: str, a: int, shared_bytes: bool, data_file: str | None = None):
     """Tensor ``key`` as ``a`` row strips of its left half plus ``a`` column strips of its right half

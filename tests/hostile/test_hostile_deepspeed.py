@@ -1,7 +1,8 @@
-"""Hostile DeepSpeed ZeRO checkpoints (issue #21, items 3 and 10): ckptq reads only the globals DeepSpeed
+"""Hostile DeepSpeed ZeRO checkpoints: ckptq reads only the globals DeepSpeed
 writes, with plain arguments and state, and writes nothing else back (DeepSpeed loads its files with full
 unpickling, so an expanded file must hold nothing a crafted input put there); ``latest`` names a folder
-beside it; deeply nested pickles are one-line errors. Fixtures: tests/fixtures/zero (see test_zero.py)."""
+beside it; deeply nested pickles are one-line errors. Fixtures: tests/fixtures/zero (see
+tests/deepspeed/test_zero.py)."""
 
 import collections
 import io
@@ -263,7 +264,7 @@ def test_zero_campaign_runs_no_code_writes_nothing_unsafe_and_refuses_in_one_lin
         assert res[kind] == {"refused": 20}, (kind, res[kind])
 
 
-# --- #27 item 11: the set of rank files ------------------------------------------------------------------
+# --- the set of rank files ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stray", ["zero_pp_rank_01_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_0_optim_states.pt",
                                    "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"])

@@ -1,6 +1,6 @@
 """Every hyperparameter of every bundled optimizer, given every kind of bad value, at construction and in a
-loaded state dict's param group (issue #34 item 4: the one-state optimizers refuse what AdamW8bit refuses;
-the engine checks them once for every optimizer). Each trial is refused in one typed error naming the value
+loaded state dict's param group (the one-state optimizers refuse what AdamW8bit refuses; the engine
+checks them once for every optimizer). Each trial is refused in one typed error naming the value
 (``ArgumentError`` at construction, ``StateMismatchError`` at load, both ``ValueError``s) with the optimizer
 unchanged, or is accepted and then steps to finite parameters. Anything else (a raw exception, a traceback
 from deep inside, NaN/Inf parameters) is a failure, with one allowance: a huge but finite value (1e30, 3e38)
@@ -103,8 +103,9 @@ def test_unhashable_parameter_ids_are_refused_in_one_line(cls):
         opt.load_state_dict(sd)
 
 
-def test_the_issues_cases():
-    """#34 item 4's list, named."""
+def test_huge_or_non_finite_step_scalars_of_the_one_state_optimizers_are_refused():
+    """Named cases: an lr, weight decay or momentum of 1e30..3e38 whose step scalars overflow fp32, and
+    Muon's Newton-Schulz coefficients NaN, inf, huge or not numbers."""
     p = [torch.nn.Parameter(torch.randn(64, 96))]
     cases = [(optim.SGD8bit, dict(lr=3e38, momentum=0.9)), (optim.SGD8bit, dict(lr=0.1, weight_decay=3e38)),
              (optim.SGD8bit, dict(lr=1e10, weight_decay=1e30)), (optim.SGD8bit, dict(lr=0.1, momentum=1e30)),

@@ -1,4 +1,4 @@
-"""What ckptq removes and replaces (issue #34, items 1 and 3): a folder is ckptq's signpost only while it holds
+"""What ckptq removes and replaces: a folder is ckptq's signpost only while it holds
 exactly what ckptq wrote there, and nothing else is ever removed; the in-place ``--replace`` keeps the name
 at every instant, refuses a damaged or symlinked original, and a killed run's leftovers go with the next run.
 The seeded campaigns of tests/helpers/hostile_replace.py run in a child (the kill campaign forks)."""

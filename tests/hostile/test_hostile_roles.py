@@ -1,4 +1,4 @@
-"""Hostile optimizer state read by role (issue #34, items 2, 5 and 6): each case of the issue refused in one
+"""Hostile optimizer state read by role: zero-stride and overlapping views, odd groups and names, each refused in one
 line (never exit 70, never an allocation out of proportion to the input), and the seeded campaigns of
 tests/helpers/hostile_roles.py, run under a memory limit."""
 

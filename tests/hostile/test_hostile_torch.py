@@ -1,4 +1,4 @@
-"""Hostile torch.save files (issue #27, items 2, 3 and 5): what ckptq reads is what a strict torch.load
+"""Hostile torch.save files (zip records, pickled state, views): what ckptq reads is what a strict torch.load
 reads, or it refuses in one line; nothing it writes holds more than the input's bytes back."""
 
 import json

@@ -1,7 +1,7 @@
-"""The optimizers' ``rounding`` option: "stochastic" at 8 bits (issue #31: round-to-nearest loses the small
-increments of a rarely updated second moment), deterministic given the step counts and the parameters'
-indices: the same bits on every backend and after a resume, and unbiased; "auto" keeps 8-bit codes rounded
-to nearest and narrower ones stochastic."""
+"""The optimizers' ``rounding`` option: "stochastic" at 8 bits (round-to-nearest loses the small
+increments of a rarely updated second moment, such as a byte embedding's), deterministic given the step
+counts and the parameters' indices: the same bits on every backend and after a resume, and unbiased;
+"auto" keeps 8-bit codes rounded to nearest and narrower ones stochastic."""
 
 import os
 
@@ -48,7 +48,7 @@ def test_stochastic_rounding_at_8_bits_is_the_same_on_every_backend_and_after_a_
 
 def test_stochastic_rounding_keeps_small_increments_that_nearest_loses():
     """A second moment that grows by a tenth of a code step per step: rounded to nearest it never leaves its
-    code, rounded stochastically its mean follows the increments (the byte-embedding bias of #31)."""
+    code, rounded stochastically its mean follows the increments (the bias a rarely updated byte embedding shows)."""
     means = {}
     for rounding in ("nearest", "stochastic"):
         p = torch.nn.Parameter(torch.zeros(64, 256))

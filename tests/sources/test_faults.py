@@ -134,7 +134,7 @@ def test_kill_9_leaves_recognisable_temps_that_the_next_write_removes(point, ckp
 
 
 def test_cleanup_removes_only_temps_a_dead_run_recorded(tmp_path, monkeypatch):
-    """A name proves nothing (#27.6: a user's ``.report.txt.ckptq-tmp-<host>-4000000-mine.tmp`` was deleted by
+    """A name proves nothing (a user's ``.report.txt.ckptq-tmp-<host>-4000000-mine.tmp`` was deleted by
     any convert into its folder): only a file a finished ckptq process recorded, still the same file
     (device, inode), is removed."""
     import json

@@ -1,4 +1,4 @@
-"""What a new user meets in the first hour (issue #22): info that tells the truth about every kind of input,
+"""What a new user meets in the first hour: info that tells the truth about every kind of input,
 a CLI that answers without importing torch, ckptq.optim after a plain `import ckptq`, one error line under
 torchrun, and a whole run's folder converted in one command."""
 

@@ -1,4 +1,4 @@
-"""Where outputs may go and what --replace may delete (issue #21, cases 4 and 5): no output path removes
+"""Where outputs may go and what --replace may delete: no output path removes
 anything ckptq did not write, an output never lies on, around or inside its input, and --replace deletes
 only the very file it converted and checked."""
 
@@ -106,7 +106,7 @@ def test_replace_of_a_dcp_folder_checks_the_output_then_removes_the_source(tmp_p
     assert r.exit_code == 0 and not (tmp_path / "q8").exists() and (tmp_path / "back" / ".metadata").exists()
 
 
-# --- #27 item 6: files ckptq did not write are never removed or overwritten ---------------------------------
+# --- files ckptq did not write are never removed or overwritten ---------------------------------------------
 
 def test_expand_in_place_leaves_a_users_file_of_the_old_temp_name_alone(tmp_path):
     """`expand checkpoint-4 --replace` with a user's `.optimizer.pt.ckptq-expand.tmp` there deleted it."""
@@ -191,7 +191,7 @@ def test_convert_all_replace_never_follows_a_link_out_of_the_run(tmp_path):
         (run_dir / "checkpoint-1" / "optimizer.q8.safetensors").exists()
 
 
-# --- #27 item 7: a failure message says what is on disk ----------------------------------------------------
+# --- a failure message says what is on disk -------------------------------------------------------------
 
 def test_a_failure_after_the_output_was_written_says_so(tmp_path, monkeypatch):
     """A DCP folder holding a dangling symlink under convert --replace exited 7 "no output was written"
