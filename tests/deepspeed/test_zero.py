@@ -187,7 +187,7 @@ def _foreign_object(save):
     (_extra_rank, "3 rank files per model-parallel rank, but they were written by 2 ranks"),
     (_damaged_rank, "is not a readable torch checkpoint"),
     (_bad_latest, "names tag 'global_step9', but"),
-    (_foreign_object, "needs arbitrary unpickling of test_zero.UserConfig"),
+    (_foreign_object, f"needs arbitrary unpickling of {__name__}.UserConfig"),  # this module, as pickle names it
 ])
 def test_bad_checkpoints_are_one_line_errors_and_nothing_is_written(damage, message, tmp_path):
     save = copy("zero2", tmp_path)
