@@ -11,9 +11,9 @@
  * AVX-512, AVX2, aarch64 NEON or scalar C, each in a header of its own, and the codec's blocks written once
  * over them); the step's rules are written over the layer's vector type, so every path runs them vectorized.
  *
- * Every function here equals a PyTorch reference bit for bit, on every path (tests/test_native*.py,
- * tests/test_native_step.py, and for the builds this machine cannot load, aarch64 ones under qemu,
- * tests/test_simd_driver.py (the codec) and tests/test_step_driver.py (the steps)):
+ * Every function here equals a PyTorch reference bit for bit, on every path (tests/kernels/test_native*.py,
+ * tests/kernels/test_native_step.py, and for the builds this machine cannot load, aarch64 ones under qemu,
+ * tests/kernels/test_simd_driver.py (the codec) and tests/kernels/test_step_driver.py (the steps)):
  *   ckq_quantize           <-> ckptq.kernels.backend_torch.quantize (reference_codes after the transform)
  *   ckq_dequantize         <-> ckptq.kernels.backend_torch.dequantize
  *   ckq_step_group         <-> ckptq.kernels.step_torch.step_group (contract.Group: every rule)
@@ -228,8 +228,8 @@ int ckq_dequantize(const uint8_t *codes, const float *absmax, const float *qmap,
 }
 
 /* ---- The one step of every optimizer (step.h; its rules: step_rules.h) ----
- * (tests/simd_driver.c compiles the codec above alone, with CKQ_CODEC_ONLY: the steps take most of the
- * compile time, and it builds for many targets; tests/step_driver.c builds the steps for the same targets.) */
+ * (tests/kernels/simd_driver.c compiles the codec above alone, with CKQ_CODEC_ONLY: the steps take most of the
+ * compile time, and it builds for many targets; tests/kernels/step_driver.c builds the steps for the same targets.) */
 #ifndef CKQ_CODEC_ONLY
 #include "step.h"
 #endif

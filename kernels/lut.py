@@ -11,7 +11,7 @@ can only be t[base_b] (the first one >= lo_b; if that lies above hi_b it lies ab
 code = base_b + (t[base_b] < y): one table lookup and one exact fp32 compare, the answer of searchsorted
 for every y. Codebooks with two thresholds in one bucket get no table (the PyTorch backend then uses
 searchsorted, and the C kernels are not used). NaN buckets map to len(t), as searchsorted does.
-tests/test_codec.py checks both ends of every bucket and every threshold +-1 ulp.
+tests/codec/test_codec.py checks both ends of every bucket and every threshold +-1 ulp.
 """
 
 from __future__ import annotations

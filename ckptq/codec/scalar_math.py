@@ -13,7 +13,7 @@ correctly rounded on floats and float64 tensors alike, and ``x.pow``, ``x.sqrt``
   which differs from libm in the last bit for ~1-2% of these values, while its element-by-element loop
   (taken when an operand is not contiguous) calls libm's pow. ``DeviceMath`` hands pow non-contiguous
   operands on the CPU, so the host and the device give the same float64 bits there (pinned by
-  tests/test_capturable.py over 10**5 steps). ``sqrt`` is pow(x, 0.5) there, as Python's ``x ** 0.5`` is.
+  tests/optim/test_capturable.py over 10**5 steps). ``sqrt`` is pow(x, 0.5) there, as Python's ``x ** 0.5`` is.
 - On CUDA, pow is CUDA's (within 2 ulp of float64); a result can differ from the host's in its last
   bits, and the fp32 values the kernels take only where those bits decide the fp32 rounding.
 """

@@ -2,7 +2,7 @@
 
 For the architectures it knows, the parameter tensors of the ``*ForCausalLM`` model are listed with their
 shapes, exactly as transformers builds them (tied embeddings counted once, biases where the family has
-them, grouped-query attention's smaller key/value projections): ``tests/test_estimate.py`` checks the
+them, grouped-query attention's smaller key/value projections): ``tests/sources/test_estimate.py`` checks the
 count against models built from the same configs. Shapes matter beyond the count: states below
 ``min_size`` elements stay fp32 in 8-bit optimizers, and the activation formula needs the widths.
 The layers are described once and counted (``Layered``), so that nothing costs more with more layers.

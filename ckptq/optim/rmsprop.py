@@ -39,7 +39,7 @@ class RMSprop8bit(LowBitOptimizer):
             raise ArgumentError(f"centered must be True or False, got {group['centered']!r:.40}")
         if group["centered"] and self.bits < 8:
             raise ArgumentError("centered=True needs 8-bit state: at 4 bits square_avg - grad_avg^2 is mostly "
-                                "rounding error and the steps diverge (tests/test_optim_breadth.py); use "
+                                "rounding error and the steps diverge (tests/optim/test_optim_breadth.py); use "
                                 "RMSprop8bit")
         optim_args.check_flags(group)
         optim_args.check_fp32(**{"lr * weight_decay": lr * wd,

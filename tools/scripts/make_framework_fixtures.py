@@ -1,5 +1,5 @@
 """Make the small checkpoint folders of frameworks whose pins conflict with ckptq's test extras, with the real
-libraries, under tests/fixtures/ (tests/test_framework_fixtures.py reads them without those libraries):
+libraries, under tests/fixtures/ (tests/sources/test_framework_fixtures.py reads them without those libraries):
 
     python3 -m venv /work/venv-fixtures                       # outside the repository
     /work/venv-fixtures/bin/pip install torch==2.13.0         # first: the CPU build, so nothing pulls CUDA's

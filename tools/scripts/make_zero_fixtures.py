@@ -7,7 +7,7 @@ zero1/, zero2/, zero3/ (fp32) and zero2_bf16/ (bf16 training: ``bf16_`` rank fil
 dir each (``latest`` + ``global_step3/``) of a 1,928-parameter MLP after 3 AdamW steps on 2 ranks, and
 zero2/global_step3_universal/ (that step converted by DeepSpeed's ``ds_to_universal``, with its
 ``latest_universal``). DeepSpeed's copies of
-``zero_to_fp32.py`` / ``zero_to_torch.py`` are left out. tests/test_zero.py reads these files without
+``zero_to_fp32.py`` / ``zero_to_torch.py`` are left out. tests/deepspeed/test_zero.py reads these files without
 DeepSpeed installed.
 """
 

@@ -7,7 +7,7 @@ local bytes and instruction counts per kernel; exits 1 if a check fails or a cou
     python tools/scripts/triton_compile_check.py [--quick] [--arch 80 --arch 90]
 
 ``--quick``: one configuration of every kernel (the suite runs it for sm_80 and sm_90:
-tests/test_triton_compile.py); without it, more widths, dtypes and flags. Run without TRITON_INTERPRET
+tests/kernels/test_triton_compile.py); without it, more widths, dtypes and flags. Run without TRITON_INTERPRET
 (it is cleared here before triton is imported).
 """
 

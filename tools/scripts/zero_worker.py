@@ -6,7 +6,7 @@ batches, saves a checkpoint, or resumes from one and continues; writes the losse
     torchrun --standalone --nproc-per-node 2 tools/scripts/zero_worker.py --stage 2 --steps 6 --load-dir out/zero2 \
         --losses out/resumed.json
 
-Used by tools/scripts/make_zero_fixtures.py, tools/bench/zero_sizes.py and tests/test_zero.py (the end-to-end test).
+Used by tools/scripts/make_zero_fixtures.py, tools/bench/zero_sizes.py and tests/deepspeed/test_zero.py (the end-to-end test).
 Every rank sees its own batches (seeded by step and rank), so data parallelism is real.
 """
 

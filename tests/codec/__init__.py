@@ -1,0 +1,1 @@
+"""The codec: rounding contract, ops' declarations, roles, the convert planner, fidelity against bitsandbytes."""

@@ -1,0 +1,1 @@
+"""The file format: safetensors reader/writer, compression, the torch.save stream, the golden files."""

@@ -1,0 +1,1 @@
+"""Hostile inputs: damaged and crafted files, folders and state dicts; every refusal one line."""

@@ -1,0 +1,1 @@
+"""The framework integrations: transformers, accelerate, Lightning."""
