@@ -76,6 +76,9 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };  /* the dtypes of params, grads and quantiz
 
 #define SIMD_INLINE static inline __attribute__((always_inline))
 
+#ifndef SIMD_NEIGHBOURS
+#define SIMD_NEIGHBOURS 0  /* the path's simd_neighbours reads a neighbour table (AVX2) */
+#endif
 #ifndef SIMD_DECODE8
 #define SIMD_DECODE8 0
 static inline vf simd_decode8(const float *q, const uint8_t *k) { (void)k; return v_set1(q[0]); }  /* not called */
@@ -118,6 +121,23 @@ SIMD_INLINE vi v_stochastic(vf y, vi c, const vcb_t *q, vf u, int bits) {
     vi lo = vi_sub_if(c, v_lt(y, vcb_lookup(q, c, bits)), vi_set1(1));
     return v_stochastic_up(y, vi_max(lo, vi_set1(0)), q, u, bits);
 }
+
+#if SIMD_NEIGHBOURS
+/* v_stochastic on an 8-bit codebook, its entries read from the neighbour table nb (simd_neighbours):
+ * lo = max(c - (y < q[c]), 0), then v_stochastic_up's rule with q[lo] and q[min(lo + 1, top)], the same
+ * values and arithmetic. */
+SIMD_INLINE vi v_stochastic_nb(vf y, vi c, const float *nb, vf u) {
+    const vi zero = vi_set1(0), one = vi_set1(1), vtop = vi_set1(255);
+    vf q_below, q_at, q_above;
+    simd_neighbours(nb, c, &q_below, &q_at, &q_above);
+    vm lower = v_lt(y, q_at);                      /* lo = c - 1 (clamped at 0) */
+    vf q_lo = v_select(lower, q_below, q_at);      /* at c = 0 the table's q[c - 1] is q[0] */
+    vf q_hi = v_select(lower, v_select(vi_ge(zero, c), q_above, q_at), q_above);  /* lo = 0 from c = 0: q[1] */
+    vi lo = vi_max(vi_sub_if(c, lower, one), zero);
+    vm up = v_lt(v_mul(u, v_sub(q_hi, q_lo)), v_sub(y, q_lo));
+    return vi_select(vi_ge(lo, vtop), vtop, vi_add_if(lo, up, one));
+}
+#endif
 
 /* h[k] = mix32((i0 + k) mod 2^32 ^ seed) for k < len: the stochastic rounding's hashes of the elements
  * i0 .. i0 + len - 1 (their indices in the parameter). */
@@ -249,6 +269,9 @@ typedef struct {
     int in_register;    /* codes of 4 and 2 bits from the thresholds in registers, not the table */
     vcb_t cb;
     vsearch_t thr, up;  /* the thresholds; the codebook's entries 1 .. top */
+#if SIMD_NEIGHBOURS
+    float nb[256 * 4] __attribute__((aligned(16)));  /* an 8-bit codebook's neighbour table (stochastic) */
+#endif
 } vencode_t;
 
 SIMD_INLINE void vencode_init(vencode_t *e, const int32_t *table, const float *thr15, const float *q, int bits) {
@@ -259,6 +282,15 @@ SIMD_INLINE void vencode_init(vencode_t *e, const int32_t *table, const float *t
     e->cb = vcb_init(q, bits);
     e->thr = v_search_init(e->in_register ? thr15 : 0, top);
     e->up = v_search_book(&e->cb, SIMD_SEARCH && bits <= 4 ? q : 0, top);
+#if SIMD_NEIGHBOURS
+    if (q && bits == 8)
+        for (int k = 0; k < 256; k++) {
+            e->nb[4 * k] = q[k > 0 ? k - 1 : 0];
+            e->nb[4 * k + 1] = q[k];
+            e->nb[4 * k + 2] = q[k < 255 ? k + 1 : 255];
+            e->nb[4 * k + 3] = 0.0f;
+        }
+#endif
 }
 
 /* code i = #{t < x[i] / safe} (to nearest), packed as put_code does; with the codebook q (stochastic
@@ -282,6 +314,10 @@ SIMD_INLINE void encode_prepared(const vencode_t *e, const float *x, int len, fl
             code = v_stochastic_up(y, v_count(y, &e->up, top, 0), &e->cb, v_uniform(h + i, high), bits);
         else {
             code = e->in_register ? v_count(y, &e->thr, top, 1) : v_nearest(y, e->table);
+#if SIMD_NEIGHBOURS
+            if (q && bits == 8) code = v_stochastic_nb(y, code, e->nb, v_uniform(h + i, high));
+            else
+#endif
             if (q) code = v_stochastic(y, code, &e->cb, v_uniform(h + i, high), bits);
         }
         v_pack(codes, i, code, bits);

@@ -173,6 +173,25 @@ static inline __m256i lookup8_epi32(const int32_t *table, __m256i at) {
                              table[k[7]]);
 }
 
+/* Stochastic rounding on an 8-bit codebook reads q[c - 1], q[c] and q[c + 1] of each lane's nearest code c:
+ * three lane-by-lane table reads (lookup8_epi32) cost more than the rest of the step's encode. Instead each
+ * lane loads its code's row of a neighbour table (nb[4 c .. 4 c + 2] = q[c - 1], q[c], q[c + 1], clamped
+ * at the ends; vencode_init builds it) with one 16-byte load, and a 4 x 8 transpose gives the three vectors. */
+#define SIMD_NEIGHBOURS 1
+static inline void simd_neighbours(const float *nb, vi c, vf *below, vf *at, vf *above) {
+    int32_t k[8];
+    _mm256_storeu_si256((__m256i *)k, c);
+    __m256 a0 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(nb + 4 * k[0])), _mm_load_ps(nb + 4 * k[4]), 1);
+    __m256 a1 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(nb + 4 * k[1])), _mm_load_ps(nb + 4 * k[5]), 1);
+    __m256 a2 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(nb + 4 * k[2])), _mm_load_ps(nb + 4 * k[6]), 1);
+    __m256 a3 = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(nb + 4 * k[3])), _mm_load_ps(nb + 4 * k[7]), 1);
+    __m256 t0 = _mm256_unpacklo_ps(a0, a1), t1 = _mm256_unpackhi_ps(a0, a1);  /* per half: rows 0, 1 interleaved */
+    __m256 t2 = _mm256_unpacklo_ps(a2, a3), t3 = _mm256_unpackhi_ps(a2, a3);  /* rows 2, 3 */
+    *below = _mm256_shuffle_ps(t0, t2, 0x44);  /* entry 0 of rows 0..3 (and 4..7 in the high half) */
+    *at = _mm256_shuffle_ps(t0, t2, 0xEE);     /* entry 1 */
+    *above = _mm256_shuffle_ps(t1, t3, 0x44);  /* entry 2 */
+}
+
 /* nearest1 on 8 lanes: 8 table reads, the rank (the low 16 bits, flipped for negative y) and an add. */
 static inline vi v_nearest(vf y, const int32_t *table) {
     __m256i ybits = _mm256_castps_si256(y);

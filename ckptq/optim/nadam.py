@@ -5,7 +5,6 @@ state) and torch's ``mu_product`` kept exact (a 0-dim fp32 tensor per parameter,
 
 from __future__ import annotations
 
-from ..errors import ArgumentError
 from ..kernels import rules
 from . import args as optim_args
 from .adam_rule import ADAM_STATES, adam_fields
@@ -31,9 +30,6 @@ class NAdam8bit(LowBitOptimizer):
     def _check_group(self, group: dict) -> None:
         optim_args.check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         optim_args.number(group["momentum_decay"], "momentum_decay", shown="momentum_decay value")
-        if not isinstance(group["decoupled_weight_decay"], bool):
-            raise ArgumentError(f"decoupled_weight_decay must be True or False, got "
-                                f"{group['decoupled_weight_decay']!r:.40}")
         optim_args.check_flags(group)
         if group["decoupled_weight_decay"]:
             optim_args.check_decay(float(group["lr"]), float(group["weight_decay"]))

@@ -6,7 +6,6 @@ form (``exp_avg`` as the ratio to ``exp_avg_sq``, which ``ckptq convert`` writes
 from __future__ import annotations
 
 from ..codec import policy
-from ..errors import ArgumentError
 from ..kernels import rules
 from . import args as optim_args
 from .adam_rule import ADAM_STATES
@@ -30,9 +29,6 @@ class RAdam8bit(LowBitOptimizer):
 
     def _check_group(self, group: dict) -> None:
         optim_args.check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        if not isinstance(group["decoupled_weight_decay"], bool):
-            raise ArgumentError(f"decoupled_weight_decay must be True or False, got "
-                                f"{group['decoupled_weight_decay']!r:.40}")
         optim_args.check_flags(group)
         if group["decoupled_weight_decay"]:
             optim_args.check_decay(float(group["lr"]), float(group["weight_decay"]))

@@ -249,23 +249,22 @@ def _build(name: str, folder: Path) -> tuple[Path | None, str]:
     return (exe, "") if done.returncode == 0 else (None, done.stderr[-3000:])
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory):
-    """The inputs, the script and the expected outputs, and every available target's driver (compiled at
-    once, beside the reference's work)."""
-    folder = tmp_path_factory.mktemp("simd")
+def prepare(folder: Path, build, make_cases) -> tuple:
+    """Every runnable target's driver compiled (``build(name, folder)``: (exe, error)) beside the reference's
+    work (``make_cases(folder)``: a Script); (the script's path, its checks, {target: (exe, error)})."""
     runnable = [name for name, target in TARGETS.items() if not target[-1]]
     with ThreadPoolExecutor(max(1, len(runnable))) as pool:
-        builds = {name: pool.submit(_build, name, folder) for name in runnable}
-        script = _cases(folder)
+        builds = {name: pool.submit(build, name, folder) for name in runnable}
+        script = make_cases(folder)
         built = {name: f.result() for name, f in builds.items()}
     path = folder / "script.txt"
     path.write_text("\n".join(script.lines) + "\n")
     return path, script.checks, built
 
 
-@pytest.mark.parametrize("target", list(TARGETS))
-def test_every_operation_matches_the_reference_on_each_path(target, cases):
+def run_target(target: str, cases: tuple) -> tuple[str, list]:
+    """Run ``target``'s driver on the script (skipped where it cannot run here); (the SIMD path it says it
+    was compiled with, [(what, output path)] of every output that differs from the reference's)."""
     _, _, runner, isa, why = TARGETS[target]
     if why:
         pytest.skip(f"{target}: {why}")
@@ -281,11 +280,19 @@ def test_every_operation_matches_the_reference_on_each_path(target, cases):
     if isa is not None:
         assert head == f"isa {isa}", f"{target} compiled the {head[4:]} path, not {isa}"
     assert oks.count("ok") == len(checks)
-    bad = []
-    for what, outs in checks:
-        for path, dtype, expected in outs:
-            got = _read(path, dtype)
-            if not _same(got, expected.reshape(-1)):
-                bad.append(what)
-                break
-    assert not bad, f"{target} ({head[4:]}): {len(bad)} of {len(checks)} differ, e.g. {bad[:8]}"
+    bad = [(what, path) for what, outs in checks for path, dtype, want in outs
+           if not _same(_read(path, dtype), want.reshape(-1))]
+    return head[4:], bad
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """The inputs, the script and the expected outputs, and every available target's driver."""
+    return prepare(tmp_path_factory.mktemp("simd"), _build, _cases)
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_every_operation_matches_the_reference_on_each_path(target, cases):
+    isa, bad = run_target(target, cases)
+    whats = list(dict.fromkeys(what for what, _ in bad))
+    assert not whats, f"{target} ({isa}): {len(whats)} of {len(cases[1])} differ, e.g. {whats[:8]}"

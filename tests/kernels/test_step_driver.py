@@ -20,7 +20,6 @@ and the fp32 (dense) step of every flag word on three dtype pairs, in items of 1
 from __future__ import annotations
 
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ import torch
 from ckptq.kernels import lut, rules, step_torch
 from ckptq.kernels.contract import KERNEL_DTYPES, Dense, Group, layout_rows
 from tests.kernels.test_native_step import FLAG_WORDS, UNSHAPED, VARIANTS, clone_dense, clone_group, layouts, make_dense, make_group
-from tests.kernels.test_simd_driver import FLAGS, KERNELS, TARGETS, Script, _read, _same
+from tests.kernels.test_simd_driver import FLAGS, KERNELS, TARGETS, Script, prepare, run_target
 
 DRIVER = Path(__file__).with_name("step_driver.c")
 ITEM_BLOCKS = 3  # blocks per work item of the low-bit step
@@ -132,36 +131,12 @@ def _build(name: str, folder: Path) -> tuple[Path | None, str]:
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    """The groups' files, the script and the expected outputs, and every available target's driver
-    (compiled at once, beside the reference's work)."""
-    folder = tmp_path_factory.mktemp("steps")
-    runnable = [name for name, target in TARGETS.items() if not target[-1]]
-    with ThreadPoolExecutor(max(1, len(runnable))) as pool:
-        builds = {name: pool.submit(_build, name, folder) for name in runnable}
-        script = _cases(folder)
-        built = {name: f.result() for name, f in builds.items()}
-    path = folder / "script.txt"
-    path.write_text("\n".join(script.lines) + "\n")
-    return path, script.checks, built
+    """The groups' files, the script and the expected outputs, and every available target's driver."""
+    return prepare(tmp_path_factory.mktemp("steps"), _build, _cases)
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_every_step_matches_the_reference_on_each_path(target, cases):
-    _, _, runner, isa, why = TARGETS[target]
-    if why:
-        pytest.skip(f"{target}: {why}")
-    script, checks, built = cases
-    exe, error = built[target]
-    assert exe is not None, error
-    for out, _, _ in (o for _, outs in checks for o in outs):
-        out.unlink(missing_ok=True)  # each target writes its own outputs
-    done = subprocess.run([*runner, str(exe), str(script)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    head, *oks = done.stdout.split("\n")
-    assert head.startswith("isa "), done.stdout[:200]
-    if isa is not None:
-        assert head == f"isa {isa}", f"{target} compiled the {head[4:]} path, not {isa}"
-    assert oks.count("ok") == len(checks)
-    bad = [path.name[:-4] for _, outs in checks for path, dtype, want in outs
-           if not _same(_read(path, dtype), want.reshape(-1))]
-    assert not bad, f"{target} ({head[4:]}): {len(bad)} arrays of {len(checks)} groups differ, e.g. {bad[:8]}"
+    isa, bad = run_target(target, cases)
+    names = [path.name[:-4] for _, path in bad]
+    assert not names, f"{target} ({isa}): {len(names)} arrays of {len(cases[1])} groups differ, e.g. {names[:8]}"
