@@ -25,9 +25,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import cpu_runtime, lut, memo, native, rules
-from .contract import (KERNEL_DTYPES, NONE, RATIO, SQRT, UPDATE_LINEAR, UPDATE_SIGN, Dense, Group, GroupMember,
-                       MomentumFlags, Slot, StepFlags, StepState, layout_blocks, layout_rows)
+from . import cpu_runtime, lut, memo, native, rules, single
+from .contract import (KERNEL_DTYPES, RATIO, Dense, Group, MomentumFlags, StepFlags, StepState, layout_blocks,
+                       layout_rows)
 
 ROWS = True  # quantize, dequantize and the step take rows that are not whole blocks (ckptq.ops routes them here)
 
@@ -306,31 +306,11 @@ def accepts_dense(group: Dense) -> bool:
 
 # ---- ckptq.codec.ops' per-parameter steps: groups of one of the step above ----
 
-def _one(rule: rules.Rule, flags: int, p, g, states: tuple, slots: tuple, h, seed, out, block_size: int, row_len):
-    member = GroupMember(p, tuple(s.codes for s in states), tuple(s.absmax for s in states), row_len)
-    seeds = None if seed is None else torch.tensor([seed], dtype=torch.int64)
-    step(Group(rule.name, flags, (member,), (g,), () if out is None else (out,), h.reshape(1, -1), seeds, slots,
-               block_size, {}))
-
-
-def _slot(state: StepState, decode: int, encode: int, divisor: int = -1, seeded: bool = True) -> Slot:
-    return Slot(state.qmap, state.thresholds, state.encode, state.bits, decode, encode, divisor, seeded)
-
-
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
-    """``contract``'s adam_step: the rule ``adam`` on exp_avg (a ratio to exp_avg_sq, or plain where its codes
-    are not yet ratios), exp_avg_sq and max_exp_avg_sq (square roots; the last to nearest)."""
-    m, v, *x = states
-    slots = (_slot(m, RATIO if flags.ratio else NONE, RATIO, 1), _slot(v, SQRT, SQRT))
-    slots += tuple(_slot(s, SQRT, SQRT, seeded=False) for s in x)
-    rule_flags = (rules.MAXIMIZE if flags.maximize else 0) | (rules.ADAM.flag("amsgrad") if x else 0)
-    _one(rules.ADAM, rule_flags, p, g, states, slots, h, flags.seed, None, flags.block_size, flags.row_len)
+    """``contract``'s adam_step: a group of one (``single.adam_group``)."""
+    step(single.adam_group(p, g, states, h, flags))
 
 
 def momentum_step(p, g, state: StepState, h, out, flags: MomentumFlags) -> None:
-    """``contract``'s momentum_step: the rule ``momentum``, its update as the rule's switch."""
-    update = {UPDATE_LINEAR: rules.MOMENTUM.flag("linear"), UPDATE_SIGN: rules.MOMENTUM.flag("sign")}.get(flags.update, 0)
-    if not update and out is None:  # the direction goes nowhere, but the rule writes it
-        out = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-    _one(rules.MOMENTUM, (rules.MAXIMIZE if flags.maximize else 0) | update, p, g, (state,),
-         (_slot(state, NONE, NONE),), h, flags.seed, out if not update else None, flags.block_size, flags.row_len)
+    """``contract``'s momentum_step: a group of one (``single.momentum_group``)."""
+    step(single.momentum_group(p, g, state, h, out, flags))

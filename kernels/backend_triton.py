@@ -12,15 +12,12 @@ Importing this module imports triton: ``ckptq.codec.ops`` does so only on the Tr
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from . import triton_blocks as tb
+from . import single, triton_blocks as tb
 from . import triton_group
-from .contract import (NONE, RATIO, SQRT, UPDATE_LINEAR, UPDATE_SIGN, Group, GroupMember, MomentumFlags, Slot,
-                       StepFlags, StepState, is_flat, layout_rows, num_blocks)
-from .rules import ADAM, MAXIMIZE, MOMENTUM
+from .contract import MomentumFlags, StepFlags, StepState, is_flat, layout_rows, num_blocks
 
 ROWS = True  # quantize, dequantize, adam_step and momentum_step take rows that are not whole blocks
 __all__ = ["ROWS", "quantize", "dequantize", "adam_step", "momentum_step"]
@@ -84,32 +81,11 @@ def dequantize(codes, absmax, qmap, block_size: int, sqrt: bool, out, fresh: boo
     _launch(_dequantize_kernel, out.numel(), row_len, block_size, codes, absmax, qmap, out, SQRT=sqrt, BITS=bits)
 
 
-def _one(rule, flags: int, p, g, states: tuple, slots: tuple, h, seed, out, block_size: int, row_len) -> None:
-    """One parameter as a group of one of the template (``triton_group``; its tables made for this call)."""
-    member = GroupMember(p, tuple(s.codes for s in states), tuple(s.absmax for s in states), row_len)
-    seeds = None if seed is None else torch.tensor([seed], dtype=torch.int64)
-    outs = () if out is None else (out,)
-    triton_group.step(Group(rule.name, flags, (member,), (g,), outs, h.view(1, -1), seeds, slots, block_size, {}))
-
-
-def _slot(state: StepState, decode: int, encode: int, divisor: int = -1, seeded: bool = True) -> Slot:
-    return Slot(state.qmap, state.thresholds, state.encode, state.bits, decode, encode, divisor, seeded)
-
-
 def adam_step(p, g, states: tuple[StepState, ...], h, flags: StepFlags) -> None:
-    """``contract``'s adam_step: the rule ``adam`` on exp_avg (a ratio to exp_avg_sq, or plain where its codes
-    are not yet ratios), exp_avg_sq and max_exp_avg_sq (square roots; the last to nearest)."""
-    m, v, *x = states
-    slots = (_slot(m, RATIO if flags.ratio else NONE, RATIO, 1), _slot(v, SQRT, SQRT))
-    slots += tuple(_slot(s, SQRT, SQRT, seeded=False) for s in x)
-    rule_flags = (MAXIMIZE if flags.maximize else 0) | (ADAM.flag("amsgrad") if x else 0)
-    _one(ADAM, rule_flags, p, g, states, slots, h, flags.seed, None, flags.block_size, flags.row_len)
+    """``contract``'s adam_step: a group of one (``single.adam_group``)."""
+    triton_group.step(single.adam_group(p, g, states, h, flags))
 
 
 def momentum_step(p, g, state: StepState, h, out, flags: MomentumFlags) -> None:
-    """``contract``'s momentum_step: the rule ``momentum``, its update as the rule's switch."""
-    update = {UPDATE_LINEAR: MOMENTUM.flag("linear"), UPDATE_SIGN: MOMENTUM.flag("sign")}.get(flags.update, 0)
-    if not update and out is None:  # the direction goes nowhere, but the rule writes it
-        out = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-    _one(MOMENTUM, (MAXIMIZE if flags.maximize else 0) | update, p, g, (state,), (_slot(state, NONE, NONE),), h,
-         flags.seed, out if not update else None, flags.block_size, flags.row_len)
+    """``contract``'s momentum_step: a group of one (``single.momentum_group``)."""
+    triton_group.step(single.momentum_group(p, g, state, h, out, flags))
