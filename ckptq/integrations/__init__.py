@@ -8,13 +8,14 @@ optimizer's Adam moments at that width, and its resume reads them back (files of
 - ``ckptq.integrations.accelerate``: ``low_bit_checkpoints(optimizer, bits=8)`` after ``accelerator.prepare``:
   ``accelerator.save_state`` writes the optimizer low-bit and ``load_state`` restores it.
 - ``ckptq.integrations.lightning``: ``CkptqCheckpointIO(bits=8)``, a CheckpointIO plugin for
-  ``lightning.Trainer(plugins=[...])`` and ``lightning.Fabric(plugins=[...])``.
+  ``lightning.Trainer(plugins=[...])`` and ``lightning.Fabric(plugins=[...])``; ``low_bit_checkpoints(fabric,
+  bits=8)`` gives it to a Fabric made elsewhere.
 - ``ckptq.integrations.litgpt``: ``python -m ckptq.integrations.litgpt [--bits 4] pretrain ...``: litgpt's
-  command line, its Fabric given the plugin (litgpt offers no hook; the module says how).
+  command line, its Fabric given the plugin (litgpt offers no hook; the module says how, patching nothing).
 - ``torch.distributed.checkpoint`` (``ckptq.dcp``): ``LowBitSavePlanner(bits=8)`` / ``LowBitLoadPlanner()``.
 
 Old names, kept for a release with a DeprecationWarning: ``accelerate.store_8bit`` (``low_bit_checkpoints``),
-``lightning.store_8bit_in_fabric`` (the plugin in ``Fabric(plugins=[...])``), ``ckptq.dcp.SavePlanner`` /
+``lightning.store_8bit_in_fabric(fabric)`` (``low_bit_checkpoints(fabric)``; bare, a UsageError), ``ckptq.dcp.SavePlanner`` /
 ``LoadPlanner`` (``LowBitSavePlanner`` / ``LowBitLoadPlanner``).
 
 Each module imports its framework; this package imports none of them. torch's optimizers, ckptq's

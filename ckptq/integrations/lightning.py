@@ -5,11 +5,12 @@
     trainer.fit(model, data, ckpt_path="last")           # resumes from the low-bit state
     fabric = lightning.Fabric(..., plugins=[CkptqCheckpointIO()])   # Fabric: the same plugin
     fabric.save(path, {"model": model, "optimizer": optimizer})     # fabric.load(path, state) resumes
+    low_bit_checkpoints(fabric, bits=8)            # a Fabric that something else made: that one only
 
 One plugin for both: Lightning's Trainer and Fabric take a ``CheckpointIO`` in ``plugins`` (Fabric's
 connector hands it to the strategy, whose ``save_checkpoint``/``load_checkpoint`` go through it on one
-device and under DDP; FSDP and DeepSpeed strategies write their own files). litgpt builds its Fabric itself:
-``python -m ckptq.integrations.litgpt`` gives it this plugin.
+device and under DDP; FSDP and DeepSpeed strategies write their own files). Nothing here patches Lightning.
+litgpt builds its Fabric itself: ``python -m ckptq.integrations.litgpt`` gives it this plugin.
 
 Fabric saves each optimizer's state under a key of its own (``"optimizer"``), not in ``optimizer_states``:
 each such top-level state dict is stored as a signpost carrying its low-bit state (``ckptq.codec.signpost``),
@@ -127,36 +128,53 @@ def _signpost_message(index: int, name: str) -> str:
             f"`ckptq expand {name} -o OUT.ckpt` for a checkpoint that Lightning resumes without ckptq")
 
 
-def store_8bit_in_fabric() -> None:
-    """Deprecated: pass the plugin to the Fabric, ``lightning.Fabric(..., plugins=[CkptqCheckpointIO()])``; litgpt:
-    ``python -m ckptq.integrations.litgpt``. Until removed it does what it did: from now on every
-    ``lightning.Fabric`` of this process made without a CheckpointIO plugin gets ``CkptqCheckpointIO()``."""
+def low_bit_checkpoints(fabric, *, bits: int = 8, block_size: int | None = None,
+                        min_size: int = policy.DEFAULT_MIN_SIZE) -> CkptqCheckpointIO:
+    """Give a ``lightning.Fabric`` that is already made (by a library, a script you do not edit) the plugin:
+    from now on its ``fabric.save`` stores optimizer states at ``bits`` bits (8 or 4) and ``fabric.load`` reads
+    them back. The same as ``Fabric(..., plugins=[CkptqCheckpointIO(bits=...)])``; that Fabric only, nothing
+    else in the process changes. Returns the plugin. UsageError where the Fabric's strategy writes its own
+    files (FSDP, DeepSpeed: convert those checkpoints afterwards with ``ckptq convert``) or already has a
+    CheckpointIO plugin other than the default one."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO as Default
+
+    from ..errors import UsageError
+
+    strategy = fabric.strategy
+    if not takes_checkpoint_io(strategy):
+        raise UsageError(f"ckptq: this Fabric's strategy ({type(strategy).__name__}) writes its own checkpoint "
+                         "files, not through a CheckpointIO plugin; save as it does, then run `ckptq convert "
+                         "CHECKPOINT --replace` on what it wrote")
+    current = strategy.checkpoint_io
+    if isinstance(current, CkptqCheckpointIO):
+        return current
+    if type(current) is not Default:
+        raise UsageError(f"ckptq: this Fabric already saves through {type(current).__name__}, a CheckpointIO "
+                         "plugin of its own; ckptq's plugin would replace it. Keep one: drop that plugin, or "
+                         "subclass CkptqCheckpointIO with what it does")
+    plugin = CkptqCheckpointIO(block_size, min_size, bits=bits)
+    strategy.checkpoint_io = plugin
+    return plugin
+
+
+def store_8bit_in_fabric(fabric=None) -> CkptqCheckpointIO:
+    """Deprecated: ``low_bit_checkpoints(fabric)``, or ``lightning.Fabric(..., plugins=[CkptqCheckpointIO()])``;
+    litgpt: ``python -m ckptq.integrations.litgpt``. Given a Fabric it is ``low_bit_checkpoints(fabric)``.
+    Called without one it used to patch ``Fabric.__init__`` for the whole process, so that every Fabric made
+    afterwards got the plugin; it no longer does (a process-wide patch reaches code that never asked for it)
+    and says instead, in a UsageError, which of the three to use."""
     from .. import _deprecated
+    from ..errors import UsageError
 
     _deprecated.warn("ckptq.integrations.lightning.store_8bit_in_fabric()",
+                     "ckptq.integrations.lightning.low_bit_checkpoints(fabric), "
                      "lightning.Fabric(plugins=[ckptq.integrations.lightning.CkptqCheckpointIO()]), or "
                      "python -m ckptq.integrations.litgpt for litgpt")
-    from lightning.fabric import Fabric
-
-    if getattr(Fabric.__init__, "_ckptq", False):
-        return
-    Fabric.__init__ = with_default_checkpoint_io(Fabric.__init__, CkptqCheckpointIO)
-
-
-def with_default_checkpoint_io(init, make_plugin):
-    """``Fabric.__init__`` (``init``) giving each Fabric made without a CheckpointIO plugin, whose strategy
-    writes through one (``takes_checkpoint_io``), ``make_plugin()``; marked ``_ckptq``, the original as
-    ``__wrapped__``."""
-    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-
-    def __init__(self, *args, plugins=None, **kwargs):
-        given = list(plugins) if isinstance(plugins, (list, tuple)) else [] if plugins is None else [plugins]
-        if not any(isinstance(p, CheckpointIO) for p in given) and takes_checkpoint_io(kwargs.get("strategy", "auto")):
-            given.append(make_plugin())
-        init(self, *args, plugins=given, **kwargs)
-
-    __init__._ckptq, __init__.__wrapped__ = True, init
-    return __init__
+    if fabric is None:
+        raise UsageError("ckptq: store_8bit_in_fabric() no longer changes every Fabric of the process; give "
+                         "your Fabric the plugin: lightning.Fabric(..., plugins=[CkptqCheckpointIO()]), or "
+                         "low_bit_checkpoints(fabric) once it is made; litgpt: python -m ckptq.integrations.litgpt")
+    return low_bit_checkpoints(fabric, bits=8)
 
 
 def takes_checkpoint_io(strategy) -> bool:

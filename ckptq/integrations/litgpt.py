@@ -8,14 +8,15 @@ Each ``step-N/lit_model.pth`` then holds the Adam moments low-bit (a signpost ca
 message; ``ckptq expand step-N --replace`` writes the fp32 ``lit_model.pth`` back.
 
 How the plugin gets in: each litgpt command builds its own Fabric (``L.Fabric(devices=..., strategy=...,
-precision=..., loggers=...)``) and offers no way to add a plugin to it: no command argument or config key
-takes one, and Fabric reads none from the environment (its ``LT_*`` variables set the accelerator, strategy,
-devices and precision only). So this launcher patches ``Fabric.__init__`` (``_fabrics_get``) while litgpt's
-``main`` runs, and only in its own process, which runs nothing but litgpt: a Fabric made without a
-CheckpointIO plugin gets ``CkptqCheckpointIO(bits=...)`` where its strategy saves through one; the original
-``__init__`` is back when litgpt returns. Processes that litgpt's Fabric launches run this module again and
-read ``--bits`` from ``CKPTQ_LITGPT_BITS``. Multi-device litgpt runs use FSDP, which writes its own files
-without a plugin: those checkpoints are litgpt's fp32 ones, which ``ckptq convert --all --replace`` shrinks.
+precision=..., loggers=...)``, ``L`` being ``lightning``) and offers no way to add a plugin to it: no command
+argument or config key takes one, and Fabric reads none from the environment (its ``LT_*`` variables set the
+accelerator, strategy, devices and precision only). So while litgpt's ``main`` runs in this launcher's
+process, ``lightning.Fabric``, the name litgpt calls, is ``LowBitFabric``: a ``Fabric`` subclass that gives
+itself the plugin (``lightning.low_bit_checkpoints``) where its strategy saves through one. Fabric's own
+class is not touched, code that imported it keeps it, and ``lightning.Fabric`` is Fabric again when litgpt
+returns. Processes that litgpt's Fabric launches run this module again and read ``--bits`` from
+``CKPTQ_LITGPT_BITS``. Multi-device litgpt runs use FSDP, which writes its own files without a plugin: those
+checkpoints are litgpt's fp32 ones, which ``ckptq convert --all --replace`` shrinks.
 In your own code, pass the plugin instead: ``lightning.Fabric(..., plugins=[CkptqCheckpointIO(bits=4)])``.
 """
 
@@ -26,7 +27,7 @@ import sys
 from contextlib import contextmanager
 
 from ._requires import framework_missing
-from .lightning import CkptqCheckpointIO, with_default_checkpoint_io
+from .lightning import low_bit_checkpoints, takes_checkpoint_io
 
 BITS_VARIABLE = "CKPTQ_LITGPT_BITS"  # --bits, for the processes litgpt's Fabric launches (they get litgpt's argv)
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     saved = sys.argv, os.environ.get(BITS_VARIABLE)
     sys.argv, os.environ[BITS_VARIABLE] = ["litgpt", *args], str(bits)  # litgpt's CLI parses sys.argv
     try:
-        with _fabrics_get(bits):
+        with litgpt_fabric(bits):
             litgpt_main()
     finally:
         sys.argv = saved[0]
@@ -63,19 +64,36 @@ def _bits(text: str) -> int:
     return int(text)
 
 
-@contextmanager
-def _fabrics_get(bits: int):
-    """Within the block, each ``lightning.Fabric`` made without a CheckpointIO plugin gets
-    ``CkptqCheckpointIO(bits=bits)`` (``lightning.with_default_checkpoint_io``); ``Fabric.__init__`` as it was
-    afterwards. Private to the launcher: code that builds its Fabric passes the plugin itself."""
+def fabric_class(bits: int):
+    """``LowBitFabric``: ``lightning.Fabric`` that, once made, stores its optimizer states at ``bits`` bits
+    (``low_bit_checkpoints``) where its strategy saves through a CheckpointIO plugin and it was given no
+    plugin of its own; a sharded strategy (FSDP, DeepSpeed) keeps writing its own files."""
     from lightning.fabric import Fabric
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-    original = Fabric.__init__
-    Fabric.__init__ = with_default_checkpoint_io(original, lambda: CkptqCheckpointIO(bits=bits))
+    class LowBitFabric(Fabric):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            strategy = self.strategy
+            if takes_checkpoint_io(strategy) and type(strategy.checkpoint_io) is TorchCheckpointIO:
+                low_bit_checkpoints(self, bits=bits)
+
+    LowBitFabric.__qualname__ = LowBitFabric.__name__
+    return LowBitFabric
+
+
+@contextmanager
+def litgpt_fabric(bits: int):
+    """Within the block, ``lightning.Fabric`` (what litgpt's ``L.Fabric(...)`` calls) is ``fabric_class(bits)``;
+    afterwards Fabric again. Fabric's own class is never changed."""
+    import lightning
+
+    original = lightning.Fabric
+    lightning.Fabric = fabric_class(bits)
     try:
         yield
     finally:
-        Fabric.__init__ = original
+        lightning.Fabric = original
 
 
 if __name__ == "__main__":

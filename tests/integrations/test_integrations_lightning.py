@@ -144,12 +144,16 @@ def test_torchao_state_round_trips_through_the_ckpt_exactly(tmp_path, eager_torc
         assert torch.equal(dequantize_state(stored[key]), live[key].dequantize())
 
 
-def fabric_run(out: str, save: bool = False, load: bool = False, plugins: tuple = (CkptqCheckpointIO(),)) -> dict:
-    """Fabric (what litgpt runs on): 8 steps of the MLP, ``fabric.save`` of {"model", "optimizer", "step"} at
-    step 4 or ``fabric.load`` of it; {step: loss}."""
-    from lightning.fabric import Fabric
+def fabric_run(out: str, save: bool = False, load: bool = False, plugins: tuple = (CkptqCheckpointIO(),),
+               made=None) -> dict:
+    """Fabric (what litgpt runs on), made as litgpt makes it (``lightning.Fabric(...)``, then ``made(fabric)``
+    where given): 8 steps of the MLP, ``fabric.save`` of {"model", "optimizer", "step"} at step 4 or
+    ``fabric.load`` of it; {step: loss}."""
+    import lightning
 
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=list(plugins) or None)
+    fabric = lightning.Fabric(accelerator="cpu", devices=1, plugins=list(plugins) or None)
+    if made is not None:
+        made(fabric)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -206,11 +210,46 @@ def test_lightning_bits_4_stores_4bit_state_and_resumes_at_either_width(tmp_path
         CkptqCheckpointIO(bits=6)
 
 
+def test_low_bit_checkpoints_gives_a_fabric_already_made_the_plugin_and_that_fabric_only(tmp_path):
+    """``low_bit_checkpoints(fabric, bits=4)`` on a Fabric made without plugins (as a library makes it): its
+    ``fabric.save`` writes 4-bit state and a plain Fabric given the plugin resumes it; a Fabric made next is
+    stock; Fabric's class is untouched. Refused in one line: a strategy that writes its own files (FSDP), a
+    CheckpointIO of the user's own; a second call returns the plugin it gave."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.fabric.strategies import FSDPStrategy
+
+    from ckptq.integrations.lightning import low_bit_checkpoints
+
+    init, given = Fabric.__init__, []
+    first = fabric_run(str(tmp_path), save=True, plugins=(),
+                       made=lambda fabric: given.append(low_bit_checkpoints(fabric, bits=4)))
+    assert given[0].bits == 4 and Fabric.__init__ is init
+    assert qstate_widths(torch.load(tmp_path / "fabric.ckpt", weights_only=True)["optimizer"]) == {6, 2}
+    resumed = fabric_run(str(tmp_path), load=True)
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(first[step], rel=1e-2)
+    plain = Fabric(accelerator="cpu", devices=1)
+    assert type(plain.strategy.checkpoint_io) is TorchCheckpointIO
+    plugin = low_bit_checkpoints(plain)
+    assert low_bit_checkpoints(plain) is plugin and plain.strategy.checkpoint_io is plugin
+    with pytest.raises(UsageError, match=r"FSDPStrategy\) writes its own checkpoint files.*ckptq convert"):
+        low_bit_checkpoints(types.SimpleNamespace(strategy=FSDPStrategy()))  # FSDP's Fabric needs a GPU
+
+    class Mine(TorchCheckpointIO):
+        pass
+
+    with pytest.raises(UsageError, match=r"already saves through Mine.*Keep one"):
+        low_bit_checkpoints(Fabric(accelerator="cpu", devices=1, plugins=[Mine()]))
+
+
 def test_litgpt_launcher_gives_litgpt_fabric_the_plugin_only_while_litgpt_runs(tmp_path, monkeypatch):
-    """``python -m ckptq.integrations.litgpt --bits 4 ...``: the Fabric that litgpt's command builds without
-    plugins saves 4-bit state, and the next command resumes it; litgpt sees its own arguments, and
-    ``Fabric.__init__`` is Fabric's own before and after (no patch outlives litgpt's run). A sharded strategy,
-    which takes no CheckpointIO, gets none."""
+    """``python -m ckptq.integrations.litgpt --bits 4 ...``: the Fabric that litgpt's command builds
+    (``L.Fabric(...)``, no plugins) saves 4-bit state, and the next command resumes it; litgpt sees its own
+    arguments; ``lightning.Fabric`` is a subclass while litgpt runs and Fabric again after, and Fabric's own
+    class is never changed. A sharded strategy takes no CheckpointIO (``takes_checkpoint_io``). (The real litgpt, not
+    installed here: tools/scripts/make_framework_fixtures.py litgpt-resume.)"""
+    import lightning
     from lightning.fabric import Fabric
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
     from lightning.fabric.strategies import FSDPStrategy
@@ -221,7 +260,7 @@ def test_litgpt_launcher_gives_litgpt_fabric_the_plugin_only_while_litgpt_runs(t
     seen = {}
 
     def litgpt_main():  # what a litgpt command does: builds its Fabric (no plugins), saves or resumes
-        seen[sys.argv[1]] = list(sys.argv), Fabric.__init__ is not init  # patched while litgpt runs
+        seen[sys.argv[1]] = list(sys.argv), lightning.Fabric is not Fabric and issubclass(lightning.Fabric, Fabric)
         seen[sys.argv[1] + " losses"] = fabric_run(str(tmp_path), save=sys.argv[1] == "pretrain",
                                                    load=sys.argv[1] == "resume", plugins=())
 
@@ -231,7 +270,8 @@ def test_litgpt_launcher_gives_litgpt_fabric_the_plugin_only_while_litgpt_runs(t
     monkeypatch.setitem(sys.modules, "litgpt.__main__", fake)
     init = Fabric.__init__
     litgpt.main(["--bits", "4", "pretrain", "--out_dir", "out"])
-    assert Fabric.__init__ is init and seen["pretrain"] == (["litgpt", "pretrain", "--out_dir", "out"], True)
+    assert lightning.Fabric is Fabric and Fabric.__init__ is init
+    assert seen["pretrain"] == (["litgpt", "pretrain", "--out_dir", "out"], True)
     assert qstate_widths(torch.load(tmp_path / "fabric.ckpt", weights_only=True)["optimizer"]) == {6, 2}
     litgpt.main(["resume"])
     for step, loss in seen["resume losses"].items():

@@ -3,8 +3,6 @@ did and warns once per process (DeprecationWarning) naming its replacement; the 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -67,26 +65,29 @@ def test_accelerate_store_8bit_is_low_bit_checkpoints_at_8_bits():
         assert {q["bits"] for q in state[signpost.CARRIED]["state"][0].values() if isinstance(q, dict)} == {8}
 
 
-def test_store_8bit_in_fabric_warns_and_still_gives_every_fabric_the_plugin():
-    """In a process of its own: the old function patches Fabric for the whole process (why it is deprecated)."""
+def test_store_8bit_in_fabric_warns_gives_the_fabric_it_is_handed_the_plugin_and_patches_nothing(monkeypatch):
+    """The old function given a Fabric is ``low_bit_checkpoints(fabric)`` (8 bits), warning once; called bare,
+    as it used to be, it no longer patches ``Fabric.__init__`` for the whole process: a UsageError says what
+    to use instead, and Fabrics made afterwards are stock."""
     pytest.importorskip("lightning")
-    code = """if True:
-        import warnings
-        from lightning.fabric import Fabric
-        from ckptq.integrations.lightning import CkptqCheckpointIO, store_8bit_in_fabric
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            store_8bit_in_fabric()
-            store_8bit_in_fabric()
-        print([str(w.message) for w in caught if w.category is DeprecationWarning])
-        print(type(Fabric(accelerator="cpu", devices=1).strategy.checkpoint_io).__name__)
-    """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    messages, plugin = r.stdout.strip().splitlines()[-2:]
-    assert plugin == "CkptqCheckpointIO"
-    assert messages.count("deprecated") == 1 and "Fabric(plugins=[ckptq.integrations.lightning.CkptqCheckpointIO()])" \
-        in messages and "python -m ckptq.integrations.litgpt" in messages
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    from ckptq import _deprecated
+    from ckptq.errors import UsageError
+    from ckptq.integrations.lightning import CkptqCheckpointIO, store_8bit_in_fabric
+
+    monkeypatch.setattr(_deprecated, "_WARNED", set())
+    init, fabric = Fabric.__init__, Fabric(accelerator="cpu", devices=1)
+    with pytest.warns(DeprecationWarning, match=r"store_8bit_in_fabric\(\) is deprecated.*low_bit_checkpoints"
+                                                r"\(fabric\).*Fabric\(plugins=\[ckptq.*litgpt"):
+        plugin = store_8bit_in_fabric(fabric)
+    assert isinstance(plugin, CkptqCheckpointIO) and plugin.bits == 8 and fabric.strategy.checkpoint_io is plugin
+    with pytest.raises(UsageError, match=r"no longer changes every Fabric of the process.*plugins=\[CkptqCheckpointIO"
+                                         r"\(\)\].*low_bit_checkpoints\(fabric\)"):
+        store_8bit_in_fabric()
+    assert Fabric.__init__ is init
+    assert type(Fabric(accelerator="cpu", devices=1).strategy.checkpoint_io) is TorchCheckpointIO
 
 
 def _codecs(report) -> str:

@@ -131,9 +131,9 @@ def litgpt_resume(run: str) -> None:
     # (called directly for the data module and torch.compile above): litgpt's Fabric gets CkptqCheckpointIO
     # while litgpt runs, and its --resume reads the 8-bit state back.
     from ckptq.codec import signpost
-    from ckptq.integrations.litgpt import _fabrics_get
+    from ckptq.integrations.litgpt import litgpt_fabric
 
-    with tempfile.TemporaryDirectory() as tmp, _fabrics_get(8):
+    with tempfile.TemporaryDirectory() as tmp, litgpt_fabric(8):
         eight = os.path.join(tmp, "out")
         _litgpt_pretrain(eight)
         full = torch.load(os.path.join(run, "step-00000004", "lit_model.pth"), weights_only=True)
