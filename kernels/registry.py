@@ -8,6 +8,7 @@ takes the call, with the same bits. Modules are imported when first used: Triton
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Callable
 
@@ -22,7 +23,15 @@ _MODULES = {"torch": "backend_torch", "native": "backend_native", "triton": "bac
 
 def backend(name: str):
     """The module of ``name``'s per-tensor operations (``_MODULES``), imported on first use."""
-    return importlib.import_module(f"{__package__}.{_MODULES[name]}")
+    return _module(_MODULES[name])
+
+
+@functools.cache
+def _module(name: str):
+    """This package's module ``name``, imported once: per-tensor calls ask for it several times each, and a
+    cached module object costs a dict lookup where ``import_module`` takes the import lock."""
+    return importlib.import_module(f"{__package__}.{name}")
+
 
 # (operation, backend) -> (module, function, accepts): accepts(group) -> bool, or None for "every call"
 _TABLE = {
@@ -36,7 +45,7 @@ _TABLE = {
 
 
 def _resolve(module: str, name: str | None) -> Callable | None:
-    return None if name is None else getattr(importlib.import_module(f"{__package__}.{module}"), name)
+    return None if name is None else getattr(_module(module), name)  # read each call: tests patch functions
 
 
 def implementation(operation: str, backend: str, group) -> Callable:
