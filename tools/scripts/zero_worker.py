@@ -5,6 +5,12 @@ batches, saves a checkpoint, or resumes from one and continues; writes the losse
         --save-dir out/zero2 --losses out/full.json
     torchrun --standalone --nproc-per-node 2 tools/scripts/zero_worker.py --stage 2 --steps 6 --load-dir out/zero2 \
         --losses out/resumed.json
+    torchrun --standalone --nproc-per-node 2 tools/scripts/zero_worker.py --stage 1 2 3 --steps 6 --save-at 3 \
+        --save-dir 'out/zero{stage}' --losses 'out/full{stage}.json'
+
+Several stages in one launch run one after the other in the same processes (one start of torch and
+DeepSpeed, one process group), each with its own model, engine and files: ``{stage}`` in --save-dir,
+--load-dir and --losses stands for the stage.
 
 Used by tools/scripts/make_zero_fixtures.py, tools/bench/zero_sizes.py and tests/deepspeed/test_zero.py (the end-to-end test).
 Every rank sees its own batches (seeded by step and rank), so data parallelism is real.
@@ -21,7 +27,8 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stage", type=int, required=True)
+    ap.add_argument("--stage", type=int, nargs="+", required=True, choices=(0, 1, 2, 3),
+                    help="ZeRO stage; several run one after the other ({stage} in the paths names each)")
     ap.add_argument("--steps", type=int, required=True, help="train until this global step")
     ap.add_argument("--save-at", type=int, default=0, help="save a checkpoint after this many steps")
     ap.add_argument("--save-dir")
@@ -57,16 +64,17 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x[:, :8] * 2 - x[:, 8:]).tanh()
 
 
-def engine_for(args: argparse.Namespace):
+def engine_for(args: argparse.Namespace, stage: int):
     import deepspeed
 
     # DeepSpeed's shared-memory all-reduce is a C++ op compiled on first use (~80 s); gloo's own
     # all-reduce is all these tiny runs need. Its op table is cached in the module and meant to be edited.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
     model = make_model(args.width, args.depth)
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": args.stage}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
     if args.bf16:
         config["bf16"] = {"enabled": True}
@@ -94,11 +102,21 @@ def launch(*args: str, nproc: int = 2, timeout: int = 600) -> None:
 def main() -> None:
     args = build_parser().parse_args()
     torch.set_num_threads(1)
-    engine = engine_for(args)
+    for stage in args.stage:
+        run(args, stage)
+    torch.distributed.destroy_process_group()
+
+
+def run(args: argparse.Namespace, stage: int) -> None:
+    """Train (or resume) at ``stage``, save where asked, write rank 0's losses."""
+    def path(template):
+        return template.replace("{stage}", str(stage)) if template else template
+
+    engine = engine_for(args, stage)
     rank = torch.distributed.get_rank()
     start = 0
     if args.load_dir:
-        _, client = engine.load_checkpoint(args.load_dir)
+        _, client = engine.load_checkpoint(path(args.load_dir))
         start = client["step"]
     losses = {}
     for step in range(start, args.steps):
@@ -109,12 +127,11 @@ def main() -> None:
         engine.step()
         losses[step] = loss.item()
         if args.save_dir and step + 1 == args.save_at:
-            engine.save_checkpoint(args.save_dir, client_state={"step": step + 1})
+            engine.save_checkpoint(path(args.save_dir), client_state={"step": step + 1})
     if rank == 0:
-        with open(args.losses, "w") as f:
+        with open(path(args.losses), "w") as f:
             json.dump(losses, f)
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
