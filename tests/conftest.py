@@ -7,7 +7,13 @@ import sys
 import pytest
 import torch
 
+from ckptq.kernels import native
 from tests.helpers.models import TinyLM, param_groups, train
+
+# One build of the C kernels for the whole run, where they are cached by default: tests that point
+# XDG_CACHE_HOME at a folder of their own (for ckptq's journals) would otherwise send every process they
+# start to compile the kernels again (~20 s each). Tests of the cache itself set CKPTQ_CACHE_DIR themselves.
+os.environ.setdefault("CKPTQ_CACHE_DIR", str(native.cache_dir()))
 
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through Triton's interpreter; it must be chosen before any
