@@ -120,10 +120,10 @@ def test_reference_stochastic_rounding_is_unbiased_between_the_two_neighbours():
 
 def assert_codec_matches(kernel: str, x: torch.Tensor, qmap: torch.Tensor, block: int, transform: str,
                          bits: int = 8) -> None:
-    """ops' quantize and dequantize on ``kernel`` (x and qmap on its device) against the reference: the
+    """ops' quantize and dequantize on ``kernel`` (x and qmap on its device; the reference's on the CPU): the
     same codes, scales and decoded values; the C kernels also decode into a given ``out``."""
     dev = device_of(kernel)
-    c1, a1 = ops.quantize_blockwise(x, qmap, block, transform, "torch", bits=bits)
+    c1, a1 = ops.quantize_blockwise(x.cpu(), qmap, block, transform, "torch", bits=bits)
     c2, a2 = ops.quantize_blockwise(x.to(dev), qmap.to(dev), block, transform, kernel, bits=bits)
     assert c2.dtype == torch.uint8 and a2.dtype == torch.float32
     assert torch.equal(c1, c2.cpu()), f"{int((c1 != c2.cpu()).sum())} codes differ"
@@ -264,12 +264,13 @@ def test_triton_stores_codes_of_tensors_past_2_31_bits(kernel, bits):
 # ---- every backend against the reference: rows ----
 
 def assert_rows_match(kernel: str, rows: int, row_len: int, block: int, bits: int, dtype: torch.dtype) -> None:
-    """Quantize in rows with the reference and ``kernel``'s implementation into buffers filled with other bytes
-    (none may be left unwritten), on a signed codebook and an unsigned one with the square-root transform;
-    decode each: equal codes, scales and values."""
+    """Quantize in rows with the reference and ``kernel``'s implementation (the one ops sends rows to) into
+    buffers filled with other bytes (none may be left unwritten), on a signed codebook and an unsigned one with
+    the square-root transform; decode each: equal codes, scales and values."""
     from ckptq.kernels import registry
 
-    impl, dev = registry.backend("triton" if kernel == "triton" else "native"), device_of(kernel)
+    impl, dev = registry.backend(kernel), device_of(kernel)
+    assert ops._implementation(kernel, (dtype,), (ops.midpoints(MAPS[bits][0]).to(dev),), flat=False) is impl
     n = rows * row_len
     gen = torch.Generator().manual_seed(bits * 1000 + n + block)
     x = special(n, True, gen)

@@ -169,10 +169,13 @@ def test_reference_sign_of_nan_is_nan():
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # (param dtype, grad dtype, maximize, special values, data seed): three variants per C case (data seed
 # 100 * bits + k); one per Triton case (data seed: bits)
-C_VARIANTS = lambda bits: ((F32, F32, False, False, 100 * bits), (BF16, BF16, True, False, 100 * bits + 1),  # noqa: E731
-                           (F16, F32, False, True, 100 * bits + 2))
+def c_variants(bits: int) -> tuple:
+    return ((F32, F32, False, False, 100 * bits), (BF16, BF16, True, False, 100 * bits + 1),
+            (F16, F32, False, True, 100 * bits + 2))
+
+
 STEP_CASES = (
-    [("native", bits, layout, update, seed, C_VARIANTS(bits)) for bits in (8, 6, 4, 2)
+    [("native", bits, layout, update, seed, c_variants(bits)) for bits in (8, 6, 4, 2)
      for layout in ("flat", "rows-whole", "rows-short", "rows-tiny") for update in ("linear", "sign", "none")
      for seed in (None, 0xDEADBEEF)]
     + [(b, bits, "flat-items", update, seed, ((BF16, F32, False, False, bits),)) for b in C_BUILDS
