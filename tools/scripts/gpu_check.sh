@@ -7,7 +7,7 @@
 #            convert writing the CPU path's bytes; the row layout; the grouped steps; a grouped step and an
 #            AdamW8bit/4bit(capturable=True).step() captured in a CUDA graph replaying as their eager twins
 #            (and as capturable=False) bit for bit; no capturable step waiting for the device
-#            (tests/kernels/test_triton_{rows,step,cuda}.py, tests/optim/test_capturable.py, ...)
+#            (tests/kernels/test_quantize.py, test_step*.py, test_triton_cuda.py, tests/optim/test_capturable.py, ...)
 #   compile  every kernel compiled for this GPU's arch: registers, no spills, no FMA (triton_compile_check)
 #   optim    the grouped step vs torch fused AdamW on gpt2-124m and llama-1b shapes, eager and CUDA-graph
 #            replays of both, bitsandbytes beside them (tools/bench/optim.py --gpu)
