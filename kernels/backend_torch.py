@@ -227,7 +227,8 @@ def adam_math(p, g, m, v, vmax, h, maximize: bool):
 def on_device(h: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The step's scalars on the tensors' device. Not left on the host: CUDA divides by a CPU scalar as a
     multiplication by its reciprocal (ATen's div_true kernel), which is not the IEEE division of the
-    contract (the H200 run of tests/kernels/test_kernels_adam.py found the reference 1 ulp off there)."""
+    contract (an H200 run of the Triton Adam step's test, now tests/kernels/test_step_adam.py, found the reference
+    1 ulp off there)."""
     return h if h.device == device else h.to(device)
 
 

@@ -11,8 +11,8 @@
  * AVX-512, AVX2, aarch64 NEON or scalar C, each in a header of its own, and the codec's blocks written once
  * over them); the step's rules are written over the layer's vector type, so every path runs them vectorized.
  *
- * Every function here equals a PyTorch reference bit for bit, on every path (tests/kernels/test_native*.py,
- * tests/kernels/test_native_step.py, and for the builds this machine cannot load, aarch64 ones under qemu,
+ * Every function here equals a PyTorch reference bit for bit, on every path (tests/kernels/test_quantize.py,
+ * tests/kernels/test_step.py and the other tests/kernels/test_step_*.py, and for the builds this machine cannot load, aarch64 ones under qemu,
  * tests/kernels/test_simd_driver.py (the codec) and tests/kernels/test_step_driver.py (the steps)):
  *   ckq_quantize           <-> ckptq.kernels.backend_torch.quantize (reference_codes after the transform)
  *   ckq_dequantize         <-> ckptq.kernels.backend_torch.dequantize

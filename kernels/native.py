@@ -2,7 +2,8 @@
 cached, called through ctypes.
 
 ``backend_native`` calls them (``ckptq.codec.ops`` sends CPU work there when they are available, to the
-PyTorch reference otherwise; both give the same bits, tests/kernels/test_native.py). The source is compiled
+PyTorch reference otherwise; both give the same bits, tests/kernels/test_quantize.py and test_step*.py). The
+source is compiled
 with the system C compiler (``$CC``, else ``cc``) for this machine's CPU into a cache folder
 (``$CKPTQ_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckptq`` or ``~/.cache/ckptq``), once per source (the .c and
 every header), compiler (and version), flags and CPU (as the compiler resolves -march for it): a few
@@ -34,7 +35,8 @@ from . import native_build
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # What SOURCE includes (the SIMD layer: simd.h picks one of the others by -march): part of the build's
-# cache key, and shipped beside it (pyproject's package-data; tests/kernels/test_native.py checks the list is whole).
+# cache key, and shipped beside it (pyproject's package-data; tests/kernels/test_native_loading.py checks the list is
+# whole).
 HEADERS = tuple(SOURCE.with_name(name) for name in
                 ("simd.h", "simd_scalar.h", "simd_avx512.h", "simd_avx2.h", "simd_neon.h", "step.h", "step_rules.h"))
 # No FMA contraction (each fp32 operation rounded on its own, as PyTorch's eager ops do); no errno, so

@@ -12,7 +12,8 @@
  * simd_scalar.h's one-element functions are always there: every path finishes a block's last
  * len % VL elements with them, so a block of any length works on every path.
  *
- * Arithmetic contract (ckptq.kernels.contract; tests/kernels/test_native*.py, tests/kernels/test_*_driver.py): every
+ * Arithmetic contract (ckptq.kernels.contract; tests/kernels/test_quantize.py, tests/kernels/test_step*.py,
+ * tests/kernels/test_*_driver.py): every
  * path gives the PyTorch reference's bits. So: each add, sub, mul, div and sqrt is one IEEE fp32
  * operation, rounded once, in the order the reference writes it (no FMA: -ffp-contract=off, and no fma
  * intrinsic anywhere); compares are ordered (false for NaN) unless named otherwise; NaN payloads are not

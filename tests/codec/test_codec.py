@@ -15,7 +15,7 @@ from ckptq.kernels import backend_torch, cpu_runtime, lut, native
 
 MAPS = {"signed": codebooks.dynamic_map(True), "unsigned": codebooks.dynamic_map(False)}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The CPU implementations: PyTorch, and the C kernels where they build (tests/kernels/test_native.py has more).
+# The CPU implementations: PyTorch, and the C kernels where they build (tests/kernels/test_quantize.py has more).
 CPU_BACKENDS = ("torch", pytest.param("native", marks=pytest.mark.skipif(
     native.library() is None, reason=f"C kernels unavailable: {native.why_unavailable()}")))
 

@@ -1,6 +1,6 @@
 """ckptq.ops: the one declaration of each operation. Validation happens here, once, with UsageErrors
 that say what to fix; backend choice happens here; DTensor parameters are stepped on their local shards.
-(Bit-for-bit agreement of the backends: test_codec.py, test_native.py, test_kernels_*.py.)"""
+(Bit-for-bit agreement of the backends: test_codec.py, tests/kernels/test_quantize.py, test_step*.py.)"""
 
 import pytest
 import torch

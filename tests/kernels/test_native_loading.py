@@ -4,7 +4,9 @@ A library planted by another user in a cache folder they can write is never load
 would run inside this process); folders are created private under umask 000; a truncated library is
 rebuilt, never dlopened (that is SIGBUS); one without the kernels is rebuilt once, then PyTorch with
 one warning; six processes starting at once compile once; CPUs the compiler resolves -march=native
-differently for get different builds. Each test compiles for real with the system C compiler.
+differently for get different builds. Each test compiles for real with the system C compiler. Also: the build
+key and the wheel cover every file the kernels include, the build cache, CC with arguments, and the
+fallback to PyTorch without a compiler or with CKPTQ_NATIVE=0.
 """
 
 import hashlib
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 from ckptq.codec import codebooks, ops
+from ckptq.errors import UsageError
 from ckptq.kernels import native
 
 CC = shutil.which("cc")
@@ -271,3 +274,77 @@ def test_cpus_the_compiler_resolves_differently_get_different_builds(env, monkey
 
     assert path_for("x86-64-v2") != path_for("x86-64-v3") != path_for("x86-64")
     assert path_for("x86-64-v3") == path_for("x86-64-v3")
+
+
+@pytest.fixture
+def fresh_build(tmp_path, monkeypatch):
+    """An empty kernel cache; the loader's memo is reset before and after."""
+    monkeypatch.setenv("CKPTQ_CACHE_DIR", str(tmp_path))
+    native._load.cache_clear()
+    yield tmp_path
+    monkeypatch.undo()
+    native._load.cache_clear()
+
+
+def test_the_build_key_and_the_wheel_cover_every_file_the_kernels_include():
+    """native.HEADERS lists every file cpu_kernels.c includes, directly or not (a header left out would
+    neither change the cache key when edited nor ship in the wheel: package-data takes kernels/*.h)."""
+    import re
+
+    folder = native.SOURCE.parent
+    seen, todo = set(), [native.SOURCE.name]
+    while todo:
+        name = todo.pop()
+        for inc in re.findall(r'^\s*#\s*include\s+"([^"]+)"', (folder / name).read_text(), re.M):
+            if inc not in seen:
+                seen.add(inc)
+                todo.append(inc)
+    assert seen == {h.name for h in native.HEADERS}
+    assert all(h.parent == folder and h.suffix == ".h" for h in native.HEADERS)
+
+
+def test_build_goes_to_the_cache_once(fresh_build):
+    """One library, its SHA-256 record and the build lock; none writable by others; loaded, not rebuilt."""
+    assert native.library() is not None
+    (lib,) = fresh_build.glob("cpu_kernels-*.so")
+    assert sorted(p.name for p in fresh_build.iterdir()) == sorted([lib.name, lib.name + ".sha256", "build.lock"])
+    assert all(p.stat().st_mode & 0o022 == 0 for p in fresh_build.iterdir())
+    assert (fresh_build / (lib.name + ".sha256")).read_text().strip() == hashlib.sha256(lib.read_bytes()).hexdigest()
+    stamp = lib.stat().st_mtime_ns
+    native._load.cache_clear()
+    assert native.library() is not None
+    assert lib.stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+
+def test_without_a_compiler_the_torch_path_runs_with_one_warning(fresh_build, monkeypatch):
+    monkeypatch.setenv("CC", "ckptq-no-such-compiler")
+    x = torch.randn(10000)
+    qmap = codebooks.dynamic_map(True)
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        codes, absmax = ops.quantize_blockwise(x, qmap)
+    assert ops.resolve_backend("auto", x.device) == "torch"
+    assert torch.equal(codes, ops.quantize_blockwise(x, qmap, backend="torch")[0])
+    with pytest.raises(UsageError, match="backend 'native' is unavailable: no C compiler"):
+        ops.quantize_blockwise(x, qmap, backend="native")
+    assert list(fresh_build.iterdir()) == []
+
+
+def test_ckptq_native_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("CKPTQ_NATIVE", "0")
+    assert native.library() is None
+    assert ops.resolve_backend("auto", torch.device("cpu")) == "torch"
+    with pytest.raises(UsageError, match="CKPTQ_NATIVE=0"):
+        ops.resolve_backend("native", torch.device("cpu"))
+
+
+def test_cc_with_arguments_and_an_unreadable_build(fresh_build, monkeypatch):
+    """CC is split like a shell would ("ccache gcc"); a cached build this user cannot load is rebuilt."""
+    monkeypatch.setenv("CC", "env cc")
+    target = native.build_path(native._compiler())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(b"not a shared object")  # what dlopen makes of a build it cannot read
+    assert native.library() is not None, native.why_unavailable()
+    assert target.stat().st_size > 1000
+    x = torch.randn(3000)
+    qmap = codebooks.dynamic_map(True)
+    assert torch.equal(*(ops.quantize_blockwise(x, qmap, backend=b)[0] for b in ("torch", "native")))

@@ -9,12 +9,13 @@ group's arrays as raw little-endian files and a script line per group, slot and 
 widths, transforms, row length, dtypes; the driver rebuilds the structs that backend_native passes), and
 compares every array the step changes (params, codes, scales, outs; fp32 states) with the reference's.
 
-Cases: tests/kernels/test_native_step.py's: every rule of ``rules.RULES`` with each flag word the optimizers use,
-four variants each (slot widths 8/8/8, 4/4/4, 6/2/2, 2/8/4; blocks 64, 128, 256; fp32, bf16, fp16 params and
-grads; nearest and stochastic rounding; MAXIMIZE; NaN and Inf in two of the four), three members per group
-(flat ending in a short block, rows ending in short blocks, rows of whole blocks), work items of three blocks
-(so that items start inside rows); states stored otherwise than declared (the generic transform passes);
-and the fp32 (dense) step of every flag word on three dtype pairs, in items of 1000 elements.
+Cases: tests/kernels/test_step.py's C cases (built in tests/kernels/cases.py): every rule of ``rules.RULES``
+with each flag word the optimizers use, four variants each (slot widths 8/8/8, 4/4/4, 6/2/2, 2/8/4; blocks
+64, 128, 256; fp32, bf16, fp16 params and grads; nearest and stochastic rounding; MAXIMIZE; NaN and Inf in two
+of the four), three members per group (flat ending in a short block, rows ending in short blocks, rows of whole
+blocks), work items of three blocks (so that items start inside rows); states stored otherwise than declared
+(the generic transform passes); and the fp32 (dense) step of every flag word on three dtype pairs, in items of
+1000 elements.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from ckptq.kernels import lut, rules, step_torch
 from ckptq.kernels.contract import KERNEL_DTYPES, Dense, Group, layout_rows
-from tests.kernels.test_native_step import FLAG_WORDS, UNSHAPED, VARIANTS, clone_dense, clone_group, layouts, make_dense, make_group
+from tests.kernels.cases import FLAG_WORDS, UNSHAPED, VARIANTS, clone_dense, clone_group, layouts, make_dense, make_group
 from tests.kernels.test_simd_driver import FLAGS, KERNELS, TARGETS, Script, prepare, run_target
 
 DRIVER = Path(__file__).with_name("step_driver.c")

@@ -11,8 +11,7 @@ import torch
 
 from ckptq.kernels import rules
 from ckptq.kernels.contract import Dense, Group
-from tests.kernels.test_native import _assert_same
-from tests.kernels.test_triton_step import BLOCK, SHAPES, hyper, members, on, slots
+from tests.kernels.cases import BLOCK, SHAPES, assert_same, hyper, members, on, slots
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 if torch.cuda.is_available():
@@ -44,9 +43,9 @@ def _fill(sources, rows, seeds, step, gen):
 
 def _assert_equal(a_members, b_members):
     for a, b in zip(a_members, b_members):
-        _assert_same(a.p, b.p)
+        assert_same(a.p, b.p)
         for x, y in zip(a.codes + a.absmax, b.codes + b.absmax):
-            _assert_same(x, y)
+            assert_same(x, y)
 
 
 def test_a_captured_grouped_step_replays_as_the_eager_one():
@@ -97,10 +96,10 @@ def test_a_captured_grouped_step_replays_as_the_eager_one():
         for a, b in zip(quantized["eager"], quantized["graphed"]):
             _assert_equal(a, b)
         for a, b in zip(outs["eager"], outs["graphed"]):
-            _assert_same(a, b)
+            assert_same(a, b)
         (pa, sa), (pb, sb) = dense["eager"], dense["graphed"]
         for a, b in zip(pa + sum(map(list, sa), []), pb + sum(map(list, sb), [])):
-            _assert_same(a, b)
+            assert_same(a, b)
 
 
 @pytest.mark.parametrize("where", ("host", "device"))
@@ -210,8 +209,8 @@ def test_a_captured_optimizer_step_replays_as_its_eager_twin(bits):
         twin_opt.step()
         host_opt.step()
         for a, b, c in zip(graphed, twin, host):
-            _assert_same(a, b)
-            _assert_same(a, c)
+            assert_same(a, b)
+            assert_same(a, c)
         _assert_same_state_dicts(opt.state_dict(), twin_opt.state_dict())
     assert float(opt.state[graphed[0]]["step"]) == 6.0
 

@@ -1,5 +1,5 @@
-"""ckptq.optim against torch.optim on the CPU (default path: the C kernel where it builds; tests/kernels/test_native.py
-checks that kernel against the PyTorch reference bit for bit).
+"""ckptq.optim against torch.optim on the CPU (default path: the C kernel where it builds; tests/kernels/test_step*.py
+check that kernel against the PyTorch reference bit for bit).
 
 Bounds asserted:
 - one step from identical (dequantized) state: parameters within 2 ulp of torch's (fp32 rounding: op

@@ -10,7 +10,7 @@ Not here, and why:
   ``test_peak_memory_foreach``, ``test_foreach_large_tensor``, ``test_set_default_dtype_works_with_foreach``,
   ``test_forloop_goes_right_direction_multigpu``, ``test_defaults_changed_to_foreach``,
   ``test_fused_cpu_matches_cuda``, ``test_fused_does_not_step_if_foundinf``): no GPU in CI; the Triton path
-  is tested in tests/kernels/test_kernels_*.py. The last one passes ``grad_scale``/``found_inf`` to torch's fused
+  is tested in tests/kernels/test_step*.py. The last one passes ``grad_scale``/``found_inf`` to torch's fused
   kernels, which ckptq does not have; ``GradScaler``'s generic path is tested in tests/optim/test_optim_api.py.
 - Tests for features these optimizers do not have: sparse gradients (``test_rosenbrock_sparse``, torch's
   SGD and Adagrad: every class refuses them with UsageError, tests/optim/test_torch_optim_behaviour.py), closures

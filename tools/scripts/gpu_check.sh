@@ -7,7 +7,7 @@
 #            convert writing the CPU path's bytes; the row layout; the grouped steps; a grouped step and an
 #            AdamW8bit/4bit(capturable=True).step() captured in a CUDA graph replaying as their eager twins
 #            (and as capturable=False) bit for bit; no capturable step waiting for the device
-#            (tests/kernels/test_triton_{rows,step,cuda}.py, tests/optim/test_capturable.py, ...)
+#            (tests/kernels/test_quantize.py, test_step*.py, test_triton_cuda.py, tests/optim/test_capturable.py, ...)
 #   compile  every kernel compiled for this GPU's arch: registers, no spills, no FMA (triton_compile_check)
 #   optim    the grouped step vs torch fused AdamW on gpt2-124m and llama-1b shapes, eager and CUDA-graph
 #            replays of both, bitsandbytes beside them (tools/bench/optim.py --gpu)
@@ -74,9 +74,10 @@ fsdp_check() {
 }
 
 export -f optim_bench fsdp_check
-part tests 300 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/kernels/test_kernels_quant.py \
-  tests/kernels/test_kernels_adam.py tests/kernels/test_fourbit_kernels.py tests/sources/test_end_to_end.py tests/kernels/test_triton_rows.py \
-  tests/kernels/test_triton_step.py tests/kernels/test_triton_cuda.py tests/optim/test_capturable.py
+# the kernel tests' Triton cases and the reference's (the C builds' cases, marked c_kernels, run in CI)
+part tests 300 python3 -m pytest -q -p no:cacheprovider --tb=short -rf -m "not c_kernels" tests/kernels/test_quantize.py \
+  tests/kernels/test_step.py tests/kernels/test_step_adam.py tests/kernels/test_step_momentum.py tests/kernels/test_step_group.py \
+  tests/sources/test_end_to_end.py tests/kernels/test_triton_cuda.py tests/optim/test_capturable.py
 part compile 90 python3 tools/scripts/triton_compile_check.py --quick --arch "$arch"
 part optim 200 optim_bench
 part triton 150 python3 tools/bench/triton_steps.py --layout gpt2-124m,llama-1b --rounds 20

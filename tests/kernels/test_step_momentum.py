@@ -1,44 +1,27 @@
-"""The one-state step (SGD, Lion, Muon: ``contract.MOMENTUM_FIELDS``) of every backend, bit for bit.
+"""The one-state step of one parameter (SGD, Lion, Muon: ``contract.MOMENTUM_FIELDS``; each backend's
+``momentum_step`` of ``kernels/contract.py``, ``ops.momentum_step``), bit for bit.
 
 First the PyTorch reference (``momentum_torch.momentum_step``) against the math written out plainly here
-(decode, update, blockwise requantization). Then the C kernels (``backend_native``: this CPU's build and
-a portable scalar one) and the Triton kernels (``backend_triton``: the one step's template, the interpreter on
-the CPU) against the reference: params, codes, scales and d, over code widths 8/6/4/2, the flat layout
-and rows with a short last block, fp32/bf16/fp16 params and grads, the three updates, nearest and
-stochastic rounding, maximize, NaN/Inf, all-zero blocks; grouped steps against their members one by one.
+(decode, update, blockwise requantization). Then every backend against the reference, parametrized backend
+x layout x width: the C builds of conftest.py's ``kernel`` fixture and the Triton kernels (the one step's
+template, the interpreter on the CPU: small cases): params, codes, scales and d, over code widths 8/6/4/2,
+the flat layout (and one spanning several work items of the C pool) and rows with a short last block,
+fp32/bf16/fp16 params and grads, the three updates, nearest and stochastic rounding, maximize, NaN/Inf,
+all-zero blocks, codes decoded on one codebook and written on another; grouped steps against their members
+one by one; dispatch through ``ops`` and ``codec.grouped``.
 
 sign(NaN): the contract says NaN; torch.sign gives 0, so the reference (``momentum_torch._sign``) keeps NaN
 itself (``test_reference_sign_of_nan_is_nan``).
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from ckptq.codec import codebooks, policy
-from ckptq.kernels import backend_torch, contract, momentum_torch, native, rules
+from ckptq.kernels import backend_torch, contract, momentum_torch, registry, rules
 from ckptq.kernels.contract import (UPDATE_LINEAR, UPDATE_NONE, UPDATE_SIGN, GroupMember, MomentumFlags,
                                     MomentumGroup, StepCodebooks, StepState, layout_blocks, layout_bytes)
-from tests.helpers.paths import ROOT
-from tests.kernels.test_native import _assert_same, build  # noqa: F401  (build: the C builds fixture)
-
-needs_c = pytest.mark.skipif(native.library() is None, reason=f"C kernels unavailable: {native.why_unavailable()}")
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
-
-
-def _triton_ok() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return ON_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-needs_triton = pytest.mark.skipif(not _triton_ok(), reason="triton needs CUDA or TRITON_INTERPRET=1")
+from tests.kernels.cases import C_BUILDS, DEVICE, assert_same, device_of, over
 
 QMAPS = {8: codebooks.dynamic_map(True), 6: policy.ratio_policy(6).qmap(), 4: codebooks.power_map(True, 2.5, 4),
          2: torch.tensor([-1.0, -0.2, 0.3, 1.0])}  # signed codebooks of each width
@@ -47,11 +30,12 @@ QMAPS = {8: codebooks.dynamic_map(True), 6: policy.ratio_policy(6).qmap(), 4: co
 HYPER = {UPDATE_LINEAR: (0.01, 0.9, 0.875, 0.0, 0.9, 1.0, 1.0, -0.1),  # SGD, dampening, nesterov, L2
          UPDATE_SIGN: (0.0, 0.99, 0.01, 0.9, 0.0, 0.1, 0.999, -1e-3),  # Lion, decoupled decay
          UPDATE_NONE: (0.0, 0.95, 0.05, 0.0, 0.95, 0.05, 1.0, 0.0)}  # Muon, nesterov (update applied outside)
+UPDATES = {"linear": UPDATE_LINEAR, "sign": UPDATE_SIGN, "none": UPDATE_NONE}
 
 # (n, row_len, block): flat with a short last block; rows of whole blocks; rows with a short last block
-# (and rows shorter than one block)
+# (and rows shorter than one block); flat over two work items of the C pool (backend_native.ITEM_ELEMENTS)
 LAYOUTS = {"flat": (1000, None, 64), "rows-whole": (6 * 128, 128, 64), "rows-short": (5 * 100, 100, 64),
-           "rows-tiny": (5 * 12, 12, 64)}
+           "rows-tiny": (5 * 12, 12, 64), "flat-items": (32768 + 4077, None, 256)}
 
 
 def _state(n, row_len, block, bits, gen, device, zero_block=False, qmap=None):
@@ -98,9 +82,9 @@ def _assert_results(got, want, skip_p=None):
         if a is None or b is None:
             assert a is None and b is None
         elif i == 0 and skip_p is not None:  # p where the reference's sign(NaN) differs: compared apart
-            _assert_same(a[~skip_p], b[~skip_p])
+            assert_same(a.cpu()[~skip_p], b[~skip_p])
         else:
-            _assert_same(a, b)
+            assert_same(a.cpu(), b)
 
 
 def _nan_direction(p, g, state, update, maximize, block, row_len):
@@ -180,45 +164,65 @@ def test_reference_sign_of_nan_is_nan():
     assert bool(torch.isnan(momentum_torch._sign(d)[0])) and momentum_torch._sign(d)[1:].tolist() == [1.0, -1.0, 0.0]
 
 
-# ---- the C kernels ----
+# ---- every backend against the reference ----
 
-if native.library() is not None:
-    from ckptq.kernels import backend_native
-DTYPES = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32))
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# (param dtype, grad dtype, maximize, special values, data seed): three variants per C case (data seed
+# 100 * bits + k); one per Triton case (data seed: bits)
+def c_variants(bits: int) -> tuple:
+    return ((F32, F32, False, False, 100 * bits), (BF16, BF16, True, False, 100 * bits + 1),
+            (F16, F32, False, True, 100 * bits + 2))
 
 
-@needs_c
-@pytest.mark.parametrize("bits", (8, 6, 4, 2))
-@pytest.mark.parametrize("layout", tuple(LAYOUTS))
-@pytest.mark.parametrize("update", (UPDATE_LINEAR, UPDATE_SIGN, UPDATE_NONE))
-@pytest.mark.parametrize("seed", (None, 0xDEADBEEF))
-def test_native_matches_reference(bits, layout, update, seed):
-    for k, (pdtype, gdtype) in enumerate(DTYPES):
-        maximize, special = k == 1, k == 2
-        p, g, state, (block, row_len) = _case(layout, bits, pdtype, gdtype, special, 100 * bits + k)
+STEP_CASES = (
+    [("native", bits, layout, update, seed, c_variants(bits)) for bits in (8, 6, 4, 2)
+     for layout in ("flat", "rows-whole", "rows-short", "rows-tiny") for update in ("linear", "sign", "none")
+     for seed in (None, 0xDEADBEEF)]
+    + [(b, bits, "flat-items", update, seed, ((BF16, F32, False, False, bits),)) for b in C_BUILDS
+       for bits in (8, 6, 4, 2) for update in ("linear", "sign") for seed in (None, 7)]
+    + [("triton", 8, "flat", "linear", None, ((F32, F32, False, False, 8),)),
+       ("triton", 6, "rows-short", "sign", 99, ((BF16, BF16, True, False, 6),)),
+       ("triton", 4, "rows-tiny", "none", 3, ((F16, F16, False, True, 4),)),
+       ("triton", 2, "rows-whole", "sign", None, ((F32, F32, False, True, 2),)),
+       ("triton", 4, "flat", "linear", 0xFFFFFFFF, ((BF16, BF16, True, True, 4),))])
+STEP_IDS = [f"{c[0]}-{c[1]}-{c[2]}-{c[3]}-{c[4]}-" + "+".join(
+    f"{str(v[0])[6:]}{'' if v[1] == v[0] else '-' + str(v[1])[6:]}{'-max' if v[2] else ''}{'-special' if v[3] else ''}"
+    for v in c[5]) for c in STEP_CASES]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on NaN and Inf
+@over("bits,layout,update,seed,variants", STEP_CASES, ids=STEP_IDS)
+def test_step_matches_reference(kernel, bits, layout, update, seed, variants):
+    impl, update = registry.backend(kernel), UPDATES[update]
+    for pdtype, gdtype, maximize, special, data_seed in variants:
+        p, g, state, (block, row_len) = _case(layout, bits, pdtype, gdtype, special, data_seed)
         skip = _nan_direction(p, g, state, update, maximize, block, row_len) if special else None
         want = _step(momentum_torch, p, g, state, update, maximize, seed, block, row_len)
-        got = _step(backend_native, p, g, state, update, maximize, seed, block, row_len)
+        dev = device_of(kernel)
+        state = state._replace(**{k: getattr(state, k).to(dev) for k in ("codes", "absmax", "qmap", "thresholds", "encode")})
+        got = _step(impl, p.to(dev), g.to(dev), state, update, maximize, seed, block, row_len)
         _assert_results(got, want, skip)
         if skip is not None and bool(skip.any()):  # the contract's sign(NaN) = NaN: p becomes NaN there
-            assert bool(torch.isnan(got[0][skip]).all())
+            assert bool(torch.isnan(got[0].cpu()[skip]).all())
 
 
-@needs_c
-@pytest.mark.parametrize("bits", (8, 6, 4, 2))
-@pytest.mark.parametrize("update", (UPDATE_LINEAR, UPDATE_SIGN))
-def test_every_build_matches_reference(bits, update, build):  # noqa: F811
-    """This CPU's build, a portable one (scalar loops only) and an AVX-512 one without VBMI, on a size
-    that spans several work items of the pool."""
-    n, block = 32768 + 4077, 256  # two work items of the pool (backend_native.ITEM_ELEMENTS)
-    gen = torch.Generator().manual_seed(bits)
-    p, g = torch.randn(n, generator=gen).to(torch.bfloat16), torch.randn(n, generator=gen)
-    state = _state(n, None, block, bits, gen, "cpu")
-    for seed in (None, 7):
-        want = _step(momentum_torch, p, g, state, update, False, seed, block, None)
-        got = _step(backend_native, p, g, state, update, False, seed, block, None)
+OTHER = {8: codebooks.power_map(True, 2.5, 8), 6: codebooks.lloyd_gaussian_map_6bit(),
+         4: policy.ratio_policy(4).qmap(), 2: torch.tensor([-1.0, -0.3, 0.2, 1.0])}
+
+
+@over("bits", [("native", bits) for bits in (8, 6, 4, 2)])
+def test_decodes_and_encodes_on_different_codebooks(kernel, bits):
+    """Stored codes on one codebook (qmap), new ones written on another (encode, its thresholds)."""
+    other = OTHER[bits] / OTHER[bits].abs().max()
+    for seed in (None, 11):
+        p, g, state, (block, row_len) = _case("rows-short", bits, torch.float32, torch.float32, False, bits)
+        state = state._replace(thresholds=contract.midpoints(other), encode=other)
+        want = _step(momentum_torch, p, g, state, UPDATE_LINEAR, False, seed, block, row_len)
+        got = _step(registry.backend(kernel), p, g, state, UPDATE_LINEAR, False, seed, block, row_len)
         _assert_results(got, want)
 
+
+# ---- grouped one-state steps against their members one by one ----
 
 def _group(members_spec, bits, update, maximize, seeded, device="cpu", pdtype=torch.float32):
     """A MomentumGroup of members (n, row_len) sharing one block size of 64 and one codebook."""
@@ -248,11 +252,11 @@ def _clone_group(group: MomentumGroup) -> MomentumGroup:
 
 def _assert_groups(got: MomentumGroup, want: MomentumGroup):
     for a, b in zip(got.members, want.members):
-        _assert_same(a.p, b.p)
-        _assert_same(a.codes[0], b.codes[0])
-        _assert_same(a.absmax[0], b.absmax[0])
+        assert_same(a.p, b.p)
+        assert_same(a.codes[0], b.codes[0])
+        assert_same(a.absmax[0], b.absmax[0])
     for a, b in zip(got.outs, want.outs):
-        _assert_same(a, b)
+        assert_same(a, b)
 
 
 GROUP_SPECS = ((100, None), (12 * 20, 20), (3 * 150, 150), (1, None), (0, None), (5 * 33, 33))
@@ -267,12 +271,28 @@ def _as_group(group: MomentumGroup) -> contract.Group:
                           group.outs, group.hyper, group.seeds, (slot,), group.block_size, group.cache)
 
 
-@needs_c
-@pytest.mark.parametrize("bits,update,maximize,seeded", [(8, UPDATE_LINEAR, False, False), (4, UPDATE_SIGN, True, True),
-                                                         (6, UPDATE_NONE, False, True), (2, UPDATE_LINEAR, True, False)])
-def test_native_group_matches_members(bits, update, maximize, seeded):
-    """The C kernels' one step on the group (``backend_native.step``) equals the reference's one-state step of
-    each member in turn, twice on one cache."""
+GROUP_CASES = [("native", 8, "linear", False, False), ("native", 4, "sign", True, True),
+               ("native", 6, "none", False, True), ("native", 2, "linear", True, False),
+               ("triton", 8, "sign", False, True), ("triton", 4, "none", True, False)]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@over("bits,update,maximize,seeded", GROUP_CASES)
+def test_group_matches_members(kernel, bits, update, maximize, seeded):
+    """The C kernels: the one step on the group (``backend_native.step``) equals the reference's one-state step
+    of each member in turn, twice on one cache. Triton: the older grouped contract (``grouped.momentum_group``),
+    each member through ``backend_triton.momentum_step``, a group of one of the one step's template."""
+    from ckptq.codec import grouped
+
+    update = UPDATES[update]
+    if kernel == "triton":
+        group = _group(GROUP_SPECS[:4], bits, update, maximize, seeded, DEVICE, torch.bfloat16)
+        want, got = _clone_group(group), _clone_group(group)
+        momentum_torch.momentum_step_group(want)
+        grouped.momentum_group(got, "triton")
+        _assert_groups(got, want)
+        return
+    backend_native = registry.backend("native")
     group = _group(GROUP_SPECS, bits, update, maximize, seeded, pdtype=torch.bfloat16)
     want, got = _clone_group(group), _clone_group(group)
     momentum_torch.momentum_step_group(want)
@@ -285,34 +305,18 @@ def test_native_group_matches_members(bits, update, maximize, seeded):
     _assert_groups(got, want)
 
 
-OTHER = {8: codebooks.power_map(True, 2.5, 8), 6: codebooks.lloyd_gaussian_map_6bit(),
-         4: policy.ratio_policy(4).qmap(), 2: torch.tensor([-1.0, -0.3, 0.2, 1.0])}
-
-
-@needs_c
-@pytest.mark.parametrize("bits", (8, 6, 4, 2))
-def test_native_decodes_and_encodes_on_different_codebooks(bits):
-    """Stored codes on one codebook (qmap), new ones written on another (encode, its thresholds)."""
-    other = OTHER[bits] / OTHER[bits].abs().max()
-    for seed in (None, 11):
-        p, g, state, (block, row_len) = _case("rows-short", bits, torch.float32, torch.float32, False, bits)
-        state = state._replace(thresholds=contract.midpoints(other), encode=other)
-        want = _step(momentum_torch, p, g, state, UPDATE_LINEAR, False, seed, block, row_len)
-        got = _step(backend_native, p, g, state, UPDATE_LINEAR, False, seed, block, row_len)
-        _assert_results(got, want)
-
-
-@needs_c
-def test_ops_and_grouped_steps_dispatch_to_the_c_kernels():
+@over("bits", [("native", 4)])
+def test_ops_and_grouped_steps_dispatch_to_the_c_kernels(kernel, bits):
     from ckptq.codec import grouped, ops
 
-    p, g, state, (block, row_len) = _case("rows-short", 4, torch.bfloat16, torch.bfloat16, False, 1)
+    backend_native = registry.backend("native")
+    p, g, state, (block, row_len) = _case("rows-short", bits, torch.bfloat16, torch.bfloat16, False, 1)
     assert ops.momentum_backend("native", (p.dtype, g.dtype), state.thresholds, False) is backend_native
     results = []
     for backend in ("torch", "native"):
         q, s = p.clone(), _clone(state)
         ops.momentum_step(q, g, ops.StepInput(s.codes, s.absmax, s.qmap, s.encode), torch.tensor(HYPER[UPDATE_SIGN]),
-                          block_size=block, bits=4, update=UPDATE_SIGN, seed=5, row_len=row_len, backend=backend)
+                          block_size=block, bits=bits, update=UPDATE_SIGN, seed=5, row_len=row_len, backend=backend)
         results.append((q, s.codes, s.absmax))
     _assert_results(results[1], results[0])
     group = _group(GROUP_SPECS, 6, UPDATE_NONE, True, True)
@@ -320,80 +324,3 @@ def test_ops_and_grouped_steps_dispatch_to_the_c_kernels():
     grouped.momentum_group(want, "torch")
     grouped.momentum_group(got, "native")
     _assert_groups(got, want)
-
-
-# ---- the Triton kernels (the interpreter on the CPU: small cases) ----
-
-TRITON_CASES = [(8, "flat", torch.float32, UPDATE_LINEAR, None, False, False),
-                (6, "rows-short", torch.bfloat16, UPDATE_SIGN, 99, True, False),
-                (4, "rows-tiny", torch.float16, UPDATE_NONE, 3, False, True),
-                (2, "rows-whole", torch.float32, UPDATE_SIGN, None, False, True),
-                (4, "flat", torch.bfloat16, UPDATE_LINEAR, 0xFFFFFFFF, True, True)]
-
-
-@needs_triton
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on NaN and Inf
-@pytest.mark.parametrize("bits,layout,dtype,update,seed,maximize,special", TRITON_CASES)
-def test_triton_matches_reference(bits, layout, dtype, update, seed, maximize, special):
-    from ckptq.kernels import backend_triton
-
-    p, g, state, (block, row_len) = _case(layout, bits, dtype, dtype, special, bits, DEVICE)
-    skip = _nan_direction(p, g, state, update, maximize, block, row_len) if special else None
-    want = _step(momentum_torch, p, g, state, update, maximize, seed, block, row_len)
-    got = _step(backend_triton, p, g, state, update, maximize, seed, block, row_len)
-    _assert_results(got, want, skip)
-    if skip is not None and bool(skip.any()):
-        assert bool(torch.isnan(got[0][skip]).all())
-
-
-@needs_triton
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("bits,update,maximize,seeded", [(8, UPDATE_SIGN, False, True), (4, UPDATE_NONE, True, False)])
-def test_triton_group_matches_members(bits, update, maximize, seeded):
-    """The older grouped contract (``grouped.momentum_group``) on the Triton backend: each member through
-    ``backend_triton.momentum_step``, a group of one of the one step's template."""
-    from ckptq.codec import grouped
-
-    group = _group(GROUP_SPECS[:4], bits, update, maximize, seeded, DEVICE, torch.bfloat16)
-    want, got = _clone_group(group), _clone_group(group)
-    momentum_torch.momentum_step_group(want)
-    grouped.momentum_group(got, "triton")
-    _assert_groups(got, want)
-
-
-_COMPILE = """
-import sys
-import triton_compile_check as t  # clears TRITON_INTERPRET before importing triton
-from ckptq.kernels import triton_step
-types = {**t._STEP_TYPES, "p_like": "*bf16"}
-cases = [("sgd 8-bit seeded", t.step_constexprs("momentum", 2, (t._slot(8, stochastic=True),))),
-         ("lion 4-bit maximize seeded", t.step_constexprs("momentum", 5, (t._slot(4, stochastic=True),), 128)),
-         ("muon 6-bit unaligned", t.step_constexprs("momentum", 0, (t._slot(6),), 64, aligned=False))]
-failures = []
-for name, constexprs in cases:
-    r = t.compile_case(triton_step._step_kernel, types, constexprs, 90)
-    print(name, r)
-    failures += t.check(name, constexprs, r) + ([name + ": no IEEE division"] if r["div.rn"] == 0 else [])
-print(*failures, sep="\\n")
-sys.exit(1 if failures else 0)
-"""
-
-
-def _has_ptxas() -> bool:
-    try:
-        import triton
-    except ImportError:
-        return False
-    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
-
-
-@pytest.mark.skipif(not _has_ptxas(), reason="this Triton build ships no ptxas to compile for CUDA")
-def test_triton_kernels_compile_for_sm90_exact_and_without_spills():
-    """What the interpreter cannot check (tools/scripts/triton_compile_check.py): the one step's template with the
-    momentum rule (SGD, Lion, Muon) compiles for an H100/H200, with no FMA or approximate op, IEEE division,
-    no spills, 128-bit loads where aligned."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT / "tools" / "scripts")  # the child imports triton_compile_check from there
-    done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
