@@ -37,6 +37,15 @@ def over(names: str, cases, ids=None) -> pytest.MarkDecorator:
                                    ids=ids or ["-".join(text(v) for v in case) for case in cases])
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {w for line in f if line.startswith("flags") for w in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
 def device_of(kernel: str) -> str:
     return DEVICE if kernel == "triton" else "cpu"
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ckptq.kernels import native
+from tests.kernels.cases import cpu_flags
 
 # -march of each extra build, and the CPU flags it needs to run here. Each caps the SIMD path (kernels/simd.h)
 # below what "native" picks on a wider CPU: scalar C, AVX2, AVX-512 without VBMI.
@@ -47,14 +48,6 @@ def pytest_collection_modifyitems(items):
                                  rank.get(getattr(getattr(item, "callspec", None), "params", {}).get("kernel"), 0)))
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return {w for line in f if line.startswith("flags") for w in line.split(":", 1)[1].split()}
-    except OSError:
-        return set()
-
-
 @pytest.fixture(scope="module")
 def kernel(request, tmp_path_factory):
     """The backend a case runs on (``request.param``: native, portable, avx2, avx512-no-vbmi or triton), loaded;
@@ -72,9 +65,9 @@ def kernel(request, tmp_path_factory):
         yield "native"
         return
     march, needs = BUILDS[name]
-    if platform.machine() not in ("x86_64", "AMD64") or not needs <= _cpu_flags():
+    if platform.machine() not in ("x86_64", "AMD64") or not needs <= cpu_flags():
         pytest.skip(f"the {name} build needs an x86-64 CPU with {sorted(needs) or 'SSE4.2'}")
-    if name == "avx2" and "avx512f" not in _cpu_flags():
+    if name == "avx2" and "avx512f" not in cpu_flags():
         pytest.skip("the native build is the AVX2 path on this CPU")
     if name not in _BUILD_CACHES:
         _BUILD_CACHES[name] = str(tmp_path_factory.mktemp(name))

@@ -32,6 +32,7 @@ from ckptq.codec import policy
 from ckptq.kernels import backend_torch, lut
 from ckptq.kernels.contract import layout_blocks, midpoints, pack_rows
 from tests.helpers.paths import ROOT
+from tests.kernels.cases import cpu_flags
 
 KERNELS = ROOT / "kernels"
 DRIVER = Path(__file__).with_name("simd_driver.c")
@@ -48,14 +49,6 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LAYOUTS = [(1000, 1000, 64), (5 * 150, 150, 64), (3 * 300, 300, 256)]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return {w for line in f if line.startswith("flags") for w in line.split(":", 1)[1].split()}
-    except OSError:
-        return set()
-
-
 def _targets() -> dict[str, tuple]:
     """name -> (compiler, its target flags, runner prefix, the SIMD path it must compile (None: whatever
     native is), why it cannot run here or None)."""
@@ -63,7 +56,7 @@ def _targets() -> dict[str, tuple]:
     out = {}
     if X86:
         v3 = {"avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm"}  # what -march=x86-64-v3 lets gcc use
-        avx2 = None if cc and v3 <= _cpu_flags() else f"needs a C compiler and a CPU with {sorted(v3)}"
+        avx2 = None if cc and v3 <= cpu_flags() else f"needs a C compiler and a CPU with {sorted(v3)}"
         out["x86-scalar"] = (cc, ["-march=x86-64-v2"], [], "scalar", None if cc else "no C compiler")
         out["x86-avx2"] = (cc, ["-march=x86-64-v3"], [], "avx2", avx2)
         out["x86-avx2-no-f16c"] = (cc, ["-march=x86-64-v3", "-mno-f16c"], [], "avx2", avx2)  # fp16 lane by lane
