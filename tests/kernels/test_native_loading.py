@@ -4,9 +4,14 @@ A library planted by another user in a cache folder they can write is never load
 would run inside this process); folders are created private under umask 000; a truncated library is
 rebuilt, never dlopened (that is SIGBUS); one without the kernels is rebuilt once, then PyTorch with
 one warning; six processes starting at once compile once; CPUs the compiler resolves -march=native
-differently for get different builds. Each test compiles for real with the system C compiler. Also: the build
-key and the wheel cover every file the kernels include, the build cache, CC with arguments, and the
-fallback to PyTorch without a compiler or with CKPTQ_NATIVE=0.
+differently for get different builds. Also: the build key and the wheel cover every file the kernels include,
+the build cache, CC with arguments, and the fallback to PyTorch without a compiler or with CKPTQ_NATIVE=0.
+
+ckptq builds through a wrapper (``WRAPPER``) around the system C compiler. The first build of each command
+line in a run is the compiler's; the wrapper hands each later build of the same command line (but for its
+-o path) the same bytes, as ccache would, so that a test costs a file copy where a compile costs ~15 s.
+ckptq's own build path runs every time: the compiler call (logged, and counted by the tests), the temporary
+file, the hash record, the rename, the lock.
 """
 
 import hashlib
@@ -30,16 +35,26 @@ CC = shutil.which("cc")
 pytestmark = pytest.mark.skipif(CC is None or os.name != "posix", reason="needs a C compiler (cc) on POSIX")
 
 # A compiler wrapper: logs each compile (the call with -shared) to $CKQ_TEST_LOG, and can pretend to run
-# on another CPU ($CKQ_TEST_MARCH replaces -march=native) or compile another source ($CKQ_TEST_STUB).
+# on another CPU ($CKQ_TEST_MARCH replaces -march=native) or compile another source ($CKQ_TEST_STUB). With
+# $CKQ_TEST_MEMO, a compile whose command line (less its -o path) it has run before copies that output.
 WRAPPER = """#!/bin/bash
-args=()
+args=(); out=""; prev=""; shared=""
 for a in "$@"; do
-  [ "$a" = -shared ] && [ -n "$CKQ_TEST_LOG" ] && echo "$$ $*" >> "$CKQ_TEST_LOG"
+  [ "$a" = -shared ] && shared=1 && [ -n "$CKQ_TEST_LOG" ] && echo "$$ $*" >> "$CKQ_TEST_LOG"
   [ "$a" = -march=native ] && [ -n "$CKQ_TEST_MARCH" ] && a="-march=$CKQ_TEST_MARCH"
   [ "${a##*/}" = cpu_kernels.c ] && [ -n "$CKQ_TEST_STUB" ] && a="$CKQ_TEST_STUB"
+  [ "$prev" = -o ] && out="$a"
+  prev="$a"
   args+=("$a")
 done
-exec %s "${args[@]}"
+if [ -n "$shared" ] && [ -n "$out" ] && [ -n "$CKQ_TEST_MEMO" ]; then
+  key=$(printf '%s\\n' "${args[@]}" | grep -vxF -- "$out" | sha256sum | cut -c1-40)
+  [ -f "$CKQ_TEST_MEMO/$key.so" ] && exec cp "$CKQ_TEST_MEMO/$key.so" "$out"
+  {CC} "${args[@]}" || exit $?
+  cp "$out" "$CKQ_TEST_MEMO/.$key.$$" && mv "$CKQ_TEST_MEMO/.$key.$$" "$CKQ_TEST_MEMO/$key.so"
+  exit 0
+fi
+exec {CC} "${args[@]}"
 """
 # What a local attacker plants: the kernel symbols, and a constructor that leaves a marker.
 PLANTED = """#include <stdio.h>
@@ -52,13 +67,25 @@ int ckq_adam_dense_group(void) { return 0; }
 STUB = "int ckq_quantize(void) { return 0; }\n"  # a library without the other kernels
 
 
+@pytest.fixture(scope="module")
+def memo(tmp_path_factory) -> Path:
+    """The wrapper's outputs by command line, for the module."""
+    return tmp_path_factory.mktemp("cc-memo")
+
+
+def _wrapper(folder: Path, memo: Path, monkeypatch) -> Path:
+    wrapper = folder / "cc-wrapper"
+    wrapper.write_text(WRAPPER.replace("{CC}", CC))
+    wrapper.chmod(0o700)
+    monkeypatch.setenv("CKQ_TEST_MEMO", str(memo))
+    return wrapper
+
+
 @pytest.fixture
-def env(tmp_path, monkeypatch):
+def env(tmp_path, monkeypatch, memo):
     """An empty cache folder (not created yet), a private temp folder, the wrapper as CC, and the
     loader's memo reset before and after."""
-    wrapper = tmp_path / "cc-wrapper"
-    wrapper.write_text(WRAPPER % CC)
-    wrapper.chmod(0o700)
+    wrapper = _wrapper(tmp_path, memo, monkeypatch)
     tmp = tmp_path / "tmp"
     tmp.mkdir(mode=0o700)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
@@ -277,8 +304,12 @@ def test_cpus_the_compiler_resolves_differently_get_different_builds(env, monkey
 
 
 @pytest.fixture
-def fresh_build(tmp_path, monkeypatch):
-    """An empty kernel cache; the loader's memo is reset before and after."""
+def fresh_build(tmp_path, monkeypatch, memo):
+    """An empty kernel cache (in ``tmp_path/cache``), the wrapper as CC; the loader's memo is reset before and
+    after."""
+    monkeypatch.setenv("CC", str(_wrapper(tmp_path, memo, monkeypatch)))
+    tmp_path = tmp_path / "cache"
+    tmp_path.mkdir(mode=0o700)
     monkeypatch.setenv("CKPTQ_CACHE_DIR", str(tmp_path))
     native._load.cache_clear()
     yield tmp_path
@@ -339,7 +370,7 @@ def test_ckptq_native_0_turns_it_off(monkeypatch):
 
 def test_cc_with_arguments_and_an_unreadable_build(fresh_build, monkeypatch):
     """CC is split like a shell would ("ccache gcc"); a cached build this user cannot load is rebuilt."""
-    monkeypatch.setenv("CC", "env cc")
+    monkeypatch.setenv("CC", f"env {os.environ['CC']}")  # the wrapper, after env
     target = native.build_path(native._compiler())
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_bytes(b"not a shared object")  # what dlopen makes of a build it cannot read
