@@ -667,32 +667,36 @@ def test_info_predicts_what_convert_writes_for_a_small_dcp_folder(tmp_path, bits
     assert all(row["stored_bytes"] > 0 for row in info["would_store"])
 
 
-@pytest.mark.parametrize("name", ["sgd8bit", "muon8bit"])  # Lion8bit: SGD8bit's path with a sign (the worker has it)
-def test_one_state_optimizers_under_fsdp2_give_the_bits_of_one_process(tmp_path, name):
-    """SGD8bit, Lion8bit and Muon8bit under FSDP2 on 2 ranks, saved with DCP at step 3 and resumed in one plain
-    process for steps 4-5: low-bit state sharded by rows, the losses and the full state of one process that
-    never stopped, bit for bit. Muon: Newton-Schulz runs on the DTensor, whose bf16 products are summed in
+def test_one_state_optimizers_under_fsdp2_give_the_bits_of_one_process(tmp_path):
+    """SGD8bit and Muon8bit (Lion8bit: SGD8bit's path with a sign; the worker has it) under FSDP2 on 2 ranks,
+    saved with DCP at step 3 and resumed in one plain process for steps 4-5 (one launch each for both
+    optimizers): low-bit state sharded by rows, the losses and the full state of one process that never
+    stopped, bit for bit. Muon: Newton-Schulz runs on the DTensor, whose bf16 products are summed in
     another order than one process's (losses measured within 3e-4 relative). At 4 bits the stochastic
     rounding hashes each element's index in its rank's shard, as AdamW4bit's does: the same statistics,
     not the same bits as one process (Lion4bit's losses measured within 1.2e-3)."""
     from tests.workers.fsdp_worker import model_and_opt, train
 
+    names = ("sgd8bit", "muon8bit")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model, opt = model_and_opt(name, wrap="plain")
-        losses = train(model, opt, 0, 5)
-        ref = opt.state_dict()
+        expected = {}
+        for name in names:
+            model, opt = model_and_opt(name, wrap="plain")
+            expected[name] = train(model, opt, 0, 5), opt.state_dict()
     finally:
         torch.set_num_threads(threads)
-    a = run(tmp_path, 2, name, 0, 3, save=tmp_path / "w2")
-    b = run(tmp_path, 1, name, 3, 5, tmp_path / "w2", None, False, "--wrap", "plain")
-    got = a["losses"] + b["losses"]
-    assert got == losses if name != "muon8bit" else got == pytest.approx(losses, rel=1e-3)
-    quantized = [v for st in b["optim"]["state"].values() for v in st.values() if isinstance(v, dict)]
-    assert quantized and all(v["bits"] == 8 and v["layout"] == "rows" for v in quantized)
-    if name != "muon8bit":
-        _assert_same_state(b["optim"], ref)
+    saved = runs(tmp_path, 2, *((name, 0, 3, None, tmp_path / name) for name in names))
+    resumed = runs(tmp_path, 1, *((name, 3, 5, tmp_path / name, None, False, "--wrap", "plain") for name in names))
+    for name, a, b in zip(names, saved, resumed):
+        losses, ref = expected[name]
+        got = a["losses"] + b["losses"]
+        assert got == losses if name != "muon8bit" else got == pytest.approx(losses, rel=1e-3), name
+        quantized = [v for st in b["optim"]["state"].values() for v in st.values() if isinstance(v, dict)]
+        assert quantized and all(v["bits"] == 8 and v["layout"] == "rows" for v in quantized), name
+        if name != "muon8bit":
+            _assert_same_state(b["optim"], ref)
 
 
 def test_low_bit_save_planner_bits_4_writes_4bit_moments_that_load_back_into_fp32(tmp_path):
