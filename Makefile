@@ -48,8 +48,12 @@ demo: setup
 	$(BIN)/ckptq info demo/ckpt.q8.safetensors
 	$(BIN)/ckptq expand demo/ckpt.q8.safetensors -o demo/ckpt_fp32.pt --force
 
+# Two pytest-xdist workers: the suite's subprocess-heavy tests leave a core idle when run one by one.
+# Modules that launch process groups run in one scope, one after another (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 test: setup-test
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 bench: setup-test
 	$(BIN)/python -m pip install -q -e '.[test,bench]'

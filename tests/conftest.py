@@ -21,6 +21,28 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Test modules that start process groups (torchrun, Lightning's or DeepSpeed's launchers): each launch takes
+# a free port by binding one and releasing it, which a launch running at the same moment can take too. Under
+# pytest-xdist (`make test` runs two workers) these modules form one scope, run one after another on one
+# worker; every other module is a scope of its own, so its module-scoped fixtures are made once.
+# tests/project/test_layout.py checks that every module that launches is listed, and only those.
+LAUNCHING = ("tests/dcp/test_distributed.py", "tests/dcp/test_lightning_sharded.py", "tests/deepspeed/test_zero.py",
+             "tests/hostile/test_hostile_dcp.py", "tests/project/test_readme_recipes.py",
+             "tests/sources/test_first_hour.py")
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist, never called
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "launching" if module in LAUNCHING else module
+
+    return Scheduling(config, log)
+
+
 @pytest.fixture(autouse=True)
 def fresh_bitsandbytes_overrides():
     """bitsandbytes keeps per-parameter overrides in a process-wide singleton keyed by (group, index), and
