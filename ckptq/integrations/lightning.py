@@ -136,25 +136,35 @@ def low_bit_checkpoints(fabric, *, bits: int = 8, block_size: int | None = None,
     else in the process changes. Returns the plugin. UsageError where the Fabric's strategy writes its own
     files (FSDP, DeepSpeed: convert those checkpoints afterwards with ``ckptq convert``) or already has a
     CheckpointIO plugin other than the default one."""
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO as Default
-
     from ..errors import UsageError
 
     strategy = fabric.strategy
-    if not takes_checkpoint_io(strategy):
-        raise UsageError(f"ckptq: this Fabric's strategy ({type(strategy).__name__}) writes its own checkpoint "
-                         "files, not through a CheckpointIO plugin; save as it does, then run `ckptq convert "
-                         "CHECKPOINT --replace` on what it wrote")
-    current = strategy.checkpoint_io
-    if isinstance(current, CkptqCheckpointIO):
-        return current
-    if type(current) is not Default:
-        raise UsageError(f"ckptq: this Fabric already saves through {type(current).__name__}, a CheckpointIO "
-                         "plugin of its own; ckptq's plugin would replace it. Keep one: drop that plugin, or "
-                         "subclass CkptqCheckpointIO with what it does")
+    refusal = plugin_refusal(strategy)
+    if refusal:
+        raise UsageError(refusal)
+    if isinstance(strategy.checkpoint_io, CkptqCheckpointIO):
+        return strategy.checkpoint_io
     plugin = CkptqCheckpointIO(block_size, min_size, bits=bits)
     strategy.checkpoint_io = plugin
     return plugin
+
+
+def plugin_refusal(strategy) -> str | None:
+    """Why ``strategy`` (a Fabric's) cannot take ckptq's plugin, in one line, or None where it can or has it
+    already: it writes its own checkpoint files (FSDP, DeepSpeed), or it saves through a CheckpointIO of the
+    user's own."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO as Default
+
+    if not takes_checkpoint_io(strategy):
+        return (f"ckptq: this Fabric's strategy ({type(strategy).__name__}) writes its own checkpoint files, not "
+                "through a CheckpointIO plugin; save as it does, then run `ckptq convert CHECKPOINT --replace` on "
+                "what it wrote")
+    current = strategy.checkpoint_io
+    if type(current) is not Default and not isinstance(current, CkptqCheckpointIO):
+        return (f"ckptq: this Fabric already saves through {type(current).__name__}, a CheckpointIO plugin of its "
+                "own; ckptq's plugin would replace it. Keep one: drop that plugin, or subclass CkptqCheckpointIO "
+                "with what it does")
+    return None
 
 
 def store_8bit_in_fabric(fabric=None) -> CkptqCheckpointIO:

@@ -27,7 +27,7 @@ import sys
 from contextlib import contextmanager
 
 from ._requires import framework_missing
-from .lightning import low_bit_checkpoints, takes_checkpoint_io
+from .lightning import low_bit_checkpoints, plugin_refusal
 
 BITS_VARIABLE = "CKPTQ_LITGPT_BITS"  # --bits, for the processes litgpt's Fabric launches (they get litgpt's argv)
 
@@ -69,13 +69,11 @@ def fabric_class(bits: int):
     (``low_bit_checkpoints``) where its strategy saves through a CheckpointIO plugin and it was given no
     plugin of its own; a sharded strategy (FSDP, DeepSpeed) keeps writing its own files."""
     from lightning.fabric import Fabric
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
     class LowBitFabric(Fabric):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            strategy = self.strategy
-            if takes_checkpoint_io(strategy) and type(strategy.checkpoint_io) is TorchCheckpointIO:
+            if plugin_refusal(self.strategy) is None:
                 low_bit_checkpoints(self, bits=bits)
 
     LowBitFabric.__qualname__ = LowBitFabric.__name__
