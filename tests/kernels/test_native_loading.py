@@ -73,24 +73,24 @@ def memo(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cc-memo")
 
 
-def _wrapper(folder: Path, memo: Path, monkeypatch) -> Path:
+def _use_wrapper(folder: Path, memo: Path, monkeypatch) -> None:
+    """``WRAPPER`` written to ``folder`` as $CC, its outputs kept in ``memo``."""
     wrapper = folder / "cc-wrapper"
     wrapper.write_text(WRAPPER.replace("{CC}", CC))
     wrapper.chmod(0o700)
+    monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("CKQ_TEST_MEMO", str(memo))
-    return wrapper
 
 
 @pytest.fixture
 def env(tmp_path, monkeypatch, memo):
     """An empty cache folder (not created yet), a private temp folder, the wrapper as CC, and the
     loader's memo reset before and after."""
-    wrapper = _wrapper(tmp_path, memo, monkeypatch)
+    _use_wrapper(tmp_path, memo, monkeypatch)
     tmp = tmp_path / "tmp"
     tmp.mkdir(mode=0o700)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     monkeypatch.setenv("TMPDIR", str(tmp))
-    monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("CKPTQ_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CKQ_TEST_LOG", str(tmp_path / "compiles.log"))
     native._load.cache_clear()
@@ -307,12 +307,12 @@ def test_cpus_the_compiler_resolves_differently_get_different_builds(env, monkey
 def fresh_build(tmp_path, monkeypatch, memo):
     """An empty kernel cache (in ``tmp_path/cache``), the wrapper as CC; the loader's memo is reset before and
     after."""
-    monkeypatch.setenv("CC", str(_wrapper(tmp_path, memo, monkeypatch)))
-    tmp_path = tmp_path / "cache"
-    tmp_path.mkdir(mode=0o700)
-    monkeypatch.setenv("CKPTQ_CACHE_DIR", str(tmp_path))
+    _use_wrapper(tmp_path, memo, monkeypatch)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    monkeypatch.setenv("CKPTQ_CACHE_DIR", str(cache))
     native._load.cache_clear()
-    yield tmp_path
+    yield cache
     monkeypatch.undo()
     native._load.cache_clear()
 
